@@ -1,0 +1,14 @@
+# One command sets everything up and runs the tests:  make test
+PYTHON ?= python3
+export WANDB_MODE ?= disabled
+
+.PHONY: install test quickstart bench
+
+install:  ## install lion-vit (editable) with its test dependencies
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+test: install  ## the whole CPU suite (what .ci/run runs)
+	$(PYTHON) -m pytest -q
+
+quickstart: install  ## train the default model on the embedded digits dataset
+	$(PYTHON) train.py

@@ -1,0 +1,145 @@
+"""LionAttention: a drop-in replacement for timm's `Attention` built on the LION ops.
+
+One module covers every variant: `decay` picks the mask (lit: all ones, fixed: one learnable
+decay per head, selective: an input-dependent decay per token and head) and `num_scans` picks
+single-scan (raster order) or the two snake scans of the "natural" models. The form
+(attention | rnn | chunk) can be switched at any time without touching the weights.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .ops import check_form, get_feature_map, lion_attention, lion_attention_multiscan, snake_orders
+
+DECAYS = ("lit", "fixed", "selective")
+
+
+def initial_decays(num_heads: int) -> Tensor:
+    """Spread initial decays over heads, from local (0.75) to near-global (~0.992) mixing.
+
+    Like RetNet's per-head gammas 1 - 2^-(5..), but on the scale of an image patch grid.
+    """
+    return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
+
+
+class LionAttention(nn.Module):
+    """Multi-head LION attention with timm's `Attention` constructor and call signature."""
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            proj_bias: bool = True,
+            attn_drop: float = 0.0,
+            proj_drop: float = 0.0,
+            norm_layer: Optional[type] = None,
+            decay: str = "lit",
+            num_scans: int = 1,
+            feature_map: str = "silu_norm",
+            attn_form: str = "attention",
+            chunk_size: Optional[int] = None,
+            **_: object,  # other timm Attention arguments (scale_norm, device, ...) are not used
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if decay not in DECAYS:
+            raise ValueError(f"unknown decay {decay!r}; choose one of {DECAYS}")
+        if num_scans not in (1, 2):
+            raise ValueError(f"num_scans must be 1 (raster) or 2 (row and column snakes), got {num_scans}")
+        if num_scans == 2 and decay == "lit":
+            raise ValueError("multi-scan needs a decay: with an all-ones mask every scan is the same")
+        if attn_drop:
+            raise ValueError("attn_drop is not supported: the rnn and chunk forms never form attention weights")
+        check_form(attn_form, chunk_size)
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.decay = decay
+        self.num_scans = num_scans
+        self.feature_map_name = feature_map
+        self.feature_map = get_feature_map(feature_map)
+        self.attn_form = attn_form
+        self.chunk_size = chunk_size
+        # Set by the backbone before each forward: patch grid and leading class/register tokens.
+        self.grid_size: Optional[Tuple[int, int]] = None
+        self.num_prefix_tokens = 0
+        self._orders: Dict[Tuple[int, int, int, torch.device], Tensor] = {}
+
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        norm_layer = norm_layer or nn.LayerNorm
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        if decay == "fixed":
+            # lam = sigmoid(decay_logit), one per scan and head (paper: lam = sigma(a)).
+            self.decay_logit = nn.Parameter(torch.zeros(num_scans, num_heads))
+        elif decay == "selective":
+            # lam_i = sigmoid(W x_i + b), one projection per scan (paper: lam_i = sigma(W_a^T x_i + b)).
+            self.decay_proj = nn.Linear(dim, num_scans * num_heads)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.reset_decay_parameters()
+
+    @torch.no_grad()
+    def reset_decay_parameters(self) -> None:
+        """Initialise decays per head (called again after timm's generic weight init)."""
+        logit = torch.logit(initial_decays(self.num_heads)).repeat(self.num_scans)
+        if self.decay == "fixed":
+            self.decay_logit.copy_(logit.view(self.num_scans, self.num_heads))
+        elif self.decay == "selective":
+            nn.init.normal_(self.decay_proj.weight, std=0.02)
+            self.decay_proj.bias.copy_(logit)
+
+    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None) -> None:
+        check_form(attn_form, chunk_size)
+        self.attn_form, self.chunk_size = attn_form, chunk_size
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, decay={self.decay}, scans={self.num_scans}, "
+                f"feature_map={self.feature_map_name}, attn_form={self.attn_form}, chunk_size={self.chunk_size}")
+
+    def log_decay(self, x: Tensor) -> Optional[Tensor]:
+        """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
+        if self.decay == "fixed":
+            return F.logsigmoid(self.decay_logit.float())[:, None, :, None]
+        if self.decay == "selective":
+            logits = self.decay_proj(x).float()  # [B, L, S * H]
+            logits = logits.unflatten(-1, (self.num_scans, self.num_heads))  # [B, L, S, H]
+            return F.logsigmoid(logits).permute(2, 0, 3, 1)
+        return None
+
+    def scan_orders(self, num_tokens: int, device: torch.device) -> Tensor:
+        """Snake orders for the current grid, cached per (grid, prefix, device)."""
+        if self.grid_size is None:
+            raise ValueError("LionAttention with num_scans=2 needs grid_size set by the model")
+        height, width = self.grid_size
+        if height * width + self.num_prefix_tokens != num_tokens:
+            raise ValueError(f"grid {height}x{width} + {self.num_prefix_tokens} prefix tokens "
+                             f"does not match {num_tokens} tokens")
+        key = (height, width, self.num_prefix_tokens, device)
+        if key not in self._orders:
+            self._orders[key] = snake_orders(height, width, self.num_prefix_tokens).to(device)
+        return self._orders[key]
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        if attn_mask is not None or is_causal:
+            raise ValueError("LionAttention takes no attn_mask / is_causal: its mask comes from the decays")
+        batch, length, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # [B, H, L, D]
+        q, k = self.feature_map(self.q_norm(q)), self.feature_map(self.k_norm(k))
+        log_decay = self.log_decay(x)
+        if self.num_scans == 1:
+            log_decay = None if log_decay is None else log_decay[0]
+            y = lion_attention(q, k, v, log_decay, form=self.attn_form, chunk_size=self.chunk_size)
+        else:
+            orders = self.scan_orders(length, x.device)
+            y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form,
+                                         chunk_size=self.chunk_size)
+        y = y.transpose(1, 2).reshape(batch, length, dim)
+        return self.proj_drop(self.proj(y))

@@ -1,0 +1,237 @@
+"""LION-ViT: Vision Transformers whose attention is LION bidirectional linear attention.
+
+Paper: "LION: Linear Attention for Bidirectional Sequence Modeling" (Afzal et al.), models as in
+its Table 2: LION-lit (no decay), LION-d (a learnable decay per head), LION-s (selective decay per
+token) and the two-scan "natural" LION-d / LION-s, at ViT-T/S/B widths.
+
+The backbone is timm's `VisionTransformer` with `LionAttention` as its attention layer, so the
+whole timm model API (forward_features, forward_head, reset_classifier, group_matcher,
+set_grad_checkpointing, forward_intermediates / features_only) comes with it. Differences:
+mean pooling over patch tokens and no class token by default, learnable positional embeddings
+only for LION-lit (the decays give LION-d/-s their position signal), and any input size that
+the patch size divides works without rebuilding the model.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Set, Tuple
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import PatchEmbed, to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
+from torch import Tensor, nn
+
+from .layers import LionAttention
+from .ops import check_form
+
+__all__ = ["LionViT", "LION_MODEL_NAMES"]
+
+
+class DivisiblePatchEmbed(PatchEmbed):
+    """timm's PatchEmbed, but a size the patch does not divide is a ValueError that says why."""
+
+    def __init__(self, img_size: Any = 224, patch_size: Any = 16, **kwargs: Any) -> None:
+        _check_divisible(to_2tuple(img_size), to_2tuple(patch_size), "img_size")
+        super().__init__(img_size=img_size, patch_size=patch_size, **kwargs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
+        return super().forward(x)
+
+
+def _check_divisible(size: Tuple[int, int], patch: Tuple[int, int], what: str) -> None:
+    if size[0] % patch[0] or size[1] % patch[1]:
+        raise ValueError(f"{what} {size[0]}x{size[1]} is not divisible by the patch size "
+                         f"{patch[0]}x{patch[1]}; use a height and width that are multiples of it")
+
+
+class LionViT(VisionTransformer):
+    """ViT backbone with LION attention (see module docstring)."""
+
+    def __init__(
+            self,
+            decay: str = "lit",
+            num_scans: int = 1,
+            feature_map: str = "silu_norm",
+            attn_form: str = "attention",
+            chunk_size: Optional[int] = None,
+            global_pool: str = "avg",
+            class_token: bool = False,
+            pos_embed: Optional[str] = None,
+            patch_drop_rate: float = 0.0,
+            weight_init: str = "",
+            **kwargs: Any,
+    ) -> None:
+        check_form(attn_form, chunk_size)
+        if patch_drop_rate:
+            raise ValueError("patch_drop_rate is not supported: LION decays need the full patch grid")
+        if pos_embed is None:
+            pos_embed = "learn" if decay == "lit" else "none"
+        attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
+                                        attn_form=attn_form, chunk_size=chunk_size)
+        super().__init__(
+            global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
+            dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
+            weight_init=weight_init, **kwargs)
+        for attn in self.lion_attentions():
+            attn.num_prefix_tokens = self.num_prefix_tokens
+            if weight_init != "skip":
+                attn.reset_decay_parameters()  # timm's init zeroed the selective-decay bias
+
+    def lion_attentions(self):
+        return (m for m in self.modules() if isinstance(m, LionAttention))
+
+    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None) -> "LionViT":
+        """Switch every block to "attention", "rnn" or "chunk" (same weights, same function)."""
+        check_form(attn_form, chunk_size)
+        for attn in self.lion_attentions():
+            attn.set_attn_form(attn_form, chunk_size)
+        return self
+
+    @property
+    def attn_form(self) -> Tuple[str, Optional[int]]:
+        attn = next(self.lion_attentions())
+        return attn.attn_form, attn.chunk_size
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """timm's set plus every decay parameter (decay logits and selective-decay projections)."""
+        names = {n for n, _ in self.named_parameters() if ".decay_" in n}
+        return super().no_weight_decay() | names
+
+    def _pos_embed(self, x: Tensor) -> Tensor:
+        # x is [B, h, w, C] here (dynamic size): tell every LION layer the grid it is about to see.
+        for attn in self.lion_attentions():
+            attn.grid_size = (x.shape[1], x.shape[2])
+        return super()._pos_embed(x)
+
+
+def _partial_attention(**lion_kwargs: Any) -> type:
+    """A LionAttention subclass with the LION arguments bound (timm's Block wants a class)."""
+    class BoundLionAttention(LionAttention):
+        def __init__(self, dim: int, **timm_kwargs: Any) -> None:
+            super().__init__(dim, **timm_kwargs, **lion_kwargs)
+    BoundLionAttention.__name__ = BoundLionAttention.__qualname__ = "LionAttention"
+    return BoundLionAttention
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: LionViT) -> Dict[str, Tensor]:
+    """Unwrap training checkpoints and resample positional embeddings (timm's ViT filter)."""
+    if "model" in state_dict:
+        state_dict = state_dict["model"]
+    return vit_checkpoint_filter_fn(state_dict, model)
+
+
+def _cfg(**kwargs: Any) -> Dict[str, Any]:
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0", **kwargs,
+    }
+
+
+_VARIANTS = {  # name prefix -> (decay, number of scans)
+    "lion_lit": ("lit", 1),
+    "lion_d": ("fixed", 1),
+    "lion_s": ("selective", 1),
+    "lion_d_natural": ("fixed", 2),
+    "lion_s_natural": ("selective", 2),
+}
+_SIZES = {  # ViT-T/S/B
+    "tiny": dict(embed_dim=192, depth=12, num_heads=3),
+    "small": dict(embed_dim=384, depth=12, num_heads=6),
+    "base": dict(embed_dim=768, depth=12, num_heads=12),
+}
+LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in _VARIANTS for size in _SIZES)
+
+default_cfgs = generate_default_cfgs({f"{name}.untrained": _cfg() for name in LION_MODEL_NAMES})
+
+
+def _create_lion_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> LionViT:
+    prefix, size = variant.rsplit("_", 1)
+    decay, num_scans = _VARIANTS[prefix]
+    model_args = dict(patch_size=16, decay=decay, num_scans=num_scans, **_SIZES[size])
+    return build_model_with_cfg(
+        LionViT, variant, pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=3, feature_cls="getter"),
+        **dict(model_args, **kwargs),
+    )
+
+
+@register_model
+def lion_lit_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_lit_tiny", pretrained, **kwargs)
+
+
+@register_model
+def lion_lit_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_lit_small", pretrained, **kwargs)
+
+
+@register_model
+def lion_lit_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_lit_base", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_tiny", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_small", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_base", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_tiny", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_small", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_base", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_natural_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_natural_tiny", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_natural_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_natural_small", pretrained, **kwargs)
+
+
+@register_model
+def lion_d_natural_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_d_natural_base", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_natural_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_natural_tiny", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_natural_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_natural_small", pretrained, **kwargs)
+
+
+@register_model
+def lion_s_natural_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
+    return _create_lion_vit("lion_s_natural_base", pretrained, **kwargs)

@@ -1,0 +1,102 @@
+"""LION math as pure functions on tensors (no parameters). See DESIGN.md section 1.
+
+`lion_attention` computes  Y = Scale(Q K^T * M) V  in one of three equivalent forms; every form
+returns the numerator and the normaliser together by appending a ones column to V.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .attention import attention_unnormalized
+from .chunk import chunk_unnormalized
+from .features import FEATURE_MAPS, get_feature_map
+from .masks import decay_mask, mask_dtype
+from .recurrent import recurrent_unnormalized
+from .scans import column_snake, row_snake, snake_orders
+
+FORMS: Dict[str, Callable[..., Tensor]] = {
+    "attention": attention_unnormalized,
+    "rnn": recurrent_unnormalized,
+    "chunk": chunk_unnormalized,
+}
+
+__all__ = [
+    "FORMS", "FEATURE_MAPS", "lion_attention", "lion_attention_multiscan", "check_form",
+    "decay_mask", "get_feature_map", "row_snake", "column_snake", "snake_orders",
+]
+
+
+def check_form(form: str, chunk_size: Optional[int] = None) -> None:
+    """Raise ValueError for an unknown form or a chunk size that is not a positive integer."""
+    if form not in FORMS:
+        raise ValueError(f"unknown attn_form {form!r}; choose one of {sorted(FORMS)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
+
+
+def _as_bhl(log_decay: Optional[Tensor]) -> Optional[Tensor]:
+    """View a log decay broadcastable to [B, H, L] as a 3-d tensor."""
+    if log_decay is None:
+        return None
+    while log_decay.dim() < 3:
+        log_decay = log_decay.unsqueeze(0)
+    return log_decay
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def _normalize(out: Tensor, dtype: torch.dtype) -> Tensor:
+    """Split [numerator, normaliser] and divide in float32 (or float64)."""
+    out = out.to(mask_dtype(dtype))
+    return (out[..., :-1] / out[..., -1:]).to(dtype)
+
+
+def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
+                   form: str = "attention", chunk_size: Optional[int] = None) -> Tensor:
+    """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
+
+    q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
+    LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
+    form: "attention" | "rnn" | "chunk"; chunk_size: tokens per chunk for "chunk" (None = L).
+    Returns [B, H, L, Dv].
+    """
+    check_form(form, chunk_size)
+    out = FORMS[form](q, k, _with_ones(v), _as_bhl(log_decay), chunk_size=chunk_size)
+    return _normalize(out, v.dtype)
+
+
+def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
+                             orders: Tensor, *, form: str = "attention",
+                             chunk_size: Optional[int] = None) -> Tensor:
+    """Multi-scan LION:  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).
+
+    orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...]
+    where entry s is broadcastable to [B, H, L] and given in token order (last dim 1 for a fixed
+    decay). Each scan's mask is built in its own order; all scans run as one batched call.
+    """
+    check_form(form, chunk_size)
+    num_scans, length = orders.shape
+    batch, heads = q.shape[:2]
+
+    def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D] in scan order
+        return t[:, :, orders].permute(2, 0, 1, 3, 4).flatten(0, 1)
+
+    a = None
+    if log_decays is not None:
+        a = torch.stack([_as_bhl(d).expand(-1, heads, -1) for d in log_decays.unbind(0)])
+        if a.shape[-1] != 1:  # per-token decays follow their tokens into scan order
+            a = a.expand(num_scans, batch, heads, length)
+            a = torch.gather(a, 3, orders[:, None, None, :].expand_as(a))
+        a = a.expand(num_scans, batch, heads, a.shape[-1]).flatten(0, 1)
+    out = FORMS[form](to_scans(q), to_scans(k), to_scans(_with_ones(v)), a, chunk_size=chunk_size)
+    out = out.unflatten(0, (num_scans, batch))  # [S, B, H, L, Dv+1] in scan order
+    inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
+    index = inverse[:, None, None, :, None].expand(num_scans, batch, heads, length, out.shape[-1])
+    out = torch.gather(out, 3, index).sum(0)
+    return _normalize(out, v.dtype)

@@ -1,0 +1,37 @@
+"""Strictly positive feature maps phi for queries and keys (positive features keep every
+normaliser q_i^T sum_j M_ij k_j > 0)."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """ELU(x) + 1 (Katharopoulos et al., the linear transformer)."""
+    return F.elu(x) + 1.0
+
+
+def shifted_silu(x: Tensor) -> Tensor:
+    """SiLU(x) + 0.5; SiLU >= -0.279, so the result is >= 0.22."""
+    return F.silu(x) + 0.5
+
+
+def normalized_shifted_silu(x: Tensor) -> Tensor:
+    """(SiLU(x) + 0.5) / ||SiLU(x) + 0.5||: the paper's choice for every LION variant."""
+    y = shifted_silu(x)
+    return y / y.norm(dim=-1, keepdim=True)
+
+
+FEATURE_MAPS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "silu_norm": normalized_shifted_silu,
+    "silu": shifted_silu,
+    "elu": elu_plus_one,
+}
+
+
+def get_feature_map(name: str) -> Callable[[Tensor], Tensor]:
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
+    return FEATURE_MAPS[name]

@@ -1,0 +1,56 @@
+"""Test oracle written straight from the paper's formula (Eq. 13-14, DESIGN.md section 1).
+
+Deliberately plain and independent of lion_vit.ops: it multiplies decays directly (running
+products in float64) instead of exponentiating differences of log-space cumulative sums, so a bug in the fast forms' helpers cannot make a test agree with itself.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def naive_mask(lam: Tensor) -> Tensor:
+    """M_ij = prod_{k=j}^{i-1} lam_k (i > j), 1 (i == j), prod_{k=i+1}^{j} lam_k (i < j).
+
+    lam: [..., L] decays; returns [..., L, L].
+    """
+    length = lam.shape[-1]
+    rows = []
+    for i in range(length):
+        # left of the query: running products lam_{i-1}, lam_{i-1} lam_{i-2}, ... back to lam_j
+        left = torch.cumprod(lam[..., :i].flip(-1), dim=-1).flip(-1)
+        # right of the query: lam_{i+1}, lam_{i+1} lam_{i+2}, ... up to lam_j
+        right = torch.cumprod(lam[..., i + 1:], dim=-1)
+        rows.append(torch.cat([left, torch.ones_like(lam[..., :1]), right], dim=-1))
+    return torch.stack(rows, dim=-2)
+
+
+def naive_lion(q: Tensor, k: Tensor, v: Tensor, lam: Optional[Tensor]) -> Tensor:
+    """Y = Scale(Q K^T * M) V with Scale(A)_ij = A_ij / sum_p A_ip, in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2)
+    if lam is not None:
+        scores = scores * naive_mask(lam.double().expand(q.shape[:3]))
+    return (scores / scores.sum(-1, keepdim=True)) @ v
+
+
+def naive_multiscan(q: Tensor, k: Tensor, v: Tensor, lams: Tensor, orders: Tensor) -> Tensor:
+    """Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s); lams[s] is in token order.
+
+    Mask s is built along scan s and written back entry by entry at token positions.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2)
+    length = q.shape[2]
+    total = torch.zeros_like(scores)
+    for s, order in enumerate(orders.tolist()):
+        lam_scan = lams[s].double().expand(q.shape[:3])[..., order]
+        mask_scan = naive_mask(lam_scan)
+        mask_tok = torch.empty_like(mask_scan)
+        for p in range(length):
+            for r in range(length):
+                mask_tok[..., order[p], order[r]] = mask_scan[..., p, r]
+        total = total + scores * mask_tok
+    return (total / total.sum(-1, keepdim=True)) @ v

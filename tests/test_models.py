@@ -1,0 +1,180 @@
+"""The timm-registered LION-ViT family: builds, forms agree, gradients reach every parameter."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+
+import lion_vit
+from lion_vit import LION_MODEL_NAMES, LionAttention
+
+PARAMS_M = {"tiny": (5.0, 6.5), "small": (21.0, 23.0), "base": (85.0, 88.0)}
+SIZES = [(224, 224), (160, 288)]
+
+
+def trained_like(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Spread decays far from their init, as training would (per head and, for LION-s, per token)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for attn in model.modules():
+            if isinstance(attn, LionAttention) and attn.decay == "fixed":
+                attn.decay_logit.copy_(torch.randn(attn.decay_logit.shape, generator=g) * 2.0)
+            elif isinstance(attn, LionAttention) and attn.decay == "selective":
+                attn.decay_proj.weight.copy_(torch.randn(attn.decay_proj.weight.shape, generator=g) * 0.3)
+                attn.decay_proj.bias.copy_(torch.randn(attn.decay_proj.bias.shape, generator=g) * 2.0)
+    return model
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_all_fifteen_registered():
+    expected = {f"lion_{v}_{s}" for v in ("lit", "d", "s", "d_natural", "s_natural") for s in PARAMS_M}
+    assert set(timm.list_models("lion_*")) == expected == set(LION_MODEL_NAMES)
+
+
+@pytest.mark.parametrize("name", LION_MODEL_NAMES)
+def test_build_and_parameter_count(name):
+    model = timm.create_model(name)
+    low, high = PARAMS_M[name.rsplit("_", 1)[1]]
+    assert low <= sum(p.numel() for p in model.parameters()) / 1e6 <= high
+    assert model.pretrained_cfg["input_size"] == (3, 224, 224)
+    has_pos = model.pos_embed is not None
+    assert has_pos == name.startswith("lion_lit"), "only LION-lit needs positional embeddings"
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("name", LION_MODEL_NAMES)
+def test_forms_agree(name, size):
+    model = trained_like(timm.create_model(name, num_classes=10)).eval()
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(x)
+        for form, chunk in [("rnn", None), ("chunk", 64), ("chunk", 37)]:
+            model.set_attn_form(form, chunk)
+            assert rel_err(model(x), reference) <= 1e-4, (form, chunk)
+
+
+@pytest.mark.parametrize("name", [n for n in LION_MODEL_NAMES if n.endswith("tiny")])
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 5)], ids=lambda f: f"{f[0]}{f[1] or ''}")
+def test_backward_reaches_every_parameter(name, form):
+    model = trained_like(timm.create_model(name, num_classes=5, attn_form=form[0], chunk_size=form[1]))
+    x = torch.randn(2, 3, 64, 48)
+    model(x).logsumexp(-1).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"no gradient for {missing[:5]}"
+
+
+@pytest.mark.parametrize("name", ["lion_s_tiny", "lion_d_natural_tiny", "lion_s_natural_tiny"])
+def test_batch_of_one_and_single_token_chunks(name):
+    model = trained_like(timm.create_model(name, num_classes=3)).eval()
+    x = torch.randn(1, 3, 48, 80)
+    with torch.no_grad():
+        reference = model(x)
+        assert reference.shape == (1, 3)
+        model.set_attn_form("chunk", 1)
+        assert rel_err(model(x), reference) <= 1e-4
+    # one patch only: a 1-token sequence, every form
+    single = torch.randn(1, 3, 16, 16)
+    outs = [model.set_attn_form(f, c)(single) for f, c in [("attention", None), ("rnn", None), ("chunk", 1)]]
+    assert all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)
+
+
+def test_class_token_and_prefix_in_scans():
+    model = trained_like(timm.create_model("lion_s_natural_tiny", class_token=True, global_pool="token",
+                                           num_classes=4)).eval()
+    x = torch.randn(2, 3, 32, 64)
+    with torch.no_grad():
+        reference = model(x)
+        model.set_attn_form("rnn")
+        assert rel_err(model(x), reference) <= 1e-4
+
+
+def test_scans_follow_the_grid():
+    """A natural model must give different outputs for an image and its transpose-equivalent
+    orderings, and its cached orders must follow the input grid (not one fixed square)."""
+    model = timm.create_model("lion_d_natural_tiny", num_classes=2).eval()
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 64))
+        model(torch.randn(1, 3, 64, 32))
+    attn = next(m for m in model.modules() if isinstance(m, LionAttention))
+    grids = {key[:2] for key in attn._orders}
+    assert grids == {(2, 4), (4, 2)}
+
+
+def test_selective_gate_trains():
+    """The official code detached its selective gate; ours must move with the optimizer."""
+    model = timm.create_model("lion_s_tiny", num_classes=2)
+    attn = next(m for m in model.modules() if isinstance(m, LionAttention))
+    before = attn.decay_proj.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, attn.decay_proj.weight)
+
+
+@pytest.mark.parametrize("size", [(225, 224), (224, 100), (17, 16)])
+def test_bad_input_size_raises(size):
+    model = timm.create_model("lion_d_tiny")
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        model(torch.randn(1, 3, *size))
+
+
+def test_bad_img_size_form_and_chunk_raise():
+    with pytest.raises(ValueError, match="not divisible"):
+        timm.create_model("lion_d_tiny", img_size=200)
+    with pytest.raises(ValueError, match="attn_form"):
+        timm.create_model("lion_d_tiny", attn_form="softmax")
+    with pytest.raises(ValueError, match="chunk_size"):
+        timm.create_model("lion_d_tiny", attn_form="chunk", chunk_size=0)
+    model = timm.create_model("lion_s_tiny")
+    with pytest.raises(ValueError, match="attn_form"):
+        model.set_attn_form("recurrent")
+    with pytest.raises(ValueError, match="chunk_size"):
+        model.set_attn_form("chunk", -1)
+
+
+def test_timm_api():
+    model = timm.create_model("lion_lit_tiny", num_classes=7, img_size=96, drop_path_rate=0.1,
+                              attn_form="chunk", chunk_size=8)
+    assert model.attn_form == ("chunk", 8)
+    x = torch.randn(2, 3, 96, 96)
+    features = model.forward_features(x)
+    assert features.shape == (2, 36, 192)
+    assert model.forward_head(features, pre_logits=True).shape == (2, 192)
+    assert model(torch.randn(2, 3, 128, 64)).shape == (2, 7)  # pos embed resampled on the fly
+    model.reset_classifier(3)
+    assert model(x).shape == (2, 3)
+    assert "pos_embed" in model.no_weight_decay()
+    decay_model = timm.create_model("lion_d_tiny")
+    assert all(f"blocks.{i}.attn.decay_logit" in decay_model.no_weight_decay() for i in range(12))
+    assert model.group_matcher()["blocks"]
+    model.set_grad_checkpointing(True)
+    model.train()
+    model(x).sum().backward()
+    intermediates = timm.create_model("lion_s_natural_tiny", features_only=True, out_indices=(5, 11))
+    assert [t.shape for t in intermediates(torch.randn(1, 3, 64, 96))] == [(1, 192, 4, 6)] * 2
+
+
+def test_state_dict_roundtrip_across_forms(tmp_path):
+    model = trained_like(timm.create_model("lion_s_natural_tiny", num_classes=4)).eval()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    restored = timm.create_model("lion_s_natural_tiny", num_classes=4, attn_form="rnn").eval()
+    restored.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    ema = copy.deepcopy(restored)
+    x = torch.randn(1, 3, 48, 48)
+    with torch.no_grad():
+        assert rel_err(ema(x), model(x)) <= 1e-4
+
+
+def test_autocast_bf16_forward():
+    model = trained_like(timm.create_model("lion_s_tiny", num_classes=4)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        reference = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+    assert torch.isfinite(out).all() and rel_err(out.float(), reference) < 0.1

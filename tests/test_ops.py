@@ -1,0 +1,142 @@
+"""Every form of the op against the plain float64 oracle in tests/naive.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lion_vit.ops import check_form, column_snake, lion_attention, lion_attention_multiscan, row_snake, snake_orders
+from naive import naive_lion, naive_multiscan
+from conftest import assert_close
+
+FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
+DECAYS = ["lit", "fixed", "selective", "near0", "near1"]
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def make_inputs(batch, heads, length, dim, decay, dtype, seed=0):
+    """Positive features, random values and log decays of the requested kind."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(batch, heads, length, dim, generator=g, dtype=torch.float64) + 0.05
+    k = torch.rand(batch, heads, length, dim, generator=g, dtype=torch.float64) + 0.05
+    v = torch.randn(batch, heads, length, dim, generator=g, dtype=torch.float64)
+    lam = {
+        "lit": None,
+        "fixed": torch.rand(1, heads, 1, generator=g, dtype=torch.float64) * 0.5 + 0.45,
+        "selective": torch.rand(batch, heads, length, generator=g, dtype=torch.float64) * 0.98 + 0.01,
+        "near0": torch.full((batch, heads, length), 1e-3, dtype=torch.float64),
+        "near1": torch.full((batch, heads, length), 1 - 1e-6, dtype=torch.float64),
+    }[decay]
+    return q.to(dtype), k.to(dtype), v.to(dtype), lam
+
+
+def rel_err(actual, expected):
+    scale = expected.double().abs().max().clamp_min(1e-3)  # exact zeros (e.g. grad of q at L=1)
+    return ((actual.double() - expected.double()).abs().max() / scale).item()
+
+
+def _form_id(f):
+    return f"{f[0]}" if f[1] is None else f"{f[0]}{f[1]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("length", [1, 13, 196])
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("form", FORMS, ids=_form_id)
+def test_forms_match_naive(form, decay, length, dtype):
+    name, chunk = form
+    chunk = length if chunk == "L" else chunk
+    q, k, v, lam = make_inputs(2, 2, length, 8, decay, dtype)
+    log_decay = None if lam is None else torch.log(lam).to(dtype)
+    out = lion_attention(q, k, v, log_decay, form=name, chunk_size=chunk)
+    assert out.shape == v.shape and out.dtype == dtype
+    assert rel_err(out, naive_lion(q, k, v, lam)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("length", [1, 13, 37])
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 5)], ids=_form_id)
+def test_gradients_match_naive(form, decay, length):
+    q, k, v, lam = make_inputs(2, 2, length, 6, decay, torch.float64, seed=1)
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    lam_leaf = None if lam is None else lam.clone().requires_grad_()
+    ref_leaves = leaves + ([lam_leaf] if lam_leaf is not None else [])
+    ref_grads = torch.autograd.grad((naive_lion(*leaves, lam_leaf) * upstream).sum(), ref_leaves)
+
+    fast = [t.clone().requires_grad_() for t in (q, k, v)]
+    log_leaf = None if lam is None else torch.log(lam).clone().requires_grad_()
+    out = lion_attention(*fast, log_leaf, form=form[0], chunk_size=form[1])
+    fast_leaves = fast + ([log_leaf] if log_leaf is not None else [])
+    # allow_unused: at L = 1 no decay is ever crossed, and the rnn form never touches it
+    grads = torch.autograd.grad((out * upstream).sum(), fast_leaves, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, fast_leaves)]
+    if lam is not None:  # d/d(log lam) = lam * d/d(lam)
+        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lam]
+    for name, g, r in zip("qkva", grads, ref_grads):
+        assert rel_err(g, r) < 1e-9, f"grad of {name}"
+
+
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 64), ("chunk", 100)], ids=_form_id)
+@pytest.mark.parametrize("decay", ["near0", "near1", "moderate"])
+def test_long_sequence_fp32(form, decay):
+    """6,084 tokens (a 78 x 78 grid, 1248 px at patch 16): finite and exact in float32."""
+    length = 6084
+    g = torch.Generator().manual_seed(3)
+    q = torch.rand(1, 1, length, 4, generator=g, dtype=torch.float64) + 0.05
+    k = torch.rand(1, 1, length, 4, generator=g, dtype=torch.float64) + 0.05
+    v = torch.randn(1, 1, length, 4, generator=g, dtype=torch.float64)
+    lam = {"near0": torch.full((1, 1, length), 1e-3, dtype=torch.float64),
+           "near1": torch.full((1, 1, length), 1 - 1e-6, dtype=torch.float64),
+           "moderate": torch.rand(1, 1, length, generator=g, dtype=torch.float64) * 0.6 + 0.2}[decay]
+    out = lion_attention(q.float(), k.float(), v.float(), torch.log(lam).float(), form=form[0], chunk_size=form[1])
+    assert torch.isfinite(out).all()
+    assert rel_err(out, naive_lion(q, k, v, lam)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["fixed", "selective"])
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4)], ids=_form_id)
+def test_multiscan_matches_naive(form, decay, dtype):
+    height, width, prefix = 3, 5, 1
+    length = height * width + prefix
+    orders = snake_orders(height, width, prefix)
+    q, k, v, _ = make_inputs(2, 2, length, 6, "lit", dtype, seed=4)
+    g = torch.Generator().manual_seed(5)
+    if decay == "fixed":
+        lams = torch.rand(2, 1, 2, 1, generator=g, dtype=torch.float64) * 0.5 + 0.4
+    else:
+        lams = torch.rand(2, 2, 2, length, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    out = lion_attention_multiscan(q, k, v, torch.log(lams).to(dtype), orders, form=form[0], chunk_size=form[1])
+    assert rel_err(out, naive_multiscan(q, k, v, lams, orders)) < TOL[dtype]
+
+
+def test_snake_orders():
+    assert row_snake(2, 3).tolist() == [0, 1, 2, 5, 4, 3]
+    assert column_snake(2, 3).tolist() == [0, 3, 4, 1, 2, 5]
+    assert snake_orders(2, 3, 1).tolist() == [[0, 1, 2, 3, 6, 5, 4], [0, 1, 4, 5, 2, 3, 6]]
+    for height, width in [(1, 1), (4, 7), (7, 4), (14, 14)]:
+        for order in (row_snake(height, width), column_snake(height, width)):
+            assert sorted(order.tolist()) == list(range(height * width))
+            rows, cols = order // width, order % width
+            # consecutive scan positions are grid neighbours: a snake never jumps
+            assert ((rows.diff().abs() + cols.diff().abs()) == 1).all()
+
+
+def test_autocast_bf16_close_to_fp32():
+    q, k, v, lam = make_inputs(2, 2, 50, 16, "selective", torch.float32)
+    ref = lion_attention(q, k, v, torch.log(lam).float())
+    for form, chunk in FORMS[:3]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lion_attention(q, k, v, torch.log(lam).float(), form=form, chunk_size=chunk)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("form,chunk", [("softmax", None), ("chunk", 0), ("chunk", -3), ("chunk", 2.5)])
+def test_bad_form_or_chunk_raises(form, chunk):
+    with pytest.raises(ValueError, match="attn_form|chunk_size"):
+        check_form(form, chunk)
+    q = torch.rand(1, 1, 4, 2)
+    with pytest.raises(ValueError):
+        lion_attention(q, q, q, form=form, chunk_size=chunk)
