@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .attention import attention_unnormalized
+from .attention import attention_unnormalized, masked_unnormalized
 from .chunk import chunk_unnormalized
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
@@ -83,20 +83,26 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     check_form(form, chunk_size)
     num_scans, length = orders.shape
     batch, heads = q.shape[:2]
-
-    def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D] in scan order
-        return t[:, :, orders].permute(2, 0, 1, 3, 4).flatten(0, 1)
-
     a = None
-    if log_decays is not None:
+    if log_decays is not None:  # [S, B|1, H, L|1]
         a = torch.stack([_as_bhl(d).expand(-1, heads, -1) for d in log_decays.unbind(0)])
         if a.shape[-1] != 1:  # per-token decays follow their tokens into scan order
-            a = a.expand(num_scans, batch, heads, length)
-            a = torch.gather(a, 3, orders[:, None, None, :].expand_as(a))
+            a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
+    inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
+
+    if form == "attention":
+        # Masks add up, so the full form needs one summed mask in token order and no permutation
+        # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
+        mask = sum(decay_mask(a[s], length, positions=inverse[s]) for s in range(num_scans))
+        return _normalize(masked_unnormalized(q, k, _with_ones(v), mask), v.dtype)
+
+    def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
+        return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
+
+    if a is not None:
         a = a.expand(num_scans, batch, heads, a.shape[-1]).flatten(0, 1)
     out = FORMS[form](to_scans(q), to_scans(k), to_scans(_with_ones(v)), a, chunk_size=chunk_size)
     out = out.unflatten(0, (num_scans, batch))  # [S, B, H, L, Dv+1] in scan order
-    inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
-    index = inverse[:, None, None, :, None].expand(num_scans, batch, heads, length, out.shape[-1])
-    out = torch.gather(out, 3, index).sum(0)
+    out = sum(out[s].index_select(2, inverse[s]) for s in range(num_scans))
     return _normalize(out, v.dtype)
+

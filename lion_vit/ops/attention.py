@@ -18,8 +18,11 @@ def attention_unnormalized(q: Tensor, k: Tensor, v1: Tensor, log_decay: Optional
     if log_decay is None:
         # All-ones mask: Q (K^T V) is exact and never builds the L x L matrix.
         return q @ (k.transpose(-1, -2) @ v1)
-    length = q.shape[-2]
-    mask = decay_mask(log_decay, length)  # [B|1, H, L, L], float32/64
+    return masked_unnormalized(q, k, v1, decay_mask(log_decay, q.shape[-2]))
+
+
+def masked_unnormalized(q: Tensor, k: Tensor, v1: Tensor, mask: Tensor) -> Tensor:
+    """(Q K^T * mask) v1 for a given mask [B|1, H, L, L] (float32/64)."""
     scores = q @ k.transpose(-1, -2)  # [B, H, L, L]
     weights = scores.to(mask.dtype) * mask
     return weights @ v1.to(weights.dtype)  # under autocast the matmul itself runs in bf16

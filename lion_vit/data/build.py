@@ -1,0 +1,82 @@
+"""Build datasets, timm transforms and (distributed / repeated-augmentation) loaders from config."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig
+from timm.data import create_transform
+from timm.data.distributed_sampler import RepeatAugSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from ..errors import UserError
+from .datasets import cifar, digits, image_folder
+
+KINDS = ("digits", "imagefolder", "imagenet", "cifar10", "cifar100")
+
+
+def build_transform(data: DictConfig, aug: DictConfig, img_size: int, train: bool) -> Callable:
+    """timm's DeiT transforms for training with aug=deit; plain resize + normalise otherwise."""
+    common = dict(input_size=img_size, interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std))
+    if train and aug.enabled:
+        return create_transform(is_training=True, auto_augment=aug.auto_augment or None,
+                                color_jitter=aug.color_jitter, re_prob=aug.reprob, re_mode=aug.remode,
+                                re_count=aug.recount, hflip=aug.hflip, scale=tuple(aug.scale), **common)
+    return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
+
+
+def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -> Dataset:
+    """split: "train" or "val"."""
+    kind, train = data.name, split == "train"
+    if kind == "digits":
+        return digits(train, transform)
+    if kind in ("cifar10", "cifar100"):
+        return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
+    if kind in ("imagefolder", "imagenet"):
+        return image_folder(data.root, data.train_split if train else data.val_split, transform)
+    raise UserError(f"unknown data.name {kind!r}; choose one of {KINDS}")
+
+
+def num_classes_of(dataset: Dataset) -> int:
+    return len(dataset.classes)
+
+
+class ShardSampler(Sampler):
+    """Evaluation sampler: rank r takes indices r, r + world, ... (no padding, no duplicates)."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, len(dataset), world_size))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers: int, rank: int,
+                 world_size: int, seed: int, repeated_aug: int = 0, pin_memory: bool = False) -> DataLoader:
+    """Training: shuffled per (seed, epoch) via `sampler.set_epoch`; repeated augmentation when asked."""
+    sampler: Any
+    if not train:
+        sampler = ShardSampler(dataset, rank, world_size)
+    elif repeated_aug > 1:
+        # timm keeps a multiple of 256 samples per epoch, which would be none of a tiny dataset
+        round_to = 256 if len(dataset) >= 256 * world_size else 0
+        sampler = SeededRepeatAugSampler(dataset, num_replicas=world_size, rank=rank, num_repeats=repeated_aug,
+                                         selected_round=round_to, seed=seed)
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, drop_last=train, persistent_workers=False)
+
+
+class SeededRepeatAugSampler(RepeatAugSampler):
+    """timm's repeated-augmentation sampler (DeiT), with the order depending on seed and epoch."""
+
+    def __init__(self, dataset: Dataset, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(self.seed * 100_003 + epoch)

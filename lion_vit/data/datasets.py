@@ -1,0 +1,120 @@
+"""Datasets: embedded digits, CIFAR-10/100 (python-pickle archive), ImageNet / any ImageFolder.
+
+Every dataset yields (PIL image, int label), so one set of timm transforms serves them all.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+class ArrayImages(Dataset):
+    """Images held in memory as a uint8 array [N, H, W] or [N, H, W, 3]."""
+
+    def __init__(self, images: np.ndarray, labels: List[int], classes: List[str],
+                 transform: Optional[Callable] = None) -> None:
+        self.images, self.targets, self.classes, self.transform = images, list(labels), classes, transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> Tuple[Any, int]:
+        image = Image.fromarray(self.images[index]).convert("RGB")
+        return (self.transform(image) if self.transform else image), self.targets[index]
+
+
+def digits(train: bool, transform: Optional[Callable] = None, val_fraction: float = 0.2) -> ArrayImages:
+    """scikit-learn's 8x8 handwritten digits (1,797 images, shipped with the package).
+
+    A fixed stratified split (seed 0) gives 1,437 training and 360 validation images.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    images = np.round(data.images * (255.0 / 16.0)).astype(np.uint8)  # 0..16 -> 0..255
+    index = np.arange(len(images))
+    train_idx, val_idx = train_test_split(index, test_size=val_fraction, random_state=0, stratify=data.target)
+    chosen = train_idx if train else val_idx
+    return ArrayImages(images[chosen], data.target[chosen].tolist(), [str(d) for d in range(10)], transform)
+
+
+CIFAR_FOLDERS = {10: ("cifar-10-batches-py", "labels", "label_names"),
+                 100: ("cifar-100-python", "fine_labels", "fine_label_names")}
+
+
+def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable] = None,
+          download: bool = False) -> ArrayImages:
+    """CIFAR-10/100 from the standard python-pickle archive under `root` (downloaded only on request)."""
+    folder, label_key, names_key = CIFAR_FOLDERS[num_classes]
+    base = Path(root) / folder
+    if not base.is_dir() and download:
+        from torchvision.datasets import CIFAR10, CIFAR100
+        (CIFAR10 if num_classes == 10 else CIFAR100)(root, train=train, download=True)
+    if not base.is_dir():
+        raise UserError(f"CIFAR-{num_classes} not found: expected {base}/ (the python version of the archive); "
+                        f"set data.root to the folder holding it, or add data.download=true")
+    if num_classes == 10:
+        files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        meta = "batches.meta"
+    else:
+        files, meta = (["train"] if train else ["test"]), "meta"
+    images, labels = [], []
+    for name in files:
+        entry = _unpickle(base / name)
+        images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+        labels.extend(int(t) for t in entry[label_key])
+    classes = [c.decode() if isinstance(c, bytes) else c for c in _unpickle(base / meta)[names_key]]
+    return ArrayImages(np.concatenate(images), labels, classes, transform)
+
+
+def _unpickle(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+    except (OSError, pickle.UnpicklingError, EOFError) as error:
+        raise UserError(f"cannot read CIFAR file {path}: {error}; re-extract the archive") from None
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+
+
+class SafeImageFolder(ImageFolder):
+    """ImageFolder that skips unreadable images with a warning naming them, instead of crashing.
+
+    A bad file is replaced by the next readable one (deterministically, so resumed runs match).
+    """
+
+    def __getitem__(self, index: int) -> Tuple[Any, int]:
+        for offset in range(len(self.samples)):
+            path, target = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = self.loader(path)
+            except (OSError, ValueError, SyntaxError) as error:  # PIL raises these for corrupt files
+                log.warning("skipping unreadable image %s (%s)", path, error)
+                continue
+            if self.transform is not None:
+                image = self.transform(image)
+            return image, target
+        raise UserError(f"no readable image under {self.root}")
+
+
+def image_folder(root: str, split: str, transform: Optional[Callable] = None) -> SafeImageFolder:
+    """`root/<split>/<class>/<image>` (ImageNet's standard layout)."""
+    path = Path(root) / split
+    if not path.is_dir():
+        raise UserError(f"data folder {path} does not exist; set data.root to a folder with train/ and val/ "
+                        f"class subfolders (see data/README.md)")
+    try:
+        return SafeImageFolder(str(path), transform=transform)
+    except FileNotFoundError as error:
+        raise UserError(f"no images found under {path}: {error}") from None

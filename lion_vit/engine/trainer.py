@@ -1,0 +1,310 @@
+"""The training entry point behind train.py: `train(cfg)` runs a whole DeiT-style job.
+
+Order follows DeiT: data -> sampler -> timm.create_model -> EMA before DDP -> lr scaled by
+global batch / 512 -> resume -> epochs of train_one_epoch / evaluate. Only rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import timm
+import torch
+from omegaconf import DictConfig, OmegaConf
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import models as lion_models  # registers the LION models with timm
+from ..data import build_dataset, build_loader, build_transform, num_classes_of
+from ..errors import UserError
+from . import checkpoint as ckpt
+from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
+from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch
+
+log = logging.getLogger("lion_vit")
+FORMS = ("attention", "rnn", "chunk")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch: called per epoch so a resumed run sees the same randomness."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    return seed * 1_000_003 + epoch * 1_009 + rank
+
+
+def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Module:
+    """timm.create_model from the `model` config group, with clear errors for bad settings."""
+    name = model_cfg.name
+    if not timm.is_model(name):
+        raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
+                        f"(or any timm name, see timm.list_models())")
+    patch = model_cfg.patch_size
+    if patch and img_size % patch:
+        raise UserError(f"img_size {img_size} is not divisible by model.patch_size {patch}; "
+                        f"use a multiple of {patch}")
+    is_lion = name in lion_models.LION_MODEL_NAMES
+    if model_cfg.attn_form not in FORMS:
+        raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {FORMS}")
+    if not is_lion and (model_cfg.attn_form != "attention" or model_cfg.chunk_size):
+        raise UserError(f"model.attn_form / model.chunk_size apply to LION models only, not {name}")
+    kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate,
+                                  **OmegaConf.to_container(model_cfg.kwargs, resolve=True))
+    if is_lion:
+        kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size)
+    size_kwargs = dict(img_size=img_size, **({"patch_size": patch} if patch else {}))
+    try:
+        try:
+            return timm.create_model(name, **kwargs, **size_kwargs)
+        except TypeError as error:  # a timm model without img_size / patch_size (e.g. a CNN)
+            if "img_size" not in str(error) and "patch_size" not in str(error):
+                raise
+            return timm.create_model(name, **kwargs)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"cannot build model {name}: {error}") from None
+
+
+def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Load weights, resampling positional embeddings to the model's grid when needed."""
+    state_dict = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state_dict.items()}
+    if "pos_embed" in state_dict and hasattr(model, "pos_embed"):
+        state_dict = lion_models.checkpoint_filter_fn(state_dict, model)
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0]
+        raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
+
+
+def _precision(cfg: DictConfig, device: torch.device) -> Precision:
+    if not cfg.amp or device.type != "cuda":
+        return Precision(device)
+    return Precision(device, getattr(torch, cfg.amp_dtype))
+
+
+def _write_json(path: Path, payload: Dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _setup_logging(output_dir: Optional[Path], is_main: bool) -> None:
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if output_dir is not None and is_main:
+        handlers.append(logging.FileHandler(output_dir / "train.log"))
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+class WandbLogger:
+    """wandb on rank 0 only; mode=disabled makes every call a no-op (tests, no account)."""
+
+    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool) -> None:
+        self.run = None
+        if not enabled or cfg.logger.wandb.mode == "disabled":
+            return
+        import wandb
+        wb = cfg.logger.wandb
+        self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
+                              mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
+                              config=OmegaConf.to_container(cfg, resolve=True))
+
+    def log(self, metrics: Dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
+    """Evaluate `checkpoint` in the requested attn_form / chunk_size / img_size; write eval.json."""
+    if not cfg.checkpoint:
+        raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
+    state = ckpt.load_checkpoint(Path(cfg.checkpoint))
+    model_cfg = cfg.model.copy()
+    trained = state.get("config", {}).get("model", {})
+    # The architecture is the checkpoint's; the form and resolution are this command's.
+    with_arch = OmegaConf.merge(model_cfg, {k: trained[k] for k in ("name", "patch_size", "kwargs") if k in trained})
+    val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
+    num_classes = state.get("num_classes", num_classes_of(val_set))
+    model = build_model(with_arch, num_classes, cfg.img_size)
+    use_ema = cfg.ema.eval_ema and state.get("ema") is not None
+    load_weights(model, state["ema"] if use_ema else state["model"])
+    model.to(device)
+    loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                          rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
+    stats = evaluate(model, loader, device, _precision(cfg, device), show_progress=cfg.progress and dist_info.is_main)
+    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"],
+              "attn_form": cfg.model.attn_form, "chunk_size": cfg.model.chunk_size, "img_size": cfg.img_size,
+              "num_images": stats["num_images"], "model": with_arch.name, "checkpoint": str(cfg.checkpoint),
+              "weights": "ema" if use_ema else "model"}
+    if dist_info.is_main:
+        _write_json(output_dir / "eval.json", result)
+        log.info("eval: %s", json.dumps(result))
+    return result
+
+
+def train(cfg: DictConfig) -> Dict[str, Any]:
+    """Run training (or evaluation with eval_only=true) as configured; returns the final metrics."""
+    device = resolve_device(cfg.device)
+    dist_info = init_distributed(device)
+    try:
+        if device.type == "cuda":
+            device = torch.device("cuda", dist_info.local_rank)
+            torch.cuda.set_device(device)
+        output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
+        if dist_info.is_main:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        _setup_logging(output_dir, dist_info.is_main)
+        seed_everything(epoch_seed(cfg.seed, 0, dist_info.rank))
+        if cfg.eval_only:
+            return run_eval_only(cfg, dist_info, device, output_dir)
+        return _fit(cfg, dist_info, device, output_dir)
+    finally:
+        cleanup()
+
+
+def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
+    is_main = dist_info.is_main
+    resume_state = _resume_state(cfg, output_dir)
+    if is_main:
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+
+    train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.aug, cfg.img_size, train=True))
+    val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
+    num_classes = num_classes_of(train_set)
+    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, rank=dist_info.rank,
+                       world_size=dist_info.world_size, seed=cfg.seed, pin_memory=device.type == "cuda")
+    train_loader = build_loader(train_set, train=True, repeated_aug=cfg.aug.repeated_aug, **loader_args)
+    val_loader = build_loader(val_set, train=False, **loader_args)
+    if len(train_loader) == 0:
+        raise UserError(f"{len(train_set)} training images are fewer than one batch of {cfg.batch_size} per "
+                        f"process; lower batch_size")
+
+    model = build_model(cfg.model, num_classes, cfg.img_size).to(device)
+    ema = ModelEmaV3(model, decay=cfg.ema.decay) if cfg.ema.enabled else None
+    global_batch = cfg.batch_size * dist_info.world_size
+    lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
+    optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
+                                    betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.optim.sched, num_epochs=cfg.epochs,
+                                       warmup_epochs=cfg.optim.warmup_epochs, warmup_lr=cfg.optim.warmup_lr,
+                                       min_lr=cfg.optim.min_lr, step_on_epochs=False,
+                                       updates_per_epoch=len(train_loader))
+    precision = _precision(cfg, device)
+    scaler = torch.amp.GradScaler(device.type) if precision.dtype == torch.float16 else None
+    mixup_fn = None
+    if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:
+        mixup_fn = Mixup(mixup_alpha=cfg.aug.mixup, cutmix_alpha=cfg.aug.cutmix, prob=cfg.aug.mixup_prob,
+                         switch_prob=cfg.aug.mixup_switch_prob, mode=cfg.aug.mixup_mode,
+                         label_smoothing=cfg.aug.smoothing, num_classes=num_classes)
+        criterion: nn.Module = SoftTargetCrossEntropy()
+    elif cfg.aug.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(smoothing=cfg.aug.smoothing)
+    else:
+        criterion = nn.CrossEntropyLoss()
+
+    start_epoch, best_acc1 = 0, -1.0
+    if resume_state is not None:
+        load_weights(model, resume_state["model"])
+        optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        if scaler is not None and resume_state.get("scaler"):
+            scaler.load_state_dict(resume_state["scaler"])
+        if ema is not None and resume_state.get("ema") is not None:
+            load_weights(ema.module, resume_state["ema"])
+        start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
+        log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
+
+    train_model: nn.Module = model
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+    if dist_info.enabled:
+        train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s (%.2fM params), %d train / %d val images, %d classes, lr %.2e, %d process(es), %s",
+             cfg.model.name, n_params / 1e6, len(train_set), len(val_set), num_classes, lr,
+             dist_info.world_size, device)
+    logger = WandbLogger(cfg, output_dir, is_main)
+    metrics: Dict[str, Any] = {}
+    show = cfg.progress and is_main
+    try:
+        for epoch in range(start_epoch, cfg.epochs):
+            seed_everything(epoch_seed(cfg.seed, epoch, dist_info.rank))
+            train_loader.sampler.set_epoch(epoch)
+            try:
+                stats = train_one_epoch(train_model, train_loader, optimizer, criterion, scheduler, epoch, device,
+                                        precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show)
+            except NonFiniteLoss as error:
+                raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
+                                f"(lower optim.lr or set optim.clip_grad)") from None
+            val = evaluate(model, val_loader, device, precision, show)
+            metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
+                       "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
+                       "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
+            if ema is not None:
+                metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show)["acc1"]
+            is_best = val["acc1"] > best_acc1
+            best_acc1 = max(best_acc1, val["acc1"])
+            if is_main:
+                state = {"model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
+                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                         "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
+                         "best_acc1": best_acc1, "num_classes": num_classes,
+                         "config": OmegaConf.to_container(cfg, resolve=True), "rng": _rng_states()}
+                ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
+                if is_best:
+                    ckpt.save_atomic(state, output_dir / ckpt.BEST)
+                with open(output_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
+                         "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
+                         metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
+                         metrics["imgs_per_s"])
+                logger.log(metrics, step=epoch)
+    finally:
+        logger.finish()
+    return metrics
+
+
+def _rng_states() -> Dict[str, Any]:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _resume_state(cfg: DictConfig, output_dir: Path) -> Optional[Dict[str, Any]]:
+    """resume=auto: newest readable checkpoint in output_dir (none: fresh start); resume=<path>: that file."""
+    if cfg.resume in (None, "", False):
+        if (output_dir / ckpt.LAST).exists():
+            raise UserError(f"{output_dir} already holds a checkpoint; pass resume=auto to continue it "
+                            f"or choose a new output_dir")
+        return None
+    if cfg.resume == "auto":
+        return ckpt.newest_readable(output_dir)
+    return ckpt.load_checkpoint(Path(cfg.resume))

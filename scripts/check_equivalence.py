@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Measure how far the rnn and chunk forms are from the attention form, per model.
+
+    python scripts/check_equivalence.py                       # all 15 models, 224 and 160x288, fp32
+    python scripts/check_equivalence.py --models lion_d_small --sizes 448x448 --dtype float64
+
+Decays are set "trained-like" (spread far from their initial values) so the masks are far from
+all-ones. Prints one line per model/size/form: max |logits - reference| / max |reference|.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import timm
+import torch
+
+import lion_vit
+from lion_vit import LionAttention
+
+
+def randomize_decays(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for attn in model.modules():
+            if isinstance(attn, LionAttention) and attn.decay == "fixed":
+                attn.decay_logit.copy_(torch.randn(attn.decay_logit.shape, generator=g) * 2.0)
+            elif isinstance(attn, LionAttention) and attn.decay == "selective":
+                attn.decay_proj.weight.copy_(torch.randn(attn.decay_proj.weight.shape, generator=g) * 0.3)
+                attn.decay_proj.bias.copy_(torch.randn(attn.decay_proj.bias.shape, generator=g) * 2.0)
+
+
+def parse_size(text: str) -> tuple:
+    h, _, w = text.partition("x")
+    return int(h), int(w or h)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES))
+    parser.add_argument("--sizes", nargs="+", default=["224x224", "160x288"], help="HxW")
+    parser.add_argument("--chunks", nargs="+", type=int, default=[64, 37])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for name in args.models:
+        model = timm.create_model(name, num_classes=10).to(dtype).eval()
+        randomize_decays(model)
+        for size in map(parse_size, args.sizes):
+            x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                reference = model.set_attn_form("attention")(x)
+                for form, chunk in [("rnn", None)] + [("chunk", c) for c in args.chunks]:
+                    out = model.set_attn_form(form, chunk)(x)
+                    err = ((out - reference).abs().max() / reference.abs().max()).item()
+                    rows.append(dict(model=name, size=f"{size[0]}x{size[1]}", form=form, chunk_size=chunk,
+                                     dtype=args.dtype, rel_err=err))
+                    print(f"{name:24s} {size[0]}x{size[1]:<4d} {form:5s} C={str(chunk):4s} rel_err={err:.2e}",
+                          flush=True)
+    worst = max(rows, key=lambda r: r["rel_err"])
+    print(f"worst: {worst['rel_err']:.2e} ({worst['model']}, {worst['size']}, {worst['form']} C={worst['chunk_size']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

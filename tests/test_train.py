@@ -1,0 +1,255 @@
+"""train.py end to end on CPU with tiny generated data: one epoch, torchrun, resume, eval, errors."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+SMALL_LION = ["model=lion", "model.name=lion_s_tiny", "model.patch_size=8", "img_size=32",
+              "+model.kwargs.depth=2", "optim=adamw", "progress=false", "num_workers=0"]
+
+
+def run_train(*overrides: str, timeout: int = 300, launcher=(sys.executable, "train.py")):
+    return subprocess.run([*launcher, *overrides], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def assert_clean_error(proc, *needles: str):
+    """Non-zero exit, one `error:` line on stderr naming the problem, no traceback."""
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, val_per_class: int = 4,
+                      size: int = 32) -> Path:
+    """Class k is a noisy image of colour k, so a model can learn it in a few steps."""
+    rng = np.random.default_rng(0)
+    colours = [(220, 40, 40), (40, 220, 40), (40, 40, 220), (200, 200, 40)]
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for k in range(classes):
+            folder = root / split / f"class_{k}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = np.clip(np.array(colours[k]) + rng.normal(0, 30, (size, size, 3)), 0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(folder / f"img_{i}.png")
+    return root
+
+
+def make_cifar10(root: Path, per_batch: int = 6) -> Path:
+    """The python-pickle CIFAR-10 layout, with tiny random batches."""
+    base = root / "cifar-10-batches-py"
+    base.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, per_batch).tolist()}
+        with open(base / name, "wb") as f:
+            pickle.dump(batch, f)
+    with open(base / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, f)
+    return root
+
+
+def read_metrics(output_dir: Path):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imgs"))
+
+
+@pytest.fixture(scope="module")
+def trained(folder, tmp_path_factory):
+    """A 2-epoch LION-s run shared by the evaluation tests."""
+    out = tmp_path_factory.mktemp("trained")
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=2", "batch_size=4",
+                        "aug=none", f"output_dir={out}", "optim.lr=2e-3", "optim.lr_base_batch=null",
+                        "optim.warmup_epochs=0"))
+    return out
+
+
+def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=deit", "epochs=1",
+                     "batch_size=4", f"output_dir={tmp_path}", "ema.enabled=true", "optim.clip_grad=1.0")
+    assert_ok(proc)
+    (line,) = read_metrics(tmp_path)
+    assert set(line) >= {"epoch", "train_loss", "val_loss", "val_acc1", "val_acc5", "lr", "epoch_time_s",
+                         "imgs_per_s", "val_acc1_ema"}
+    assert (tmp_path / "config.yaml").read_text().count("lion_s_tiny") == 1
+    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=False)
+    assert {"model", "ema", "optimizer", "scheduler", "scaler", "epoch", "rng", "config"} <= set(state)
+    assert (tmp_path / "checkpoint-best.pt").exists()
+
+
+def test_one_epoch_deit_baseline(folder, tmp_path):
+    proc = run_train("model=deit", "model.name=deit_tiny_patch16_224", "model.patch_size=8", "img_size=32",
+                     "+model.kwargs.depth=2", "optim=adamw", "progress=false", "data=imagefolder",
+                     f"data.root={folder}", "epochs=1", "batch_size=4", "aug=none", f"output_dir={tmp_path}")
+    assert_ok(proc)
+    assert len(read_metrics(tmp_path)) == 1
+
+
+def test_torchrun_two_processes_gloo(folder, tmp_path):
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4",
+                     "aug=none", f"output_dir={tmp_path}", launcher=launcher)
+    assert_ok(proc)
+    (line,) = read_metrics(tmp_path)  # rank 0 writes once
+    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=False)
+    assert state["epoch"] == 0
+    # 24 training images, 2 processes x batch 4, drop_last: 3 steps x 8 images seen per epoch
+    assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
+
+
+def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4", "aug=deit"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert_ok(run_train(*args, f"output_dir={straight}"))
+
+    proc = subprocess.Popen([sys.executable, "train.py", *args, f"output_dir={resumed}"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    metrics = resumed / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    epochs_done = metrics.read_text().count("\n")
+    assert 1 <= epochs_done < 3, "the run must be killed part-way"
+    assert_ok(run_train(*args, f"output_dir={resumed}", "resume=auto"))
+
+    a = torch.load(straight / "checkpoint-last.pt", weights_only=False)
+    b = torch.load(resumed / "checkpoint-last.pt", weights_only=False)
+    assert a["epoch"] == b["epoch"] == 2
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert [m["train_loss"] for m in read_metrics(straight)] == [m["train_loss"] for m in read_metrics(resumed)][-3:]
+
+
+def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
+    results = {}
+    for form, chunk in [("attention", "null"), ("rnn", "null"), ("chunk", "3")]:
+        out = tmp_path / form
+        assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+                            f"checkpoint={trained / 'checkpoint-last.pt'}", f"model.attn_form={form}",
+                            f"model.chunk_size={chunk}", f"output_dir={out}"))
+        results[form] = json.loads((out / "eval.json").read_text())
+        assert set(results[form]) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "img_size", "num_images"}
+        assert results[form]["attn_form"] == form and results[form]["num_images"] == 12
+    assert results["attention"]["acc1"] == results["rnn"]["acc1"] == results["chunk"]["acc1"]
+    assert abs(results["attention"]["loss"] - results["rnn"]["loss"]) < 1e-4
+    assert abs(results["attention"]["loss"] - results["chunk"]["loss"]) < 1e-4
+    final_val = read_metrics(trained)[-1]
+    assert abs(results["attention"]["acc1"] - final_val["val_acc1"]) < 1e-6
+
+
+def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=64",
+                        f"checkpoint={trained / 'checkpoint-best.pt'}", "model.attn_form=chunk",
+                        "model.chunk_size=16", f"output_dir={tmp_path}"))
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["img_size"] == 64 and result["chunk_size"] == 16
+
+
+def test_bad_inputs_give_one_clear_line(folder, tmp_path):
+    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1"),
+                       "does not exist", "data.root")
+    assert_clean_error(run_train(*SMALL_LION, "model.name=lion_x_huge", "epochs=1"), "unknown model")
+    assert_clean_error(run_train(*SMALL_LION, "img_size=30", "epochs=1"), "not divisible")
+    assert_clean_error(run_train(*SMALL_LION, "model.attn_form=softmax", "epochs=1"), "attn_form")
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"this is not a checkpoint")
+    assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={corrupt}"), "corrupt")
+    assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={tmp_path / 'missing.pt'}"),
+                       "does not exist")
+
+
+def test_existing_run_is_not_overwritten(trained):
+    before = (trained / "checkpoint-last.pt").read_bytes()
+    proc = run_train(*SMALL_LION, "epochs=1", f"output_dir={trained}")
+    assert_clean_error(proc, "resume=auto")
+    assert (trained / "checkpoint-last.pt").read_bytes() == before
+
+
+def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={tmp_path}"]
+    assert_ok(run_train(*args, "epochs=2"))
+    (tmp_path / "checkpoint-last.pt").write_bytes(b"truncated")  # a crash mid-copy, say
+    proc = run_train(*args, "epochs=3", "resume=auto")
+    assert_ok(proc)
+    assert "skips" in proc.stdout + proc.stderr
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1, 1, 2]  # redid epoch 1 from prev
+
+
+def test_corrupt_image_is_skipped_with_warning(tmp_path):
+    root = make_image_folder(tmp_path / "imgs", classes=2, train_per_class=4, val_per_class=2)
+    bad = root / "train" / "class_0" / "broken.png"
+    bad.write_bytes(b"\x89PNG not really")
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={root}", "epochs=1", "batch_size=2",
+                     "aug=none", f"output_dir={tmp_path / 'out'}")
+    assert_ok(proc)
+    assert "broken.png" in proc.stdout + proc.stderr
+
+
+def test_cifar_format_loading(tmp_path):
+    from lion_vit.data.datasets import cifar
+    root = make_cifar10(tmp_path)
+    train, val = cifar(str(root), 10, train=True), cifar(str(root), 10, train=False)
+    assert len(train) == 30 and len(val) == 6 and train.classes[3] == "c3"
+    image, label = train[0]
+    assert image.size == (32, 32) and 0 <= label < 10
+    proc = run_train(*SMALL_LION, "data=cifar10", f"data.root={root}", "epochs=1", "batch_size=8", "aug=none",
+                     f"output_dir={tmp_path / 'out'}")
+    assert_ok(proc)
+    assert_clean_error(run_train(*SMALL_LION, "data=cifar100", f"data.root={root}", "epochs=1"),
+                       "CIFAR-100 not found", "data.download=true")
+
+
+def test_quickstart_short(tmp_path):
+    """The no-argument command, shortened to 3 epochs for CI (the full run is in the README)."""
+    proc = run_train("epochs=3", f"output_dir={tmp_path}", "progress=false")
+    assert_ok(proc)
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 3 and metrics[-1]["val_acc1"] > 30  # well above 10% chance already
+
+
+def test_nonfinite_loss_stops_training():
+    from lion_vit.engine.loop import NonFiniteLoss, Precision, train_one_epoch
+
+    class Exploding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x.flatten(1)[:, :2] * self.w * float("inf")
+
+    model = Exploding()
+    loader = [(torch.randn(2, 3, 2, 2), torch.tensor([0, 1]))]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteLoss, match="epoch 4, step 0"):
+        train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), None, 4, torch.device("cpu"),
+                        Precision(torch.device("cpu")), show_progress=False)
+    assert torch.equal(model.w.detach(), torch.ones(1)), "no step is taken on a non-finite loss"
