@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops.masks import mask_dtype
 from .ops import check_form, get_feature_map, lion_attention, lion_attention_multiscan, snake_orders
 
 DECAYS = ("lit", "fixed", "selective")
@@ -63,7 +64,7 @@ class LionAttention(nn.Module):
         self.decay = decay
         self.num_scans = num_scans
         self.feature_map_name = feature_map
-        self.feature_map = get_feature_map(feature_map)
+        self.query_map, self.key_map = get_feature_map(feature_map)
         self.attn_form = attn_form
         self.chunk_size = chunk_size
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
@@ -105,10 +106,11 @@ class LionAttention(nn.Module):
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
         """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
+        dtype = mask_dtype(x.dtype)  # decays in float32 under autocast, float64 in float64
         if self.decay == "fixed":
-            return F.logsigmoid(self.decay_logit.float())[:, None, :, None]
+            return F.logsigmoid(self.decay_logit.to(dtype))[:, None, :, None]
         if self.decay == "selective":
-            logits = self.decay_proj(x).float()  # [B, L, S * H]
+            logits = self.decay_proj(x).to(dtype)  # [B, L, S * H]
             logits = logits.unflatten(-1, (self.num_scans, self.num_heads))  # [B, L, S, H]
             return F.logsigmoid(logits).permute(2, 0, 3, 1)
         return None
@@ -132,7 +134,7 @@ class LionAttention(nn.Module):
         batch, length, dim = x.shape
         qkv = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [B, H, L, D]
-        q, k = self.feature_map(self.q_norm(q)), self.feature_map(self.k_norm(k))
+        q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))
         log_decay = self.log_decay(x)
         if self.num_scans == 1:
             log_decay = None if log_decay is None else log_decay[0]

@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--chunks", nargs="+", type=int, default=[64, 37])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -49,15 +50,17 @@ def main() -> None:
     for name in args.models:
         model = timm.create_model(name, num_classes=10).to(dtype).eval()
         randomize_decays(model)
+        model.to(args.device)
         for size in map(parse_size, args.sizes):
             x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(1))
+            x = x.to(args.device)
             with torch.no_grad():
                 reference = model.set_attn_form("attention")(x)
                 for form, chunk in [("rnn", None)] + [("chunk", c) for c in args.chunks]:
                     out = model.set_attn_form(form, chunk)(x)
                     err = ((out - reference).abs().max() / reference.abs().max()).item()
                     rows.append(dict(model=name, size=f"{size[0]}x{size[1]}", form=form, chunk_size=chunk,
-                                     dtype=args.dtype, rel_err=err))
+                                     dtype=args.dtype, device=args.device, rel_err=err))
                     print(f"{name:24s} {size[0]}x{size[1]:<4d} {form:5s} C={str(chunk):4s} rel_err={err:.2e}",
                           flush=True)
     worst = max(rows, key=lambda r: r["rel_err"])

@@ -1,7 +1,7 @@
 """LION math as pure functions on tensors (no parameters). See DESIGN.md section 1.
 
 `lion_attention` computes  Y = Scale(Q K^T * M) V  in one of three equivalent forms; every form
-returns the numerator and the normaliser together by appending a ones column to V.
+returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M), divided here in float32.
 """
 from __future__ import annotations
 
@@ -47,14 +47,10 @@ def _as_bhl(log_decay: Optional[Tensor]) -> Optional[Tensor]:
     return log_decay
 
 
-def _with_ones(v: Tensor) -> Tensor:
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-
-
-def _normalize(out: Tensor, dtype: torch.dtype) -> Tensor:
-    """Split [numerator, normaliser] and divide in float32 (or float64)."""
-    out = out.to(mask_dtype(dtype))
-    return (out[..., :-1] / out[..., -1:]).to(dtype)
+def _normalize(numerator: Tensor, normaliser: Tensor, dtype: torch.dtype) -> Tensor:
+    """Divide in float32 (or float64), return in the input dtype."""
+    work = mask_dtype(dtype)
+    return (numerator.to(work) / normaliser.to(work)).to(dtype)
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
@@ -67,8 +63,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
     Returns [B, H, L, Dv].
     """
     check_form(form, chunk_size)
-    out = FORMS[form](q, k, _with_ones(v), _as_bhl(log_decay), chunk_size=chunk_size)
-    return _normalize(out, v.dtype)
+    numerator, normaliser = FORMS[form](q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
+    return _normalize(numerator, normaliser, v.dtype)
 
 
 def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
@@ -94,15 +90,16 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
         # Masks add up, so the full form needs one summed mask in token order and no permutation
         # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
         mask = sum(decay_mask(a[s], length, positions=inverse[s]) for s in range(num_scans))
-        return _normalize(masked_unnormalized(q, k, _with_ones(v), mask), v.dtype)
+        return _normalize(*masked_unnormalized(q, k, v, mask), v.dtype)
 
     def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
         return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
 
     if a is not None:
         a = a.expand(num_scans, batch, heads, a.shape[-1]).flatten(0, 1)
-    out = FORMS[form](to_scans(q), to_scans(k), to_scans(_with_ones(v)), a, chunk_size=chunk_size)
-    out = out.unflatten(0, (num_scans, batch))  # [S, B, H, L, Dv+1] in scan order
-    out = sum(out[s].index_select(2, inverse[s]) for s in range(num_scans))
-    return _normalize(out, v.dtype)
+    parts = FORMS[form](to_scans(q), to_scans(k), to_scans(v), a, chunk_size=chunk_size)
+    # back to token order and summed over scans: [S * B, H, L, D] -> [B, H, L, D]
+    numerator, normaliser = (sum(t.unflatten(0, (num_scans, batch))[s].index_select(2, inverse[s])
+                                 for s in range(num_scans)) for t in parts)
+    return _normalize(numerator, normaliser, v.dtype)
 

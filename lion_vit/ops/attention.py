@@ -1,28 +1,28 @@
-"""Full (parallel) LION form: (Q K^T * M) [V, 1], the fastest form for training (paper Eq. 13)."""
+"""Full (parallel) LION form: (Q K^T * M) V and its row sums (paper Eq. 13), the training form."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor
 
 from .masks import decay_mask
 
 
-def attention_unnormalized(q: Tensor, k: Tensor, v1: Tensor, log_decay: Optional[Tensor],
-                           chunk_size: Optional[int] = None) -> Tensor:
-    """Return (Q K^T * M) v1 for v1 = [V, 1]: numerator and normaliser in one matmul.
+def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
+                           chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator (Q K^T * M) V [B, H, L, Dv] and normaliser rowsum(Q K^T * M) [B, H, L].
 
-    q, k: [B, H, L, Dk]; v1: [B, H, L, Dv + 1]; log_decay: None or [B|1, H|1, L|1].
+    q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decay: None or [B|1, H|1, L|1].
     """
     del chunk_size  # the full form has no chunks; argument kept for a uniform signature
     if log_decay is None:
-        # All-ones mask: Q (K^T V) is exact and never builds the L x L matrix.
-        return q @ (k.transpose(-1, -2) @ v1)
-    return masked_unnormalized(q, k, v1, decay_mask(log_decay, q.shape[-2]))
+        # All-ones mask: Q (K^T V) and Q (sum_j k_j) are exact and never build an L x L matrix.
+        return q @ (k.transpose(-1, -2) @ v), q @ k.sum(-2).unsqueeze(-1)
+    return masked_unnormalized(q, k, v, decay_mask(log_decay, q.shape[-2]))
 
 
-def masked_unnormalized(q: Tensor, k: Tensor, v1: Tensor, mask: Tensor) -> Tensor:
-    """(Q K^T * mask) v1 for a given mask [B|1, H, L, L] (float32/64)."""
-    scores = q @ k.transpose(-1, -2)  # [B, H, L, L]
-    weights = scores.to(mask.dtype) * mask
-    return weights @ v1.to(weights.dtype)  # under autocast the matmul itself runs in bf16
+def masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    """(Q K^T * mask) V and its row sums, for a mask [B|1, H, L, L] in float32/64."""
+    weights = (q @ k.transpose(-1, -2)).to(mask.dtype) * mask  # [B, H, L, L]
+    # under autocast the matmul itself runs in bf16; the row sums stay in float32
+    return weights @ v.to(weights.dtype), weights.sum(-1, keepdim=True)

@@ -2,7 +2,7 @@
 normaliser q_i^T sum_j M_ij k_j > 0)."""
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,14 +24,20 @@ def normalized_shifted_silu(x: Tensor) -> Tensor:
     return y / y.norm(dim=-1, keepdim=True)
 
 
-FEATURE_MAPS: Dict[str, Callable[[Tensor], Tensor]] = {
-    "silu_norm": normalized_shifted_silu,
-    "silu": shifted_silu,
-    "elu": elu_plus_one,
+FeatureMap = Callable[[Tensor], Tensor]
+
+# name -> (map for queries, map for keys). Scale() divides each row by its sum, so a positive
+# factor on q_i cancels: normalising the queries changes nothing and is skipped (exactly the
+# same function as normalising both, for less work).
+FEATURE_MAPS: Dict[str, Tuple[FeatureMap, FeatureMap]] = {
+    "silu_norm": (shifted_silu, normalized_shifted_silu),
+    "silu": (shifted_silu, shifted_silu),
+    "elu": (elu_plus_one, elu_plus_one),
 }
 
 
-def get_feature_map(name: str) -> Callable[[Tensor], Tensor]:
+def get_feature_map(name: str) -> Tuple[FeatureMap, FeatureMap]:
+    """(query map, key map) for a feature map name."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
     return FEATURE_MAPS[name]

@@ -1,0 +1,167 @@
+"""Measuring helpers shared by scripts/benchmark_*.py: inference time and peak memory of one
+configuration, each CPU measurement in a fresh subprocess, and tables / plots of the results.
+
+Peak memory: on CUDA `torch.cuda.max_memory_allocated` minus what was allocated before the
+forward (the weights); on CPU the growth of the process's peak RSS (VmHWM, reset through
+/proc/self/clear_refs just before the forward) over its RSS at that moment.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+STATUS_OK, STATUS_OOM, STATUS_TIMEOUT, STATUS_ERROR = "ok", "OOM", "timeout", "error"
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
+          device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import timm
+    import lion_vit  # noqa: F401  (registers the LION models)
+    kwargs: Dict[str, Any] = dict(img_size=img_size)
+    if model_name.startswith("lion_"):
+        kwargs.update(attn_form=form or "attention", chunk_size=chunk_size)
+    model = timm.create_model(model_name, **kwargs).eval().to(device)
+    return model.to(dtype) if dtype == torch.float64 else model
+
+
+def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
+                      batch_size: int, device: str, dtype: str, repeats: int) -> Dict[str, Any]:
+    """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process."""
+    dev = torch.device(device)
+    torch_dtype = getattr(torch, dtype)
+    model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
+    x = torch.randn(batch_size, 3, img_size, img_size, device=dev,
+                    dtype=torch.float64 if torch_dtype == torch.float64 else torch.float32)
+    autocast = torch.autocast(dev.type, dtype=torch_dtype) if torch_dtype in (torch.bfloat16, torch.float16) \
+        else torch.autocast(dev.type, enabled=False)
+
+    def forward() -> None:
+        with torch.no_grad(), autocast:
+            model(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        base = _status_kb("VmRSS") * 1024 if _reset_peak_rss() else None
+    start = time.perf_counter()
+    forward()  # the first call also measures memory: nothing was cached before it
+    first = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else \
+        (_status_kb("VmHWM") * 1024 - base if base is not None else None)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"time_s": times[len(times) // 2] if times else first, "peak_mem_mb": None if peak is None else peak / 2**20}
+
+
+def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    """Run measure_inference in a fresh interpreter (clean peak RSS); OOM / timeout become statuses."""
+    code = ("import json, sys; from lion_vit.benchmark import measure_inference; "
+            "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": STATUS_TIMEOUT, "time_s": None, "peak_mem_mb": None}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {"status": STATUS_OK, **json.loads(line[len("RESULT "):])}
+    oom = proc.returncode in (-9, 137) or "out of memory" in proc.stderr.lower() or "MemoryError" in proc.stderr
+    tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    return {"status": STATUS_OOM if oom else STATUS_ERROR, "time_s": None, "peak_mem_mb": None, "detail": tail[0]}
+
+
+def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    """CPU: a fresh subprocess per configuration; CUDA: in process, catching OOM."""
+    if config["device"] == "cpu":
+        return measure_in_subprocess(config, timeout_s)
+    try:
+        return {"status": STATUS_OK, **measure_inference(**config)}
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"status": STATUS_OOM, "time_s": None, "peak_mem_mb": None}
+
+
+def label(row: Dict[str, Any]) -> str:
+    if not str(row["model"]).startswith("lion_"):
+        return row["model"]
+    form = row["form"] + (f" C={row['chunk_size']}" if row.get("chunk_size") else "")
+    return f"{row['model']} ({form})"
+
+
+def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def markdown_table(rows: Sequence[Dict[str, Any]], columns: Sequence[str]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_lines(rows: List[Dict[str, Any]], x_key: str, x_label: str, path: Path, title: str,
+               log_x: bool = False) -> None:
+    """Two panels (peak memory, time) against x_key, one line per model/form; OOM points dropped."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(label(r) for r in rows):
+        series = sorted((r for r in rows if label(r) == name and r["status"] == STATUS_OK), key=lambda r: r[x_key])
+        xs = [r[x_key] for r in series]
+        axes[0].plot(xs, [r["peak_mem_mb"] for r in series], marker="o", label=name)
+        axes[1].plot(xs, [r["time_s"] for r in series], marker="o", label=name)
+    for ax, ylabel in zip(axes, ("peak memory growth (MB)", "time per forward (s)")):
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Chunk-size sweep at a fixed high resolution (the paper's Figure 4): time and peak memory.
+
+    python scripts/benchmark_chunk.py                                        # lion_d_small, 1248 px, CPU
+    python scripts/benchmark_chunk.py --device cuda --models lion_d_small lion_s_small --resolution 1792
+
+Also measures the baseline (--baseline, default DeiT-S) and the attention and rnn forms at the same
+resolution for reference. Writes <out>/chunk.{csv,json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lion_vit.benchmark import label, markdown_table, measure, plot_lines, write_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["lion_d_small"])
+    parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[16, 64, 256, 1024])
+    parser.add_argument("--resolution", type=int, default=1248)
+    parser.add_argument("--baseline", default="deit_small_patch16_224", help="'' to skip")
+    parser.add_argument("--reference-forms", nargs="*", default=["rnn"], help="other forms to measure too")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = parser.parse_args()
+
+    configs = [(args.baseline, None, None)] if args.baseline else []
+    for model in args.models:
+        configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
+    rows = []
+    for model, form, chunk in configs:
+        config = dict(model_name=model, form=form, chunk_size=chunk, img_size=args.resolution,
+                      batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats)
+        row = dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, device=args.device,
+                   dtype=args.dtype, **measure(config, args.timeout))
+        if rows and rows[0]["model"] == args.baseline and rows[0]["status"] == row["status"] == "ok":
+            row["time_x_baseline"] = row["time_s"] / rows[0]["time_s"]
+            row["mem_x_baseline"] = row["peak_mem_mb"] / max(rows[0]["peak_mem_mb"], 1e-9)
+        rows.append(row)
+        print(f"{label(row):40s} {row['status']:7s} time {row['time_s'] or float('nan'):8.3f}s"
+              f"  peak +{row['peak_mem_mb'] or float('nan'):9.1f} MB", flush=True)
+    write_table(rows, args.out, "chunk")
+    chunk_rows = [r for r in rows if r["form"] == "chunk"]
+    plot_lines(chunk_rows, "chunk_size", "chunk size (tokens)", args.out / "chunk.png",
+               f"chunk form at {args.resolution}px, batch {args.batch_size}, {args.device} {args.dtype}", log_x=True)
+    for row in rows:
+        row["run"] = label(row)
+    print(markdown_table(rows, ["run", "status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline"]))
+
+
+if __name__ == "__main__":
+    main()

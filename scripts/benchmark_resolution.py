@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Inference time and peak memory against resolution (the paper's Figure 3, with time added).
+
+    python scripts/benchmark_resolution.py                                   # CPU defaults, a few minutes
+    python scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --resolutions 224 448 896 1248 1792
+
+Writes <out>/resolution.{csv,json,png} and prints a markdown table with each configuration's
+time and memory as a ratio to the first model (the baseline) at the same resolution.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lion_vit.benchmark import label, markdown_table, measure, plot_lines, write_table
+
+DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
+
+
+def parse_run(text: str):
+    """model[:form[:chunk]] -> (model, form, chunk)."""
+    parts = text.split(":")
+    form = parts[1] if len(parts) > 1 else ("attention" if parts[0].startswith("lion_") else None)
+    return parts[0], form, int(parts[2]) if len(parts) > 2 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS,
+                        help="model[:form[:chunk_size]]; the first is the baseline (default: %(default)s)")
+    parser.add_argument("--resolutions", nargs="+", type=int, default=[224, 448, 672, 896, 1248])
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up (median)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per CPU configuration")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = parser.parse_args()
+
+    rows = []
+    for resolution in args.resolutions:
+        for run in args.runs:
+            model, form, chunk = parse_run(run)
+            config = dict(model_name=model, form=form, chunk_size=chunk, img_size=resolution,
+                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats)
+            result = measure(config, args.timeout)
+            row = dict(model=model, form=form, chunk_size=chunk, resolution=resolution,
+                       tokens=(resolution // 16) ** 2, batch_size=args.batch_size, device=args.device,
+                       dtype=args.dtype, **result)
+            baseline = next((r for r in rows if r["resolution"] == resolution), None)
+            if baseline and baseline["status"] == "ok" and row["status"] == "ok":
+                row["time_x_baseline"] = row["time_s"] / baseline["time_s"]
+                row["mem_x_baseline"] = row["peak_mem_mb"] / max(baseline["peak_mem_mb"], 1e-9)
+            rows.append(row)
+            print(f"{resolution:5d}px {label(row):40s} {row['status']:7s} time {row['time_s'] or float('nan'):8.3f}s"
+                  f"  peak +{row['peak_mem_mb'] or float('nan'):9.1f} MB", flush=True)
+    write_table(rows, args.out, "resolution")
+    plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",
+               f"inference, batch {args.batch_size}, {args.device} {args.dtype}")
+    for row in rows:
+        row["run"] = label(row)
+    print(markdown_table(rows, ["resolution", "run", "status", "time_s", "peak_mem_mb", "time_x_baseline",
+                                "mem_x_baseline"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Training-step throughput of LION models against DeiT in the same process (the paper's Table 2
+"train time"): forward, backward and AdamW step at 224 px, timed round-robin over the models so
+machine noise hits them all alike.
+
+    python scripts/benchmark_train.py                                    # small scale, batch 32, CPU fp32
+    python scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 256
+
+Prints each model's step time as a ratio to the baseline (the first model) and writes
+<out>/train.{csv,json,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+import lion_vit  # noqa: F401  (registers the LION models)
+from lion_vit.benchmark import markdown_table, write_table
+
+DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
+                  "lion_d_natural_small", "lion_s_natural_small"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="the first is the baseline")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device)
+    y = torch.randint(0, 1000, (args.batch_size,), device=device)
+    setups = {}
+    for name in args.models:
+        model = timm.create_model(name, img_size=args.img_size).to(device).train()
+        step_model = torch.compile(model) if args.compile else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        setups[name] = (step_model, optimizer)
+
+    def step(name: str) -> float:
+        model, optimizer = setups[name]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    peaks = {}
+    for name in args.models:  # warm-up, and peak memory of one step on CUDA
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step(name)
+        peaks[name] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    times = {name: [] for name in args.models}
+    for _ in range(args.steps):
+        for name in args.models:
+            times[name].append(step(name))
+
+    base = statistics.median(times[args.models[0]])
+    rows = []
+    for name in args.models:
+        median = statistics.median(times[name])
+        rows.append(dict(model=name, batch_size=args.batch_size, img_size=args.img_size, device=args.device,
+                         dtype=args.dtype, step_s=median, imgs_per_s=args.batch_size / median,
+                         x_baseline=median / base, peak_mem_mb=peaks[name]))
+        print(f"{name:26s} step {median:.3f}s  {args.batch_size / median:8.1f} img/s  x{median / base:.2f}", flush=True)
+    write_table(rows, args.out, "train")
+    _plot(rows, args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, "
+                                        f"{args.device} {args.dtype}")
+    print(markdown_table(rows, ["model", "step_s", "imgs_per_s", "x_baseline", "peak_mem_mb"]))
+
+
+def _plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh([r["model"] for r in rows][::-1], [r["x_baseline"] for r in rows][::-1])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel(f"train step time / {rows[0]['model']}")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
