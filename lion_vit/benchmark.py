@@ -3,7 +3,9 @@ configuration, each CPU measurement in a fresh subprocess, and tables / plots of
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` minus what was allocated before the
 forward (the weights); on CPU the growth of the process's peak RSS (VmHWM, reset through
-/proc/self/clear_refs just before the forward) over its RSS at that moment.
+/proc/self/clear_refs just before the forward) over its RSS at that moment. CPU subprocesses run
+with a fixed glibc mmap threshold (MALLOC_MMAP_THRESHOLD_) so that every tensor of 64 KiB or
+more is returned to the OS when freed: RSS then tracks live tensors, not heap fragmentation.
 """
 from __future__ import annotations
 
@@ -87,10 +89,20 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
 
 
 def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
-    """Run measure_inference in a fresh interpreter (clean peak RSS); OOM / timeout become statuses."""
+    """CPU: peak memory from one forward in a fresh interpreter with a fixed mmap threshold, time
+    from another with the default allocator (the fixed threshold slows large allocations)."""
+    memory = _subprocess(dict(config, repeats=0), timeout_s, {"MALLOC_MMAP_THRESHOLD_": "65536"})
+    if memory["status"] != STATUS_OK or not config["repeats"]:
+        return memory
+    timing = _subprocess(config, timeout_s, {})
+    return dict(timing, peak_mem_mb=memory["peak_mem_mb"]) if timing["status"] == STATUS_OK else timing
+
+
+def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, str]) -> Dict[str, Any]:
+    """Run measure_inference in a fresh interpreter; OOM / timeout become statuses."""
     code = ("import json, sys; from lion_vit.benchmark import measure_inference; "
             "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra_env)
     try:
         proc = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
                               timeout=timeout_s, env=env)

@@ -132,9 +132,9 @@ class LionAttention(nn.Module):
         if attn_mask is not None or is_causal:
             raise ValueError("LionAttention takes no attn_mask / is_causal: its mask comes from the decays")
         batch, length, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # [B, H, L, D]
-        q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))
+        q, k, v = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]
+        v = v.contiguous()  # its own storage, so the [B, L, 3 * dim] projection can be freed now
         log_decay = self.log_decay(x)
         if self.num_scans == 1:
             log_decay = None if log_decay is None else log_decay[0]

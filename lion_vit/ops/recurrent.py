@@ -41,6 +41,8 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
             state = state * decays[t - 1]
         state = torch.addcmul(state, ks[t].unsqueeze(-1), vs[t].unsqueeze(-2))
         outputs.append(qs[t].unsqueeze(-2) @ state)  # [2, B, H, 1, Dv+1]
+    del qs, ks, vs, decays, state
     out = torch.cat(outputs, dim=-2)  # [2, B, H, L, Dv+1]
-    total = out[0] + out[1].flip(2) - (q * k).sum(-1, keepdim=True) * v1
+    del outputs
+    total = out[0].add_(out[1].flip(2)).sub_((q * k).sum(-1, keepdim=True) * v1)
     return total[..., :-1], total[..., -1:]
