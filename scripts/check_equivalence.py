@@ -16,18 +16,7 @@ import timm
 import torch
 
 import lion_vit
-from lion_vit import LionAttention
-
-
-def randomize_decays(model: torch.nn.Module, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for attn in model.modules():
-            if isinstance(attn, LionAttention) and attn.decay == "fixed":
-                attn.decay_logit.copy_(torch.randn(attn.decay_logit.shape, generator=g) * 2.0)
-            elif isinstance(attn, LionAttention) and attn.decay == "selective":
-                attn.decay_proj.weight.copy_(torch.randn(attn.decay_proj.weight.shape, generator=g) * 0.3)
-                attn.decay_proj.bias.copy_(torch.randn(attn.decay_proj.bias.shape, generator=g) * 2.0)
+from lion_vit.testing import randomize_decays
 
 
 def parse_size(text: str) -> tuple:

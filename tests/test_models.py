@@ -9,22 +9,10 @@ import torch
 
 import lion_vit
 from lion_vit import LION_MODEL_NAMES, LionAttention
+from lion_vit.testing import randomize_decays as trained_like
 
 PARAMS_M = {"tiny": (5.0, 6.5), "small": (21.0, 23.0), "base": (85.0, 88.0)}
 SIZES = [(224, 224), (160, 288)]
-
-
-def trained_like(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Spread decays far from their init, as training would (per head and, for LION-s, per token)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for attn in model.modules():
-            if isinstance(attn, LionAttention) and attn.decay == "fixed":
-                attn.decay_logit.copy_(torch.randn(attn.decay_logit.shape, generator=g) * 2.0)
-            elif isinstance(attn, LionAttention) and attn.decay == "selective":
-                attn.decay_proj.weight.copy_(torch.randn(attn.decay_proj.weight.shape, generator=g) * 0.3)
-                attn.decay_proj.bias.copy_(torch.randn(attn.decay_proj.bias.shape, generator=g) * 2.0)
-    return model
 
 
 def rel_err(a, b):
