@@ -21,7 +21,7 @@ from timm.layers import PatchEmbed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
-from torch import Tensor, nn
+from torch import Tensor
 
 from .layers import LionAttention
 from .ops import check_form

@@ -1,14 +1,11 @@
 """Every form of the op against the plain float64 oracle in tests/naive.py."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from lion_vit.ops import check_form, column_snake, lion_attention, lion_attention_multiscan, row_snake, snake_orders
 from naive import naive_lion, naive_multiscan
-from conftest import assert_close
 
 FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
 DECAYS = ["lit", "fixed", "selective", "near0", "near1"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import torch
 from omegaconf import DictConfig
 from timm.data import create_transform
 from timm.data.distributed_sampler import RepeatAugSampler

@@ -27,12 +27,12 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import models as lion_models  # registers the LION models with timm
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError
+from ..ops import FORMS
 from . import checkpoint as ckpt
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch
 
 log = logging.getLogger("lion_vit")
-FORMS = ("attention", "rnn", "chunk")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +68,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Mo
                         f"use a multiple of {patch}")
     is_lion = name in lion_models.LION_MODEL_NAMES
     if model_cfg.attn_form not in FORMS:
-        raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {FORMS}")
+        raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {sorted(FORMS)}")
     if not is_lion and (model_cfg.attn_form != "attention" or model_cfg.chunk_size):
         raise UserError(f"model.attn_form / model.chunk_size apply to LION models only, not {name}")
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate,

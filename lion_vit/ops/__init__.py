@@ -5,7 +5,7 @@ returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M), divide
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import Tensor

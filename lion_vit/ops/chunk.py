@@ -110,9 +110,8 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
         scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
     out = scores @ vc.to(scores.dtype)  # [B, H, N, C, Dv+1]
     del scores, intra_mask
-    for key_weight, query_weight, reverse in ((forward_k, forward_q, False), (backward_k, backward_q, True)):
-        if num_chunks == 1:
-            break
+    directions = ((forward_k, forward_q, False), (backward_k, backward_q, True)) if num_chunks > 1 else ()
+    for key_weight, query_weight, reverse in directions:
         contributions = (kc if key_weight is None else kc * key_weight).transpose(-1, -2) @ vc
         states = _carried_states(contributions, log_chunk_decay, reverse)  # [B, H, N, Dk, Dv+1]
         del contributions
