@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lion_vit.ops import check_form, column_snake, lion_attention, lion_attention_multiscan, row_snake, snake_orders
+from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
 from naive import naive_lion, naive_multiscan
 
 FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
@@ -109,6 +109,29 @@ def test_multiscan_matches_naive(form, decay, dtype):
     assert rel_err(out, naive_multiscan(q, k, v, lams, orders)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("decay", ["fixed", "selective"])
+@pytest.mark.parametrize("form", [("attention", None), ("chunk", 4)], ids=_form_id)
+def test_multiscan_gradients_match_naive(form, decay):
+    """The hand-written backwards (masked attention, selective mask in scan order) against autograd
+    through the float64 oracle."""
+    height, width, prefix = 3, 4, 1
+    length = height * width + prefix
+    orders = snake_orders(height, width, prefix)
+    q, k, v, _ = make_inputs(2, 2, length, 5, "lit", torch.float64, seed=6)
+    g = torch.Generator().manual_seed(7)
+    shape = (2, 1, 2, 1) if decay == "fixed" else (2, 2, 2, length)
+    lams = torch.rand(*shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=g)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
+    ref_grads = torch.autograd.grad((naive_multiscan(*ref_leaves, orders) * upstream).sum(), ref_leaves)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams))]
+    out = lion_attention_multiscan(*leaves, orders, form=form[0], chunk_size=form[1])
+    grads = torch.autograd.grad((out * upstream).sum(), leaves)
+    ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]  # d/d(log lam) = lam * d/d(lam)
+    for name, got, ref in zip("qkva", grads, ref_grads):
+        assert rel_err(got, ref) < 1e-9, f"grad of {name}"
+
+
 def test_snake_orders():
     assert row_snake(2, 3).tolist() == [0, 1, 2, 5, 4, 3]
     assert column_snake(2, 3).tolist() == [0, 3, 4, 1, 2, 5]
@@ -137,3 +160,59 @@ def test_bad_form_or_chunk_raises(form, chunk):
     q = torch.rand(1, 1, 4, 2)
     with pytest.raises(ValueError):
         lion_attention(q, q, q, form=form, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_feature_map_gradients(name):
+    """The feature maps (one has a hand-written backward) against finite differences."""
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    for feature_map in get_feature_map(name):
+        assert torch.autograd.gradcheck(feature_map, (x,))
+        assert (feature_map(x.detach()) > 0).all()
+
+
+@pytest.mark.parametrize("decay", ["lit", "selective"])
+def test_rnn_across_step_blocks(decay, monkeypatch):
+    """The rnn form stacks its inputs a block of steps at a time: blocks that do not divide L, with
+    and without autograd (in-place state and output buffer), still give the exact result."""
+    import lion_vit.ops.recurrent as recurrent
+    monkeypatch.setattr(recurrent, "STEP_BLOCK", 4)
+    q, k, v, lam = make_inputs(2, 2, 13, 6, decay, torch.float64, seed=9)
+    log_decay = None if lam is None else torch.log(lam)
+    expected = naive_lion(q, k, v, lam)
+    with torch.no_grad():
+        assert rel_err(lion_attention(q, k, v, log_decay, form="rnn"), expected) < 1e-10
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = lion_attention(*leaves, log_decay, form="rnn")
+    assert rel_err(out, expected) < 1e-10
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    grads = torch.autograd.grad((out * upstream).sum(), leaves)
+    ref_grads = torch.autograd.grad((naive_lion(*ref_leaves, lam) * upstream).sum(), ref_leaves)
+    for name, got, ref in zip("qkv", grads, ref_grads):
+        assert rel_err(got, ref) < 1e-9, f"grad of {name}"
+
+
+@pytest.mark.parametrize("carry_max", [2, 256], ids=["loop", "matmul"])
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+def test_chunk_tail_and_carry_paths(decay, carry_max, monkeypatch):
+    """A chunk size that leaves a short last chunk, with the carried states from the [N, N] matmul
+    and from the loop over chunks (used above MATMUL_CARRY_MAX_CHUNKS), forward and gradients."""
+    import lion_vit.ops.chunk as chunk
+    monkeypatch.setattr(chunk, "MATMUL_CARRY_MAX_CHUNKS", carry_max)
+    q, k, v, lam = make_inputs(2, 2, 23, 5, decay, torch.float64, seed=11)
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    log_leaf = None if lam is None else torch.log(lam).clone().requires_grad_()
+    out = lion_attention(*leaves, log_leaf, form="chunk", chunk_size=5)  # 4 chunks of 5 and one of 3
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    lam_leaf = None if lam is None else lam.clone().requires_grad_()
+    expected = naive_lion(*ref_leaves, lam_leaf)
+    assert rel_err(out, expected) < 1e-10
+    fast_leaves = leaves + ([log_leaf] if log_leaf is not None else [])
+    grads = torch.autograd.grad((out * upstream).sum(), fast_leaves)
+    ref_grads = torch.autograd.grad((expected * upstream).sum(), ref_leaves + ([lam_leaf] if lam is not None else []))
+    if lam is not None:
+        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lam]
+    for name, got, ref in zip("qkva", grads, ref_grads):
+        assert rel_err(got, ref) < 1e-9, f"grad of {name}"

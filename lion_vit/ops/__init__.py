@@ -5,10 +5,11 @@ returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M), divide
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .attention import attention_unnormalized, masked_unnormalized
 from .chunk import chunk_unnormalized
@@ -47,10 +48,31 @@ def _as_bhl(log_decay: Optional[Tensor]) -> Optional[Tensor]:
     return log_decay
 
 
+class _Divide(torch.autograd.Function):
+    """numerator / normaliser (normaliser [..., 1]) with a two-pass backward: autograd's division
+    backward takes four passes over the [B, H, L, D] output."""
+
+    @staticmethod
+    def forward(ctx, numerator: Tensor, normaliser: Tensor) -> Tensor:
+        out = numerator / normaliser
+        ctx.save_for_backward(out, normaliser)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> Tuple[Tensor, Tensor]:
+        out, normaliser = ctx.saved_tensors
+        grad_numerator = grad / normaliser
+        return grad_numerator, -(grad_numerator * out).sum(-1, keepdim=True)
+
+
 def _normalize(numerator: Tensor, normaliser: Tensor, dtype: torch.dtype) -> Tensor:
     """Divide in float32 (or float64), return in the input dtype."""
     work = mask_dtype(dtype)
-    return (numerator.to(work) / normaliser.to(work)).to(dtype)
+    numerator, normaliser = numerator.to(work), normaliser.to(work)
+    if torch.is_grad_enabled() and (numerator.requires_grad or normaliser.requires_grad):
+        return _Divide.apply(numerator, normaliser).to(dtype)
+    return (numerator / normaliser).to(dtype)
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
@@ -89,7 +111,9 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     if form == "attention":
         # Masks add up, so the full form needs one summed mask in token order and no permutation
         # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
-        mask = sum(decay_mask(a[s], length, positions=inverse[s]) for s in range(num_scans))
+        mask = decay_mask(a[0], length, positions=inverse[0])
+        for s in range(1, num_scans):  # out of place: each scan's mask is saved for its backward
+            mask = mask + decay_mask(a[s], length, positions=inverse[s])
         return _normalize(*masked_unnormalized(q, k, v, mask), v.dtype)
 
     def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .masks import decay_mask
 
@@ -21,8 +23,51 @@ def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
     return masked_unnormalized(q, k, v, decay_mask(log_decay, q.shape[-2]))
 
 
+class _MaskedAttention(torch.autograd.Function):
+    """(Q K^T * mask) V and its row sums, with a hand-written backward.
+
+    Autograd would keep the scores and the weights, then allocate a fresh L x L tensor for each of
+    half a dozen gradient steps; on a CPU those allocations (page faults on 30 MB tensors) cost
+    more than the arithmetic. Here the backward allocates one L x L tensor and updates it in place.
+    Matmuls run in the dtype the forward's matmul produced (bf16 under autocast), the mask and the
+    weights in float32/64.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+        scores = (q @ k.transpose(-1, -2)).to(mask.dtype)  # [B, H, L, L]
+        weights = scores * mask
+        numerator = weights @ v.to(weights.dtype)  # under autocast this matmul runs in bf16
+        normaliser = weights.sum(-1, keepdim=True)
+        ctx.compute_dtype = numerator.dtype
+        ctx.save_for_backward(q, k, v, mask, weights, scores if ctx.needs_input_grad[3] else None)
+        return numerator, normaliser
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor):
+        q, k, v, mask, weights, scores = ctx.saved_tensors
+        compute = ctx.compute_dtype
+        grad_numerator = grad_numerator.to(compute)
+        grad_v = None
+        if ctx.needs_input_grad[2]:
+            grad_v = (weights.to(compute).transpose(-1, -2) @ grad_numerator).to(v.dtype)
+        # d/dW of  W V  and of rowsum(W): the one L x L allocation of this backward
+        grad_weights = (grad_numerator @ v.to(compute).transpose(-1, -2)).to(weights.dtype)
+        grad_weights.add_(grad_normaliser.to(weights.dtype))
+        grad_mask = None
+        if scores is not None:  # scores are not needed after this: reuse their storage
+            grad_mask = scores.mul_(grad_weights).sum_to_size(mask.shape)
+        grad_scores = grad_weights.mul_(mask).to(compute)
+        grad_q = (grad_scores @ k.to(compute)).to(q.dtype) if ctx.needs_input_grad[0] else None
+        grad_k = (grad_scores.transpose(-1, -2) @ q.to(compute)).to(k.dtype) if ctx.needs_input_grad[1] else None
+        return grad_q, grad_k, grad_v, grad_mask
+
+
 def masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     """(Q K^T * mask) V and its row sums, for a mask [B|1, H, L, L] in float32/64."""
-    weights = (q @ k.transpose(-1, -2)).to(mask.dtype) * mask  # [B, H, L, L]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask)):
+        return _MaskedAttention.apply(q, k, v, mask)
+    weights = (q @ k.transpose(-1, -2)).to(mask.dtype).mul_(mask)  # [B, H, L, L], in place: no backward
     # under autocast the matmul itself runs in bf16; the row sums stay in float32
     return weights @ v.to(weights.dtype), weights.sum(-1, keepdim=True)

@@ -1,6 +1,7 @@
 """Chunkwise LION: masked attention inside each chunk plus state passing between chunks.
 
-The sequence is cut into N chunks of C tokens (the last one zero-padded). For a query at local
+The sequence is cut into N chunks of C tokens (the last one shorter when C does not divide L,
+handled as a second group of chunks: nothing is padded). For a query at local
 position p of chunk n (local inclusive log-decay cumsum c_p, exclusive e_p = c_p - a_p, chunk
 total T_n):
 
@@ -18,26 +19,17 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask, mask_dtype
 
 
-def _pad_chunks(t: Tensor, pad: int, num_chunks: int) -> Tensor:
-    """[B, H, L, D] -> [B, H, N, C, D], zero-padding the last chunk (no copy when C divides L)."""
-    if pad:
-        t = F.pad(t, (0, 0, 0, pad))
-    return t.unflatten(2, (num_chunks, -1))
-
-
-def _padded_with_ones(v: Tensor, pad: int, num_chunks: int) -> Tensor:
-    """[v, 1] zero-padded to N * C tokens, as [B, H, N, C, Dv+1], built in one allocation."""
-    batch, heads, length, dv = v.shape
-    v1 = v.new_zeros(batch, heads, length + pad, dv + 1)
-    v1[:, :, :length, :dv] = v
-    v1[:, :, :length, dv] = 1.0
-    return v1.unflatten(2, (num_chunks, -1))
+def _with_ones(v: Tensor) -> Tensor:
+    """[v, 1]: [B, H, L, Dv+1], built in one allocation."""
+    v1 = v.new_empty(*v.shape[:-1], v.shape[-1] + 1)
+    v1[..., :-1] = v
+    v1[..., -1] = 1.0
+    return v1
 
 
 # Up to this many chunks the carried states come from one matmul with an [N, N] decay matrix
@@ -52,9 +44,6 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     contributions C: [B, H, N, Dk, Dv+1]; log_chunk_decay T: [B, H, N] or None (no decay).
     """
     num_chunks = contributions.shape[2]
-    if reverse:
-        flipped = None if log_chunk_decay is None else log_chunk_decay.flip(-1)
-        return _carried_states(contributions.flip(2), flipped, reverse=False).flip(2)
     if num_chunks <= MATMUL_CARRY_MAX_CHUNKS:
         if log_chunk_decay is None:
             weights = torch.ones(num_chunks, num_chunks, dtype=contributions.dtype, device=contributions.device)
@@ -62,10 +51,17 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
             # float64: the sums run over up to L tokens of decay, and only [N, N] entries are formed
             a = log_chunk_decay.double()
             inclusive = a.cumsum(-1)
-            # entry (n, m), m < n: T_{m+1} + ... + T_{n-1} = (G_n - T_n) - G_m  <= 0
-            weights = torch.exp((inclusive - a)[..., :, None] - inclusive[..., None, :])
-        weights = torch.tril(weights, diagonal=-1).to(contributions.dtype)  # [B|1, H|1, N, N]
+            exclusive = inclusive - a
+            # entry (n, m): m < n: T_{m+1} + ... + T_{n-1} = E_n - G_m;  m > n: T_{n+1} + ... + T_{m-1} = E_m - G_n
+            exponent = exclusive[..., None, :] - inclusive[..., :, None] if reverse else \
+                exclusive[..., :, None] - inclusive[..., None, :]
+            weights = torch.exp(exponent)  # entries outside the triangle may overflow: they are dropped
+        weights = torch.triu(weights, diagonal=1) if reverse else torch.tril(weights, diagonal=-1)
+        weights = weights.to(contributions.dtype)  # [B|1, H|1, N, N]
         return (weights @ contributions.flatten(-2)).unflatten(-1, contributions.shape[-2:])
+    if reverse:
+        flipped = None if log_chunk_decay is None else log_chunk_decay.flip(-1)
+        return _carried_states(contributions.flip(2), flipped, reverse=False).flip(2)
     states = [torch.zeros_like(contributions[:, :, 0])]
     for n in range(1, num_chunks):
         state = states[-1] if log_chunk_decay is None else \
@@ -82,43 +78,62 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     """
     batch, heads, length, _ = q.shape
     size = length if chunk_size is None else min(chunk_size, length)
-    num_chunks = -(-length // size)
-    pad = num_chunks * size - length
-    # Padding sits at the end: zero keys/values add nothing, and a zero log decay (lam = 1) is only
-    # ever crossed on the way to a padded position.
-    qc, kc, vc = _pad_chunks(q, pad, num_chunks), _pad_chunks(k, pad, num_chunks), _padded_with_ones(v, pad, num_chunks)
+    num_full, tail = divmod(length, size)
+    # The full chunks and a shorter last one (when C does not divide L) are two groups of equal-size
+    # chunks, each a view of the sequence: nothing is padded or copied. (start, chunks, size):
+    groups = [(0, num_full, size)] + ([(num_full * size, 1, tail)] if tail else [])
+    v1 = _with_ones(v)  # the normaliser rides along as a column
+    out = torch.empty_like(v1)
+    a = None if log_decay is None else log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
 
-    forward_k = forward_q = backward_k = backward_q = log_chunk_decay = intra_mask = None
-    if log_decay is not None:
-        a = log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
-        a = F.pad(a, (0, pad)).unflatten(2, (num_chunks, size))  # [B, H, N, C]
-        inclusive = a.cumsum(-1)
-        exclusive = inclusive - a
-        total = inclusive[..., -1:]  # [B, H, N, 1]
-        # one decay per head (LION-d): every chunk shares one [C, C] Toeplitz block
-        fixed = log_decay.shape[-1] == 1
-        intra_mask = decay_mask(log_decay[..., None, :] if fixed else a, size)  # [B|1, H, N|1, C, C]
-        forward_q, backward_q = torch.exp(exclusive)[..., None], torch.exp(total - inclusive)[..., None]
-        forward_k, backward_k = torch.exp(total - exclusive)[..., None], torch.exp(inclusive)[..., None]
-        log_chunk_decay = total[..., 0]  # [B, H, N]
-        forward_k, backward_k = forward_k.to(q.dtype), backward_k.to(q.dtype)
+    def chunked(t: Tensor, start: int, count: int, c: int) -> Tensor:  # [..., L, D] -> [..., n, c, D]
+        return t[:, :, start:start + count * c].unflatten(2, (count, c))
 
-    scores = qc @ kc.transpose(-1, -2)  # [B, H, N, C, C]
-    if intra_mask is not None:
-        scores = scores.to(intra_mask.dtype)
-        # in place when nothing needs the unmasked scores for a backward pass
-        scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
-    out = scores @ vc.to(scores.dtype)  # [B, H, N, C, Dv+1]
-    del scores, intra_mask
-    directions = ((forward_k, forward_q, False), (backward_k, backward_q, True)) if num_chunks > 1 else ()
-    for key_weight, query_weight, reverse in directions:
-        contributions = (kc if key_weight is None else kc * key_weight).transpose(-1, -2) @ vc
-        states = _carried_states(contributions, log_chunk_decay, reverse)  # [B, H, N, Dk, Dv+1]
-        del contributions
-        update = qc @ states  # [B, H, N, C, Dv+1]
-        del states
-        # in place: neither tensor is saved for backward, and each is as large as the output
-        out.add_(update if query_weight is None else update.mul_(query_weight))
-        del update
-    out = out.flatten(2, 3)[:, :, :length]
+    parts = []  # per group: its place, forward/backward weights and chunk totals
+    for start, count, c in groups:
+        qg, kg, vg, outg = (chunked(t, start, count, c) for t in (q, k, v1, out))
+        scores = qg @ kg.transpose(-1, -2)  # [B, H, n, c, c]
+        weights = {False: (None, None), True: (None, None)}
+        total = None
+        if a is not None:
+            ag = a[:, :, start:start + count * c].unflatten(2, (count, c))  # [B, H, n, c]
+            inclusive = ag.cumsum(-1)
+            exclusive = inclusive - ag
+            total = inclusive[..., -1:]  # [B, H, n, 1]
+            # one decay per head (LION-d): every chunk shares one [c, c] Toeplitz block
+            fixed = log_decay.shape[-1] == 1
+            intra_mask = decay_mask(log_decay[..., None, :] if fixed else ag, c)  # [B|1, H, n|1, c, c]
+            scores = scores.to(intra_mask.dtype)
+            # in place when nothing needs the unmasked scores for a backward pass
+            scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
+            del intra_mask
+            weights = {  # (key weight, query weight) per direction (reverse: False, True)
+                False: (torch.exp(total - exclusive)[..., None].to(q.dtype), torch.exp(exclusive)[..., None]),
+                True: (torch.exp(inclusive)[..., None].to(q.dtype), torch.exp(total - inclusive)[..., None]),
+            }
+        intra = scores @ vg.to(scores.dtype)  # [B, H, n, c, Dv+1]
+        del scores
+        outg.copy_(intra)  # (autograd follows writes into views of out)
+        del intra
+        parts.append((start, count, c, weights, total))
+
+    if length > size:
+        log_chunk_decay = None if a is None else torch.cat([total for *_, total in parts], dim=2)[..., 0]  # [B, H, N]
+        for reverse in (False, True):  # one direction at a time: its states are O(N d^2) memory
+            contributions = []
+            for start, count, c, weights, _ in parts:
+                kg, key_weight = chunked(k, start, count, c), weights[reverse][0]
+                contributions.append((kg if key_weight is None else kg * key_weight).transpose(-1, -2)
+                                     @ chunked(v1, start, count, c))
+            contributions = contributions[0] if len(contributions) == 1 else torch.cat(contributions, dim=2)
+            states = _carried_states(contributions, log_chunk_decay, reverse)  # [B, H, N, Dk, Dv+1]
+            del contributions
+            for start, count, c, weights, _ in parts:
+                update = chunked(q, start, count, c) @ states[:, :, start // size:start // size + count]
+                query_weight = weights[reverse][1]
+                # in place: neither tensor is saved for backward, and each is as large as the output
+                outg = chunked(out, start, count, c)
+                outg.add_(update if query_weight is None else update.mul_(query_weight))
+                del update
+            del states
     return out[..., :-1], out[..., -1:]

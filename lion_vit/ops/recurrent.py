@@ -4,15 +4,21 @@
     backward: the same recurrence on the reversed sequence
     output:   y^F_i + y^B_i - (q_i^T k_i) [v_i, 1]            (the diagonal is counted once)
 
-Both directions advance together in one loop over a stacked state [2, B, H, Dk, Dv+1]. Memory is
-O(L d) for the outputs plus O(d^2) state: no L x L matrix.
+Both directions advance together in one loop over a stacked state [2, B, H, Dk, Dv+1]. The
+stacked (and mirrored) inputs are built a block of steps at a time, and without autograd the
+state is updated in place and each step writes straight into one output buffer, so memory is
+the output plus O(d^2) state and O(block d) inputs: no L x L matrix, no copy of the sequence.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+# Steps whose stacked [forward, backward] inputs are materialised at once.
+STEP_BLOCK = 256
 
 
 def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
@@ -23,26 +29,49 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
     """
     del chunk_size
     batch, heads, length, dk = q.shape
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along as a column
-
-    def both_directions(t: Tensor) -> Tensor:  # [B, H, L, D] -> L steps of [2, B, H, D]
-        return torch.stack([t, t.flip(2)]).unbind(3)
-
-    qs, ks, vs = both_directions(q), both_directions(k), both_directions(v1)
+    dv = v.shape[-1]
+    inplace = not (torch.is_grad_enabled()
+                   and any(t is not None and t.requires_grad for t in (q, k, v, log_decay)))
     decays = None
     if log_decay is not None:
         lam = torch.exp(log_decay).to(q.dtype).expand(batch, heads, length)
-        # step t multiplies by lam_{t-1} going forward and by lam_{L-t} going backward
-        decays = torch.stack([lam, lam.flip(-1)])[..., None, None].unbind(3)  # L x [2, B, H, 1, 1]
-    state = q.new_zeros(2, batch, heads, dk, v1.shape[-1])
+        # step t multiplies the state by lam_{t-1} going forward and by lam_{L-t} going backward
+        decays = F.pad(torch.stack([lam, lam.flip(-1)])[..., :-1], (1, 0))[..., None, None]  # [2, B, H, L, 1, 1]
+
+    def block(t: Tensor, start: int, stop: int) -> Tensor:
+        """Steps start..stop-1 of both directions: [2, B, H, stop - start, D]."""
+        return torch.stack([t[:, :, start:stop], t[:, :, length - stop:length - start].flip(2)])
+
+    state = q.new_zeros(2, batch, heads, dk, dv + 1)
+    out = q.new_empty(length, 2, batch, heads, 1, dv + 1) if inplace else None
     outputs = []
-    for t in range(length):
-        if t > 0 and decays is not None:
-            state = state * decays[t - 1]
-        state = torch.addcmul(state, ks[t].unsqueeze(-1), vs[t].unsqueeze(-2))
-        outputs.append(qs[t].unsqueeze(-2) @ state)  # [2, B, H, 1, Dv+1]
-    del qs, ks, vs, decays, state
-    out = torch.cat(outputs, dim=-2)  # [2, B, H, L, Dv+1]
-    del outputs
-    total = out[0].add_(out[1].flip(2)).sub_((q * k).sum(-1, keepdim=True) * v1)
-    return total[..., :-1], total[..., -1:]
+    for start in range(0, length, STEP_BLOCK):
+        stop = min(start + STEP_BLOCK, length)
+        values = block(v, start, stop)
+        values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # the normaliser's column
+        block_decays = [None] * (stop - start) if decays is None else decays[:, :, :, start:stop].unbind(3)
+        steps = zip(block(q, start, stop).unbind(3), block(k, start, stop).unbind(3), values.unbind(3), block_decays)
+        for t, (q_t, k_t, v_t, decay_t) in enumerate(steps, start):
+            if t > 0 and decay_t is not None:
+                state = state.mul_(decay_t) if inplace else state * decay_t
+            k_t, v_t = k_t.unsqueeze(-1), v_t.unsqueeze(-2)
+            state = state.addcmul_(k_t, v_t) if inplace else torch.addcmul(state, k_t, v_t)
+            if inplace:
+                torch.matmul(q_t.unsqueeze(-2), state, out=out[t])
+            else:
+                outputs.append(q_t.unsqueeze(-2) @ state)  # [2, B, H, 1, Dv+1]
+    del state
+    if not inplace:
+        out = torch.stack(outputs)
+        del outputs
+    out = out.squeeze(-2).permute(1, 2, 3, 0, 4)  # [2, B, H, L, Dv+1] (a view)
+    if inplace:  # add the backward direction at mirrored positions without a flipped copy
+        total = out[0].index_add_(2, torch.arange(length - 1, -1, -1, device=q.device), out[1])
+    else:
+        total = out[0] + out[1].flip(2)
+    del out
+    diagonal = (q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze(-1)  # q_i . k_i, [B, H, L, 1]
+    numerator, normaliser = total[..., :dv], total[..., dv:]
+    if inplace:
+        return numerator.addcmul_(diagonal, v, value=-1.0), normaliser.sub_(diagonal)
+    return numerator - diagonal * v, normaliser - diagonal
