@@ -69,10 +69,7 @@ class _Divide(torch.autograd.Function):
 def _normalize(numerator: Tensor, normaliser: Tensor, dtype: torch.dtype) -> Tensor:
     """Divide in float32 (or float64), return in the input dtype."""
     work = mask_dtype(dtype)
-    numerator, normaliser = numerator.to(work), normaliser.to(work)
-    if torch.is_grad_enabled() and (numerator.requires_grad or normaliser.requires_grad):
-        return _Divide.apply(numerator, normaliser).to(dtype)
-    return (numerator / normaliser).to(dtype)
+    return _Divide.apply(numerator.to(work), normaliser.to(work)).to(dtype)
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,

@@ -43,10 +43,7 @@ class _NormalizedShiftedSilu(torch.autograd.Function):
 
 def normalized_shifted_silu(x: Tensor) -> Tensor:
     """(SiLU(x) + 0.5) / ||SiLU(x) + 0.5||: the paper's choice for every LION variant."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _NormalizedShiftedSilu.apply(x)
-    y = F.silu(x).add_(0.5)
-    return y.div_(torch.linalg.vector_norm(y, dim=-1, keepdim=True))
+    return _NormalizedShiftedSilu.apply(x)
 
 
 FeatureMap = Callable[[Tensor], Tensor]

@@ -24,6 +24,11 @@ def mask_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _cumsum_dtype(length: int, dtype: torch.dtype) -> torch.dtype:
+    """Where log-decay sums over `length` tokens are formed: float64 above FLOAT64_CUMSUM_ABOVE."""
+    return torch.float64 if length > FLOAT64_CUMSUM_ABOVE else mask_dtype(dtype)
+
+
 def _positions(length: int, positions: Optional[Tensor], device: torch.device) -> Tensor:
     return torch.arange(length, device=device) if positions is None else positions
 
@@ -41,8 +46,7 @@ def toeplitz_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = 
 def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """Inclusive and exclusive cumsums (in token order) and each token's scan position."""
     length = log_decay.shape[-1]
-    work_dtype = torch.float64 if length > FLOAT64_CUMSUM_ABOVE else mask_dtype(log_decay.dtype)
-    a = log_decay.to(work_dtype)
+    a = log_decay.to(_cumsum_dtype(length, log_decay.dtype))
     inclusive = a.cumsum(-1)  # c_i = a_0 + ... + a_i
     exclusive = inclusive - a  # c_{i-1}
     if positions is not None:  # scan order -> token order, O(L)
@@ -91,7 +95,7 @@ class _SelectiveMask(torch.autograd.Function):
         lower = grad_log.masked_fill_(row[:, None] <= row[None, :], 0.0)  # strictly earlier in the scan
         rows_lower, cols_lower = lower.sum(-1), lower.sum(-2)
         rows_upper, cols_upper = rows - rows_lower - diagonal, cols - cols_lower - diagonal
-        work_dtype = torch.float64 if length > FLOAT64_CUMSUM_ABOVE else mask.dtype
+        work_dtype = _cumsum_dtype(length, mask.dtype)
         from_lower, from_upper = (cols_lower - rows_lower).to(work_dtype), (rows_upper - cols_upper).to(work_dtype)
         if positions is not None:  # token order -> scan order
             order = torch.argsort(positions)
@@ -106,9 +110,7 @@ def selective_mask(log_decay: Tensor, positions: Optional[Tensor] = None) -> Ten
     With `positions` (scan position of each token), log_decay is given in scan order and the mask
     is returned in token order, without ever permuting an L x L matrix.
     """
-    if log_decay.requires_grad and torch.is_grad_enabled():
-        return _SelectiveMask.apply(log_decay, positions)
-    return _selective_mask_values(log_decay, positions)
+    return _SelectiveMask.apply(log_decay, positions)  # without autograd: just its forward
 
 
 def decay_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = None) -> Tensor:
