@@ -21,6 +21,7 @@ import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
 from lion_vit.benchmark import markdown_table, write_table
+from lion_vit.engine.allocator import keep_freed_memory
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
                   "lion_d_natural_small", "lion_s_natural_small"]
@@ -35,8 +36,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per model after one warm-up; the best is reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
+                        help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
+                             "or glibc's 'default' (large tensors page-faulted in again every step)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
+    if args.device == "cpu" and args.malloc == "keep":
+        keep_freed_memory()
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -81,7 +87,7 @@ def main() -> None:
     for name in args.models:
         best = min(times[name])
         rows.append(dict(model=name, batch_size=args.batch_size, img_size=args.img_size, device=args.device,
-                         dtype=args.dtype, step_s=best, step_median_s=statistics.median(times[name]),
+                         dtype=args.dtype, malloc=args.malloc if args.device == "cpu" else None, step_s=best, step_median_s=statistics.median(times[name]),
                          imgs_per_s=args.batch_size / best, x_baseline=best / base, peak_mem_mb=peaks[name]))
         print(f"{name:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}", flush=True)
     write_table(rows, args.out, "train")

@@ -218,7 +218,7 @@ def test_chunk_tail_and_carry_paths(decay, carry_max, monkeypatch):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
 
 
-@pytest.mark.parametrize("decay", ["fixed", "selective"])
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
 def test_autocast_bf16_backward(decay):
     """The hand-written backwards under bf16 autocast: gradients in the inputs' dtypes, finite, and
     close to the float32 ones."""
@@ -226,7 +226,8 @@ def test_autocast_bf16_backward(decay):
     upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(14))
 
     def grads(autocast: bool):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lam).float())]
+        inputs = (q, k, v) if lam is None else (q, k, v, torch.log(lam).float())
+        leaves = [t.clone().requires_grad_() for t in inputs]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = lion_attention(*leaves)
         return torch.autograd.grad((out.float() * upstream).sum(), leaves)
@@ -234,3 +235,14 @@ def test_autocast_bf16_backward(decay):
     for got, ref in zip(grads(True), grads(False)):
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert rel_err(got, ref) < 5e-2
+
+
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+def test_attention_form_gradients_are_contiguous(decay):
+    """q, k, v gradients come back in the inputs' layout: strided ones made every later pass over
+    them (feature-map backward, stacking into the qkv gradient) several times slower on a CPU."""
+    q, k, v, lam = make_inputs(2, 3, 20, 8, decay, torch.float32, seed=15)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = lion_attention(*leaves, None if lam is None else torch.log(lam).float())
+    for grad in torch.autograd.grad(out.square().sum(), leaves):
+        assert grad.is_contiguous()

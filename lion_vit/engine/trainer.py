@@ -29,6 +29,7 @@ from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError
 from ..ops import FORMS
 from . import checkpoint as ckpt
+from .allocator import keep_freed_memory
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch
 
@@ -170,6 +171,8 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
 def train(cfg: DictConfig) -> Dict[str, Any]:
     """Run training (or evaluation with eval_only=true) as configured; returns the final metrics."""
     device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.get("cpu_keep_freed_memory", True):
+        keep_freed_memory()
     dist_info = init_distributed(device)
     try:
         if device.type == "cuda":
