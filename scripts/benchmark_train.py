@@ -87,7 +87,8 @@ def main() -> None:
     for name in args.models:
         best = min(times[name])
         rows.append(dict(model=name, batch_size=args.batch_size, img_size=args.img_size, device=args.device,
-                         dtype=args.dtype, malloc=args.malloc if args.device == "cpu" else None, step_s=best, step_median_s=statistics.median(times[name]),
+                         dtype=args.dtype, malloc=args.malloc if args.device == "cpu" else None,
+                         step_s=best, step_median_s=statistics.median(times[name]),
                          imgs_per_s=args.batch_size / best, x_baseline=best / base, peak_mem_mb=peaks[name]))
         print(f"{name:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}", flush=True)
     write_table(rows, args.out, "train")

@@ -171,7 +171,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
 def train(cfg: DictConfig) -> Dict[str, Any]:
     """Run training (or evaluation with eval_only=true) as configured; returns the final metrics."""
     device = resolve_device(cfg.device)
-    if device.type == "cpu" and cfg.get("cpu_keep_freed_memory", True):
+    if device.type == "cpu" and cfg.cpu_keep_freed_memory:
         keep_freed_memory()
     dist_info = init_distributed(device)
     try:

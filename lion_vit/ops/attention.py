@@ -19,12 +19,12 @@ def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
     del chunk_size  # the full form has no chunks; argument kept for a uniform signature
     if log_decay is None:
         # All-ones mask: Q (K^T V) and Q (sum_j k_j) are exact and never build an L x L matrix.
-        return q @ key_value_product(k, v), q @ k.sum(-2).unsqueeze(-1)
+        return q @ _KeyValueProduct.apply(k, v), q @ k.sum(-2).unsqueeze(-1)
     return masked_unnormalized(q, k, v, decay_mask(log_decay, q.shape[-2]))
 
 
 class _KeyValueProduct(torch.autograd.Function):
-    """K^T V with both gradients in the inputs' [L, D] layout.
+    """K^T V [..., Dk, Dv] (its forward is also the no-grad path), with both gradients in the inputs' [L, D] layout.
 
     Autograd's backward of `k.transpose(-1, -2) @ v` returns dK as a transposed view, and every
     later pass over it (feature-map backward, stacking q/k/v gradients) then runs strided, several
@@ -46,13 +46,6 @@ class _KeyValueProduct(torch.autograd.Function):
         grad_k = (v.to(grad.dtype) @ grad.transpose(-1, -2)).to(k.dtype) if ctx.needs_input_grad[0] else None
         grad_v = (k.to(grad.dtype) @ grad).to(v.dtype) if ctx.needs_input_grad[1] else None
         return grad_k, grad_v
-
-
-def key_value_product(k: Tensor, v: Tensor) -> Tensor:
-    """K^T V  [..., Dk, Dv] for k [..., L, Dk], v [..., L, Dv]."""
-    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-        return _KeyValueProduct.apply(k, v)
-    return k.transpose(-1, -2) @ v
 
 
 class _MaskedAttention(torch.autograd.Function):
