@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
                              "or glibc's 'default' (large tensors page-faulted in again every step)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile one more step per model and print its most expensive ops "
+                             "(where the time goes: shared linear/MLP matmuls vs attention)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
     if args.device == "cpu" and args.malloc == "keep":
@@ -95,6 +98,22 @@ def main() -> None:
     _plot(rows, args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, "
                                         f"{args.device} {args.dtype}")
     print(markdown_table(rows, ["model", "step_s", "imgs_per_s", "x_baseline", "peak_mem_mb"]))
+    if args.profile:
+        for name in args.models:
+            _print_profile(name, lambda: step(name))
+
+
+def _print_profile(name: str, run_step) -> None:
+    """One step under torch.profiler: the ops with the most self time, as a share of the step."""
+    from torch.profiler import profile
+    with profile() as prof:
+        run_step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"\n{name}: {total / 1e6:.2f} s profiled (self time, profiler overhead included)")
+    for event in events[:10]:
+        print(f"  {event.self_cpu_time_total / total:6.1%}  {event.self_cpu_time_total / 1e6:7.3f} s  "
+              f"x{event.count:<4d} {event.key}")
 
 
 def _plot(rows, path: Path, title: str) -> None:

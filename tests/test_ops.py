@@ -193,6 +193,53 @@ def test_rnn_across_step_blocks(decay, monkeypatch):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3 * 13 * 13 * 8], ids=["one_slab", "three_slabs"])
+def test_selective_mask_in_slab_groups(group_bytes, monkeypatch):
+    """On a CPU the selective mask walks its (batch, head) slabs in cache-sized groups: groups of
+    one and of three slabs (3 x 2 heads leave a short last group), single and multi-scan, forward
+    and gradients, against the float64 oracle."""
+    import lion_vit.ops.masks as masks
+    monkeypatch.setattr(masks, "CPU_GROUP_BYTES", group_bytes)
+    height, width, prefix = 3, 4, 1
+    length = height * width + prefix
+    orders = snake_orders(height, width, prefix)
+    q, k, v, _ = make_inputs(4, 2, length, 5, "lit", torch.float64, seed=11)
+    g = torch.Generator().manual_seed(12)
+    lams = torch.rand(2, 4, 2, length, generator=g, dtype=torch.float64) * 0.98 + 0.01
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=g)
+    for single in (True, False):
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams[0] if single else lams)]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(ref_leaves[3].detach()))]
+        if single:
+            expected, out = naive_lion(*ref_leaves), lion_attention(*leaves)
+        else:
+            expected, out = naive_multiscan(*ref_leaves, orders), lion_attention_multiscan(*leaves, orders)
+        assert rel_err(out, expected) < 1e-10
+        ref_grads = torch.autograd.grad((expected * upstream).sum(), ref_leaves)
+        grads = torch.autograd.grad((out * upstream).sum(), leaves)
+        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * ref_leaves[3].detach()]
+        for name, got, ref in zip("qkva", grads, ref_grads):
+            assert rel_err(got, ref) < 1e-9, f"grad of {name} ({'single' if single else 'multi'}-scan)"
+
+
+def test_selective_mask_gradient_long_fp32(monkeypatch):
+    """Above FLOAT64_CUMSUM_ABOVE tokens the exponents are formed in float64 and the float32 mask is
+    filled group by group: its gradient still matches the float64 oracle."""
+    import lion_vit.ops.masks as masks
+    monkeypatch.setattr(masks, "CPU_GROUP_BYTES", 1)
+    length = masks.FLOAT64_CUMSUM_ABOVE + 88
+    q, k, v, lam = make_inputs(1, 2, length, 4, "selective", torch.float64, seed=13)
+    lam = lam * 0.2 + 0.79  # decays in [0.79, 0.99]: entries far from the diagonal still count
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
+    ref_grads = torch.autograd.grad((naive_lion(*ref_leaves) * upstream).sum(), ref_leaves)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, torch.log(lam))]
+    grads = torch.autograd.grad((lion_attention(*leaves) * upstream.float()).sum(), leaves)
+    ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lam]
+    for name, got, ref in zip("qkva", grads, ref_grads):
+        assert rel_err(got, ref) < 1e-4, f"grad of {name}"
+
+
 @pytest.mark.parametrize("carry_max", [2, 256], ids=["loop", "matmul"])
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
 def test_chunk_tail_and_carry_paths(decay, carry_max, monkeypatch):

@@ -7,7 +7,7 @@ that is <= 0 by construction, so nothing overflows however long the sequence is.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -17,6 +17,11 @@ from torch.autograd.function import once_differentiable
 # difference of two sums of up to L terms, whose float32 rounding error (~eps * L * |a|) would
 # otherwise reach 1e-4 relative for the entries that matter (|a| ~ 1, L ~ 6000).
 FLOAT64_CUMSUM_ABOVE = 512
+
+# On a CPU the selective mask's L x L passes walk (batch, head) slabs in groups of about this many
+# bytes (a few per group fit a 16 MiB last-level cache), so that its backward's product and four
+# reductions read each group from cache instead of memory after the first pass.
+CPU_GROUP_BYTES = 4 << 20
 
 
 def mask_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,24 +48,48 @@ def toeplitz_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = 
     return torch.exp(log_decay.to(distance.dtype)[..., None] * distance)
 
 
-def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Inclusive and exclusive cumsums (in token order) and each token's scan position."""
+def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Inclusive and exclusive cumsums of the log decays, in token order."""
     length = log_decay.shape[-1]
     a = log_decay.to(_cumsum_dtype(length, log_decay.dtype))
     inclusive = a.cumsum(-1)  # c_i = a_0 + ... + a_i
     exclusive = inclusive - a  # c_{i-1}
     if positions is not None:  # scan order -> token order, O(L)
         inclusive, exclusive = inclusive[..., positions], exclusive[..., positions]
-    return inclusive, exclusive, _positions(length, positions, a.device)
+    return inclusive, exclusive
+
+
+def _slab_groups(count: int, length: int, dtype: torch.dtype, device: torch.device) -> Iterator[slice]:
+    """Slices of `count` L x L slabs that the selective mask's several passes walk one after the other.
+
+    On a CPU each group is about CPU_GROUP_BYTES, so that every pass after the first finds the group
+    in the last-level cache instead of memory; a GPU takes all slabs at once.
+    """
+    per_group = count
+    if device.type == "cpu":
+        per_group = max(1, CPU_GROUP_BYTES // (length * length * torch.finfo(dtype).bits // 8))
+    for start in range(0, count, per_group):
+        yield slice(start, start + per_group)
 
 
 def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Tensor:
-    inclusive, exclusive, row = _selective_log_parts(log_decay, positions)
-    # i >= j: sum_{k=j}^{i-1} a_k = c_{i-1} - c_{j-1};  i < j: sum_{k=i+1}^{j} a_k = c_j - c_i
-    lower = exclusive[..., :, None] - exclusive[..., None, :]
-    upper = inclusive[..., None, :] - inclusive[..., :, None]
-    log_mask = torch.where(row[:, None] >= row[None, :], lower, upper, out=lower)
-    return log_mask.exp_().to(mask_dtype(log_decay.dtype))
+    inclusive, exclusive = _selective_log_parts(log_decay, positions)
+    *lead, length = inclusive.shape
+    inclusive, exclusive = inclusive.reshape(-1, length), exclusive.reshape(-1, length)
+    mask = torch.empty(inclusive.shape[0], length, length, dtype=mask_dtype(log_decay.dtype),
+                       device=inclusive.device)
+    in_place = mask.dtype == inclusive.dtype
+    for group in _slab_groups(mask.shape[0], length, inclusive.dtype, mask.device):
+        # Below the diagonal (in the scan) the exponent is c_{i-1} - c_{j-1} <= 0, above it c_j - c_i <= 0;
+        # the other expression is >= 0 on each side (the sums are monotone), so their minimum is the
+        # exponent everywhere, with no position test.
+        before, at = exclusive[group], inclusive[group]
+        lower = torch.sub(before[:, :, None], before[:, None, :], out=mask[group] if in_place else None)
+        upper = at[:, None, :] - at[:, :, None]
+        log_mask = torch.minimum(lower, upper, out=lower).exp_()
+        if not in_place:
+            mask[group] = log_mask
+    return mask.view(*lead, length, length)
 
 
 class _SelectiveMask(torch.autograd.Function):
@@ -85,15 +114,23 @@ class _SelectiveMask(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_mask: Tensor) -> Tuple[Tensor, None]:
         mask, positions = ctx.saved_tensors
-        length = mask.shape[-1]
+        *lead, length = mask.shape[:-1]
+        row = _positions(length, positions, mask.device)
+        # 1 where token j comes strictly before token i in the scan (a float product: masked_fill_
+        # with a broadcast boolean mask is several times slower on a CPU)
+        earlier = (row[:, None] > row[None, :]).to(mask.dtype)
         # dL/d(log M) = dL/dM * M, written into the saved mask: nothing reads it after this
         # backward (a second backward through the graph fails autograd's version check).
-        grad_log = mask.mul_(grad_mask)  # [..., L, L], token order
-        rows, cols = grad_log.sum(-1), grad_log.sum(-2)
-        diagonal = grad_log.diagonal(dim1=-2, dim2=-1).clone()
-        row = _positions(length, positions, mask.device)
-        lower = grad_log.masked_fill_(row[:, None] <= row[None, :], 0.0)  # strictly earlier in the scan
-        rows_lower, cols_lower = lower.sum(-1), lower.sum(-2)
+        grad_log, grad_mask = mask.view(-1, length, length), grad_mask.reshape(-1, length, length)
+        rows, cols, diagonal, rows_lower, cols_lower = grad_log.new_empty(5, grad_log.shape[0], length)
+        for group in _slab_groups(grad_log.shape[0], length, mask.dtype, mask.device):
+            g = grad_log[group].mul_(grad_mask[group])
+            torch.sum(g, -1, out=rows[group])
+            torch.sum(g, -2, out=cols[group])
+            diagonal[group] = g.diagonal(dim1=-2, dim2=-1)
+            lower = g.mul_(earlier)
+            torch.sum(lower, -1, out=rows_lower[group])
+            torch.sum(lower, -2, out=cols_lower[group])
         rows_upper, cols_upper = rows - rows_lower - diagonal, cols - cols_lower - diagonal
         work_dtype = _cumsum_dtype(length, mask.dtype)
         from_lower, from_upper = (cols_lower - rows_lower).to(work_dtype), (rows_upper - cols_upper).to(work_dtype)
@@ -101,7 +138,7 @@ class _SelectiveMask(torch.autograd.Function):
             order = torch.argsort(positions)
             from_lower, from_upper = from_lower[..., order], from_upper[..., order]
         grad = from_lower.cumsum(-1) + from_upper.cumsum(-1) - from_upper
-        return grad.to(ctx.input_dtype), None
+        return grad.view(*lead, length).to(ctx.input_dtype), None
 
 
 def selective_mask(log_decay: Tensor, positions: Optional[Tensor] = None) -> Tensor:
