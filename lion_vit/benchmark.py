@@ -6,6 +6,11 @@ forward (the weights); on CPU the growth of the process's peak RSS (VmHWM, reset
 /proc/self/clear_refs just before the forward) over its RSS at that moment. CPU subprocesses run
 with a fixed glibc mmap threshold (MALLOC_MMAP_THRESHOLD_) so that every tensor of 64 KiB or
 more is returned to the OS when freed: RSS then tracks live tensors, not heap fragmentation.
+
+By default ("steady") the measured forward is the second one: the first also pays one-time costs
+that do not grow with resolution (library code paged in, allocator pools, BLAS workspaces; about
+18 MB of RSS on CPU, a little more for models that call more kernels). "first" measures the first
+call instead, one-time costs included.
 """
 from __future__ import annotations
 
@@ -51,9 +56,18 @@ def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_s
     return model.to(dtype) if dtype == torch.float64 else model
 
 
+MEMORY_MODES = ("steady", "first")
+
+
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
-                      batch_size: int, device: str, dtype: str, repeats: int) -> Dict[str, Any]:
-    """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process."""
+                      batch_size: int, device: str, dtype: str, repeats: int,
+                      memory: str = "steady") -> Dict[str, Any]:
+    """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process.
+
+    memory: "steady" measures the peak of a second forward, "first" that of the first call.
+    """
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
@@ -68,6 +82,8 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    if memory == "steady":
+        forward()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
@@ -75,7 +91,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     else:
         base = _status_kb("VmRSS") * 1024 if _reset_peak_rss() else None
     start = time.perf_counter()
-    forward()  # the first call also measures memory: nothing was cached before it
+    forward()
     first = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else \
         (_status_kb("VmHWM") * 1024 - base if base is not None else None)
@@ -94,7 +110,7 @@ def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str,
     memory = _subprocess(dict(config, repeats=0), timeout_s, {"MALLOC_MMAP_THRESHOLD_": "65536"})
     if memory["status"] != STATUS_OK or not config["repeats"]:
         return memory
-    timing = _subprocess(config, timeout_s, {})
+    timing = _subprocess(dict(config, memory="first"), timeout_s, {})  # its memory is not used: no extra forward
     return dict(timing, peak_mem_mb=memory["peak_mem_mb"]) if timing["status"] == STATUS_OK else timing
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import label, markdown_table, measure, plot_lines, write_table
+from lion_vit.benchmark import MEMORY_MODES, label, markdown_table, measure, plot_lines, write_table
 
 
 def main() -> None:
@@ -27,6 +27,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
+                        help="peak memory of a second forward (steady) or of the first call, one-time costs "
+                             "such as library code paged in included (first)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
 
@@ -36,9 +39,10 @@ def main() -> None:
     rows = []
     for model, form, chunk in configs:
         config = dict(model_name=model, form=form, chunk_size=chunk, img_size=args.resolution,
-                      batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats)
+                      batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
+                      memory=args.memory)
         row = dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, device=args.device,
-                   dtype=args.dtype, **measure(config, args.timeout))
+                   dtype=args.dtype, memory=args.memory, **measure(config, args.timeout))
         if rows and rows[0]["model"] == args.baseline and rows[0]["status"] == row["status"] == "ok":
             row["time_x_baseline"] = row["time_s"] / rows[0]["time_s"]
             row["mem_x_baseline"] = row["peak_mem_mb"] / max(rows[0]["peak_mem_mb"], 1e-9)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import label, markdown_table, measure, plot_lines, write_table
+from lion_vit.benchmark import MEMORY_MODES, label, markdown_table, measure, plot_lines, write_table
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up (median)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per CPU configuration")
+    parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
+                        help="peak memory of a second forward (steady) or of the first call, one-time costs "
+                             "such as library code paged in included (first)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
 
@@ -42,11 +45,12 @@ def main() -> None:
         for run in args.runs:
             model, form, chunk = parse_run(run)
             config = dict(model_name=model, form=form, chunk_size=chunk, img_size=resolution,
-                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats)
+                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
+                          memory=args.memory)
             result = measure(config, args.timeout)
             row = dict(model=model, form=form, chunk_size=chunk, resolution=resolution,
                        tokens=(resolution // 16) ** 2, batch_size=args.batch_size, device=args.device,
-                       dtype=args.dtype, **result)
+                       dtype=args.dtype, memory=args.memory, **result)
             baseline = next((r for r in rows if r["resolution"] == resolution), None)
             if baseline and baseline["status"] == "ok" and row["status"] == "ok":
                 row["time_x_baseline"] = row["time_s"] / baseline["time_s"]

@@ -240,6 +240,24 @@ def test_selective_mask_gradient_long_fp32(monkeypatch):
         assert rel_err(got, ref) < 1e-4, f"grad of {name}"
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3 * 13 * 7 * 8], ids=["one_row", "batch_groups"])
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective", "per_batch"])
+def test_chunk_inference_in_row_groups(decay, group_bytes, monkeypatch):
+    """Without autograd the chunk form runs (batch, head) rows in groups: single heads, and groups of
+    whole batch entries (3 batch entries, groups of 1), with decays broadcast over batch, heads or
+    tokens, and a short last chunk, against the float64 oracle."""
+    import lion_vit.ops.chunk as chunk
+    monkeypatch.setattr(chunk, "INFERENCE_GROUP_BYTES", group_bytes)
+    q, k, v, lam = make_inputs(3, 2, 13, 6, "selective" if decay == "per_batch" else decay, torch.float64, seed=15)
+    if decay == "per_batch":  # one decay per batch entry, shared by heads and tokens
+        lam = lam[:, :1, :1]
+    log_decay = None if lam is None else torch.log(lam)
+    with torch.no_grad():
+        out = lion_attention(q, k, v, log_decay, form="chunk", chunk_size=5)
+    expected = naive_lion(q, k, v, None if lam is None else lam.expand(3, 2, 13))
+    assert rel_err(out, expected) < 1e-10
+
+
 @pytest.mark.parametrize("carry_max", [2, 256], ids=["loop", "matmul"])
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
 def test_chunk_tail_and_carry_paths(decay, carry_max, monkeypatch):

@@ -16,7 +16,7 @@ size. Any chunk size from 1 to L works.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -70,6 +70,25 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     return torch.stack(states, dim=2)
 
 
+# Without autograd the chunk form runs a group of (batch, head) rows at a time, each group about
+# this many bytes of [L, Dv+1] values, so that its temporaries (values with the ones column, chunk
+# scores, per-chunk states, updates) are a group's size, not the whole batch's: at 1248 px, batch 1,
+# they would otherwise lift the model's peak memory above that of its MLP.
+INFERENCE_GROUP_BYTES = 2 << 20
+
+
+def _row_groups(batch: int, heads: int, rows_per_group: int) -> Iterator[Tuple[slice, slice]]:
+    """(batch slice, head slice) pairs covering [B, H] in groups of about rows_per_group rows."""
+    if rows_per_group >= heads:
+        per_group = rows_per_group // heads
+        for b in range(0, batch, per_group):
+            yield slice(b, b + per_group), slice(None)
+        return
+    for b in range(batch):
+        for h in range(0, heads, rows_per_group):
+            yield slice(b, b + 1), slice(h, h + rows_per_group)
+
+
 def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
                        chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see module docstring).
@@ -78,12 +97,27 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     """
     batch, heads, length, _ = q.shape
     size = length if chunk_size is None else min(chunk_size, length)
+    out = v.new_empty(batch, heads, length, v.shape[-1] + 1)  # [numerator, normaliser]
+    groups = [(slice(None), slice(None))]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_decay))):
+        rows_per_group = max(1, INFERENCE_GROUP_BYTES // (length * out.shape[-1] * out.element_size()))
+        groups = _row_groups(batch, heads, rows_per_group)
+    for rows in groups:
+        def take(t: Tensor) -> Tensor:  # the group's rows of a tensor broadcastable to [B, H, ...]
+            return t[rows[0] if t.shape[0] > 1 else slice(None), rows[1] if t.shape[1] > 1 else slice(None)]
+
+        _chunk_rows(take(q), take(k), take(v), None if log_decay is None else take(log_decay), size, take(out))
+    return out[..., :-1], out[..., -1:]
+
+
+def _chunk_rows(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], size: int, out: Tensor) -> None:
+    """The chunk form for [b, h] rows, numerator and normaliser written into out [b, h, L, Dv+1]."""
+    batch, heads, length, _ = q.shape
     num_full, tail = divmod(length, size)
     # The full chunks and a shorter last one (when C does not divide L) are two groups of equal-size
     # chunks, each a view of the sequence: nothing is padded or copied. (start, chunks, size):
     groups = [(0, num_full, size)] + ([(num_full * size, 1, tail)] if tail else [])
     v1 = _with_ones(v)  # the normaliser rides along as a column
-    out = torch.empty_like(v1)
     a = None if log_decay is None else log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
 
     def chunked(t: Tensor, start: int, count: int, c: int) -> Tensor:  # [..., L, D] -> [..., n, c, D]
@@ -136,4 +170,3 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
                 outg.add_(update if query_weight is None else update.mul_(query_weight))
                 del update
             del states
-    return out[..., :-1], out[..., -1:]
