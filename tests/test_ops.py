@@ -245,9 +245,10 @@ def test_selective_mask_gradient_long_fp32(monkeypatch):
 def test_chunk_inference_in_row_groups(decay, group_bytes, monkeypatch):
     """Without autograd the chunk form runs (batch, head) rows in groups: single heads, and groups of
     whole batch entries (3 batch entries, groups of 1), with decays broadcast over batch, heads or
-    tokens, and a short last chunk, against the float64 oracle."""
-    import lion_vit.ops.chunk as chunk
-    monkeypatch.setattr(chunk, "INFERENCE_GROUP_BYTES", group_bytes)
+    tokens, and a short last chunk, against the float64 oracle; multi-scan too (each scan of each
+    group summed into token order in place)."""
+    import lion_vit.ops.rows as rows
+    monkeypatch.setattr(rows, "INFERENCE_GROUP_BYTES", group_bytes)
     q, k, v, lam = make_inputs(3, 2, 13, 6, "selective" if decay == "per_batch" else decay, torch.float64, seed=15)
     if decay == "per_batch":  # one decay per batch entry, shared by heads and tokens
         lam = lam[:, :1, :1]
@@ -256,6 +257,13 @@ def test_chunk_inference_in_row_groups(decay, group_bytes, monkeypatch):
         out = lion_attention(q, k, v, log_decay, form="chunk", chunk_size=5)
     expected = naive_lion(q, k, v, None if lam is None else lam.expand(3, 2, 13))
     assert rel_err(out, expected) < 1e-10
+    if lam is None:
+        return
+    orders = snake_orders(3, 4, 1)
+    lams = torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam.sqrt()])  # two scans, different decays
+    with torch.no_grad():
+        out = lion_attention_multiscan(q, k, v, torch.log(lams), orders, form="chunk", chunk_size=5)
+    assert rel_err(out, naive_multiscan(q, k, v, lams.expand(2, 3, 2, 13), orders)) < 1e-10
 
 
 @pytest.mark.parametrize("carry_max", [2, 256], ids=["loop", "matmul"])

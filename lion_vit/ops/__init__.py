@@ -16,6 +16,7 @@ from .chunk import chunk_unnormalized
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
 from .recurrent import recurrent_unnormalized
+from .rows import needs_grad, row_groups, take_rows
 from .scans import column_snake, row_snake, snake_orders
 
 FORMS: Dict[str, Callable[..., Tensor]] = {
@@ -113,6 +114,9 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
             mask = mask + decay_mask(a[s], length, positions=inverse[s])
         return _normalize(*masked_unnormalized(q, k, v, mask), v.dtype)
 
+    if form == "chunk" and not needs_grad(q, k, v, a):
+        return _normalize(*_multiscan_chunk_inference(q, k, v, a, orders, chunk_size), v.dtype)
+
     def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
         return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
 
@@ -124,3 +128,24 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
                                  for s in range(num_scans)) for t in parts)
     return _normalize(numerator, normaliser, v.dtype)
 
+
+
+def _multiscan_chunk_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], orders: Tensor,
+                               chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """Without autograd: each scan of a group of (batch, head) rows at a time, summed in token order
+    in place, so that no scan-ordered copy of the whole q, k, v is ever made.
+
+    a: None or [S, B|1, H, L|1] log decays in scan order.
+    """
+    batch, heads, length, dv = v.shape
+    total = v.new_zeros(batch, heads, length, dv + 1, dtype=mask_dtype(v.dtype))  # [numerator, normaliser]
+    for rows in row_groups(batch, heads, length * total.shape[-1] * total.element_size()):
+        group_total = take_rows(total, rows)
+        for s, order in enumerate(orders):
+            numerator, normaliser = chunk_unnormalized(
+                *(take_rows(t, rows).index_select(2, order) for t in (q, k, v)),
+                None if a is None else take_rows(a[s], rows), chunk_size=chunk_size)
+            # scan position p holds token order[p]
+            group_total[..., :dv].index_add_(2, order, numerator.to(total.dtype))
+            group_total[..., dv:].index_add_(2, order, normaliser.to(total.dtype))
+    return total[..., :dv], total[..., dv:]

@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .masks import decay_mask
+from .rows import needs_grad
 
 
 def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
@@ -91,7 +92,7 @@ class _MaskedAttention(torch.autograd.Function):
 
 def masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     """(Q K^T * mask) V and its row sums, for a mask [B|1, H, L, L] in float32/64."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask)):
+    if needs_grad(q, k, v, mask):
         return _MaskedAttention.apply(q, k, v, mask)
     weights = (q @ k.transpose(-1, -2)).to(mask.dtype).mul_(mask)  # [B, H, L, L], in place: no backward
     # under autocast the matmul itself runs in bf16; the row sums stay in float32

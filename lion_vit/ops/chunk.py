@@ -16,12 +16,13 @@ size. Any chunk size from 1 to L works.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .masks import decay_mask, mask_dtype
+from .rows import needs_grad, row_groups, take_rows
 
 
 def _with_ones(v: Tensor) -> Tensor:
@@ -70,25 +71,6 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     return torch.stack(states, dim=2)
 
 
-# Without autograd the chunk form runs a group of (batch, head) rows at a time, each group about
-# this many bytes of [L, Dv+1] values, so that its temporaries (values with the ones column, chunk
-# scores, per-chunk states, updates) are a group's size, not the whole batch's: at 1248 px, batch 1,
-# they would otherwise lift the model's peak memory above that of its MLP.
-INFERENCE_GROUP_BYTES = 2 << 20
-
-
-def _row_groups(batch: int, heads: int, rows_per_group: int) -> Iterator[Tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering [B, H] in groups of about rows_per_group rows."""
-    if rows_per_group >= heads:
-        per_group = rows_per_group // heads
-        for b in range(0, batch, per_group):
-            yield slice(b, b + per_group), slice(None)
-        return
-    for b in range(batch):
-        for h in range(0, heads, rows_per_group):
-            yield slice(b, b + 1), slice(h, h + rows_per_group)
-
-
 def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
                        chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see module docstring).
@@ -98,15 +80,11 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     batch, heads, length, _ = q.shape
     size = length if chunk_size is None else min(chunk_size, length)
     out = v.new_empty(batch, heads, length, v.shape[-1] + 1)  # [numerator, normaliser]
-    groups = [(slice(None), slice(None))]
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_decay))):
-        rows_per_group = max(1, INFERENCE_GROUP_BYTES // (length * out.shape[-1] * out.element_size()))
-        groups = _row_groups(batch, heads, rows_per_group)
+    groups = [(slice(None), slice(None))] if needs_grad(q, k, v, log_decay) else \
+        row_groups(batch, heads, length * out.shape[-1] * out.element_size())
     for rows in groups:
-        def take(t: Tensor) -> Tensor:  # the group's rows of a tensor broadcastable to [B, H, ...]
-            return t[rows[0] if t.shape[0] > 1 else slice(None), rows[1] if t.shape[1] > 1 else slice(None)]
-
-        _chunk_rows(take(q), take(k), take(v), None if log_decay is None else take(log_decay), size, take(out))
+        _chunk_rows(*(None if t is None else take_rows(t, rows) for t in (q, k, v, log_decay)), size,
+                    take_rows(out, rows))
     return out[..., :-1], out[..., -1:]
 
 

@@ -1,0 +1,39 @@
+"""Inference in groups of (batch, head) rows: the rows of a LION layer are independent, so without
+autograd they can run a cache-sized group at a time and keep temporaries a group's size."""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+# Without autograd the chunk form (and each scan of a multi-scan one) runs a group of (batch, head)
+# rows at a time, each group about this many bytes of [L, Dv+1] values, so that its temporaries
+# (scan-ordered inputs, values with the ones column, chunk scores, per-chunk states, updates) are a
+# group's size, not the whole batch's: at 1248 px, batch 1, they would otherwise lift the model's
+# peak memory above that of its MLP.
+INFERENCE_GROUP_BYTES = 2 << 20
+
+
+def row_groups(batch: int, heads: int, row_bytes: int) -> Iterator[Tuple[slice, slice]]:
+    """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES,
+    for rows of row_bytes each."""
+    rows_per_group = max(1, INFERENCE_GROUP_BYTES // row_bytes)
+    if rows_per_group >= heads:
+        per_group = rows_per_group // heads
+        for b in range(0, batch, per_group):
+            yield slice(b, b + per_group), slice(None)
+        return
+    for b in range(batch):
+        for h in range(0, heads, rows_per_group):
+            yield slice(b, b + 1), slice(h, h + rows_per_group)
+
+
+def take_rows(t: Tensor, rows: Tuple[slice, slice]) -> Tensor:
+    """A group's rows of a tensor broadcastable to [B, H, ...] (broadcast dimensions kept whole)."""
+    return t[rows[0] if t.shape[0] > 1 else slice(None), rows[1] if t.shape[1] > 1 else slice(None)]
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will record an op on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
