@@ -139,7 +139,7 @@ def _multiscan_chunk_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tens
     """
     batch, heads, length, dv = v.shape
     total = v.new_zeros(batch, heads, length, dv + 1, dtype=mask_dtype(v.dtype))  # [numerator, normaliser]
-    for rows in row_groups(batch, heads, length * total.shape[-1] * total.element_size()):
+    for rows in row_groups(batch, heads, length * total.shape[-1] * total.element_size(), total.device):
         group_total = take_rows(total, rows)
         for s, order in enumerate(orders):
             numerator, normaliser = chunk_unnormalized(

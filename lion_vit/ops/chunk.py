@@ -81,7 +81,7 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     size = length if chunk_size is None else min(chunk_size, length)
     out = v.new_empty(batch, heads, length, v.shape[-1] + 1)  # [numerator, normaliser]
     groups = [(slice(None), slice(None))] if needs_grad(q, k, v, log_decay) else \
-        row_groups(batch, heads, length * out.shape[-1] * out.element_size())
+        row_groups(batch, heads, length * out.shape[-1] * out.element_size(), out.device)
     for rows in groups:
         _chunk_rows(*(None if t is None else take_rows(t, rows) for t in (q, k, v, log_decay)), size,
                     take_rows(out, rows))

@@ -7,18 +7,19 @@ from typing import Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
-# Without autograd the chunk form (and each scan of a multi-scan one) runs a group of (batch, head)
-# rows at a time, each group about this many bytes of [L, Dv+1] values, so that its temporaries
-# (scan-ordered inputs, values with the ones column, chunk scores, per-chunk states, updates) are a
-# group's size, not the whole batch's: at 1248 px, batch 1, they would otherwise lift the model's
-# peak memory above that of its MLP.
+# On a CPU, without autograd, the chunk form (and each scan of a multi-scan one) runs a group of
+# (batch, head) rows at a time, each group about this many bytes of [L, Dv+1] values, so that its
+# temporaries (scan-ordered inputs, values with the ones column, chunk scores, per-chunk states,
+# updates) are a group's size, not the whole batch's: at 1248 px, batch 1, they would otherwise
+# lift the model's peak memory above that of its MLP.
 INFERENCE_GROUP_BYTES = 2 << 20
 
 
-def row_groups(batch: int, heads: int, row_bytes: int) -> Iterator[Tuple[slice, slice]]:
+def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device) -> Iterator[Tuple[slice, slice]]:
     """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES,
-    for rows of row_bytes each."""
-    rows_per_group = max(1, INFERENCE_GROUP_BYTES // row_bytes)
+    for rows of row_bytes each. On a GPU one group of all rows: there every group costs a chain of
+    kernel launches (not yet measured there)."""
+    rows_per_group = max(1, INFERENCE_GROUP_BYTES // row_bytes) if device.type == "cpu" else batch * heads
     if rows_per_group >= heads:
         per_group = rows_per_group // heads
         for b in range(0, batch, per_group):
