@@ -114,8 +114,8 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
             mask = mask + decay_mask(a[s], length, positions=inverse[s])
         return _normalize(*masked_unnormalized(q, k, v, mask), v.dtype)
 
-    if form == "chunk" and not needs_grad(q, k, v, a):
-        return _normalize(*_multiscan_chunk_inference(q, k, v, a, orders, chunk_size), v.dtype)
+    if not needs_grad(q, k, v, a):
+        return _normalize(*_multiscan_inference(q, k, v, a, orders, form, chunk_size), v.dtype)
 
     def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
         return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
@@ -130,22 +130,31 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
 
 
 
-def _multiscan_chunk_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], orders: Tensor,
-                               chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """Without autograd: each scan of a group of (batch, head) rows at a time, summed in token order
-    in place, so that no scan-ordered copy of the whole q, k, v is ever made.
+def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], orders: Tensor, form: str,
+                         chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """Without autograd: one scan at a time (for the chunk form, of one group of (batch, head) rows
+    at a time), summed into token order in place, so that no scan-ordered copy of the whole q, k, v
+    for every scan is ever made: the rnn and chunk forms keep their memory at any resolution.
 
     a: None or [S, B|1, H, L|1] log decays in scan order.
     """
     batch, heads, length, dv = v.shape
     total = v.new_zeros(batch, heads, length, dv + 1, dtype=mask_dtype(v.dtype))  # [numerator, normaliser]
-    for rows in row_groups(batch, heads, length * total.shape[-1] * total.element_size(), total.device):
+    # the rnn form walks the tokens one by one: more rows per step cost it nothing, more groups a loop each
+    groups = row_groups(batch, heads, length * total.shape[-1] * total.element_size(), total.device) \
+        if form == "chunk" else [(slice(None), slice(None))]
+    for rows in groups:
         group_total = take_rows(total, rows)
         for s, order in enumerate(orders):
-            numerator, normaliser = chunk_unnormalized(
-                *(take_rows(t, rows).index_select(2, order) for t in (q, k, v)),
-                None if a is None else take_rows(a[s], rows), chunk_size=chunk_size)
-            # scan position p holds token order[p]
-            group_total[..., :dv].index_add_(2, order, numerator.to(total.dtype))
-            group_total[..., dv:].index_add_(2, order, normaliser.to(total.dtype))
+            group = [take_rows(t, rows) for t in (q, k, v)]
+            scan_decay = None if a is None else take_rows(a[s], rows)
+            if form == "rnn":  # reads its steps through the order; returns token order
+                parts = recurrent_unnormalized(*group, scan_decay, order=order)
+                group_total[..., :dv].add_(parts[0])
+                group_total[..., dv:].add_(parts[1])
+            else:  # scan position p holds token order[p]
+                parts = FORMS[form](*(t.index_select(2, order) for t in group), scan_decay, chunk_size=chunk_size)
+                group_total[..., :dv].index_add_(2, order, parts[0].to(total.dtype))
+                group_total[..., dv:].index_add_(2, order, parts[1].to(total.dtype))
+            del parts  # free this scan's output before the next scan allocates its own
     return total[..., :dv], total[..., dv:]

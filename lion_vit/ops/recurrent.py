@@ -24,10 +24,13 @@ STEP_BLOCK = 256
 
 
 def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
-                           chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                           chunk_size: Optional[int] = None, order: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by the two recurrences.
 
     q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decay: None or broadcastable to [B, H, L].
+    order: [L] scan order (scan position -> token index) to read the tokens in, a block of steps at
+    a time, with log_decay given in scan order; the outputs stay in token order. A multi-scan layer
+    thus needs no scan-ordered copy of q, k, v.
     """
     del chunk_size
     batch, heads, length, dk = q.shape
@@ -41,17 +44,22 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
 
     def block(t: Tensor, start: int, stop: int) -> Tensor:
         """Steps start..stop-1 of both directions: [2, B, H, stop - start, D]."""
+        if order is not None:
+            return torch.stack([t.index_select(2, order[start:stop]),
+                                t.index_select(2, order[length - stop:length - start].flip(0))])
         return torch.stack([t[:, :, start:stop], t[:, :, length - stop:length - start].flip(2)])
 
     state = q.new_zeros(2, batch, heads, dk, dv + 1)
     out = q.new_empty(length, 2, batch, heads, 1, dv + 1) if inplace else None
-    outputs = []
+    outputs, diagonals = [], []
     for start in range(0, length, STEP_BLOCK):
         stop = min(start + STEP_BLOCK, length)
         values = block(v, start, stop)
         values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # the normaliser's column
         block_decays = [None] * (stop - start) if decays is None else decays[:, :, :, start:stop].unbind(3)
-        steps = zip(block(q, start, stop).unbind(3), block(k, start, stop).unbind(3), values.unbind(3), block_decays)
+        queries, keys = block(q, start, stop), block(k, start, stop)
+        diagonals.append((queries[0] * keys[0]).sum(-1))  # q_i . k_i of these scan positions, [B, H, n]
+        steps = zip(queries.unbind(3), keys.unbind(3), values.unbind(3), block_decays)
         for t, (q_t, k_t, v_t, decay_t) in enumerate(steps, start):
             if t > 0 and decay_t is not None:
                 state = state.mul_(decay_t) if inplace else state * decay_t
@@ -66,12 +74,21 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
         out = torch.stack(outputs)
         del outputs
     out = out.squeeze(-2).permute(1, 2, 3, 0, 4)  # [2, B, H, L, Dv+1] (a view)
-    if inplace:  # add the backward direction at mirrored positions without a flipped copy
-        total = out[0].index_add_(2, torch.arange(length - 1, -1, -1, device=q.device), out[1])
+    # step t of the forward direction is scan position t, of the backward one position L-1-t
+    mirrored = torch.arange(length - 1, -1, -1, device=q.device)
+    if order is not None:  # scatter both directions to token order
+        total = out.new_zeros(out.shape[1:])
+        for steps, tokens in ((out[0], order), (out[1], order[mirrored])):
+            total = total.index_add_(2, tokens, steps) if inplace else total.index_add(2, tokens, steps)
+    elif inplace:  # add the backward direction at mirrored positions without a flipped copy
+        total = out[0].index_add_(2, mirrored, out[1])
     else:
         total = out[0] + out[1].flip(2)
     del out
-    diagonal = (q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze(-1)  # q_i . k_i, [B, H, L, 1]
+    diagonal = torch.cat(diagonals, dim=-1)  # [B, H, L], scan order: counted in both directions
+    if order is not None:
+        diagonal = diagonal[..., torch.argsort(order)]
+    diagonal = diagonal.unsqueeze(-1)
     numerator, normaliser = total[..., :dv], total[..., dv:]
     if inplace:
         return numerator.addcmul_(diagonal, v, value=-1.0), normaliser.sub_(diagonal)
