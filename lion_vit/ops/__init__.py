@@ -129,7 +129,6 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     return _normalize(numerator, normaliser, v.dtype)
 
 
-
 def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], orders: Tensor, form: str,
                          chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
     """Without autograd: one scan at a time (for the chunk form, of one group of (batch, head) rows
@@ -145,8 +144,8 @@ def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], o
         if form == "chunk" else [(slice(None), slice(None))]
     for rows in groups:
         group_total = take_rows(total, rows)
+        group = [take_rows(t, rows) for t in (q, k, v)]
         for s, order in enumerate(orders):
-            group = [take_rows(t, rows) for t in (q, k, v)]
             scan_decay = None if a is None else take_rows(a[s], rows)
             if form == "rnn":  # reads its steps through the order; returns token order
                 parts = recurrent_unnormalized(*group, scan_decay, order=order)

@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .rows import group_size
+
 # Above this length the cumulative sums are formed in float64: the exponent of an entry is a
 # difference of two sums of up to L terms, whose float32 rounding error (~eps * L * |a|) would
 # otherwise reach 1e-4 relative for the entries that matter (|a| ~ 1, L ~ 6000).
@@ -65,9 +67,7 @@ def _slab_groups(count: int, length: int, dtype: torch.dtype, device: torch.devi
     On a CPU each group is about CPU_GROUP_BYTES, so that every pass after the first finds the group
     in the last-level cache instead of memory; a GPU takes all slabs at once.
     """
-    per_group = count
-    if device.type == "cpu":
-        per_group = max(1, CPU_GROUP_BYTES // (length * length * torch.finfo(dtype).bits // 8))
+    per_group = group_size(count, length * length * torch.finfo(dtype).bits // 8, CPU_GROUP_BYTES, device)
     for start in range(0, count, per_group):
         yield slice(start, start + per_group)
 

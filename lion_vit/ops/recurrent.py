@@ -75,13 +75,12 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
         del outputs
     out = out.squeeze(-2).permute(1, 2, 3, 0, 4)  # [2, B, H, L, Dv+1] (a view)
     # step t of the forward direction is scan position t, of the backward one position L-1-t
-    mirrored = torch.arange(length - 1, -1, -1, device=q.device)
     if order is not None:  # scatter both directions to token order
         total = out.new_zeros(out.shape[1:])
-        for steps, tokens in ((out[0], order), (out[1], order[mirrored])):
+        for steps, tokens in ((out[0], order), (out[1], order.flip(0))):
             total = total.index_add_(2, tokens, steps) if inplace else total.index_add(2, tokens, steps)
     elif inplace:  # add the backward direction at mirrored positions without a flipped copy
-        total = out[0].index_add_(2, mirrored, out[1])
+        total = out[0].index_add_(2, torch.arange(length - 1, -1, -1, device=q.device), out[1])
     else:
         total = out[0] + out[1].flip(2)
     del out

@@ -15,11 +15,17 @@ from torch import Tensor
 INFERENCE_GROUP_BYTES = 2 << 20
 
 
+def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.device) -> int:
+    """How many of `count` items of item_bytes each one group takes: about budget_bytes on a CPU
+    (at least one), all of them on a GPU, where every group costs a chain of kernel launches (the
+    CPU budgets are not yet measured there)."""
+    return max(1, budget_bytes // item_bytes) if device.type == "cpu" else count
+
+
 def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device) -> Iterator[Tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES,
-    for rows of row_bytes each. On a GPU one group of all rows: there every group costs a chain of
-    kernel launches (not yet measured there)."""
-    rows_per_group = max(1, INFERENCE_GROUP_BYTES // row_bytes) if device.type == "cpu" else batch * heads
+    """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES on a
+    CPU, for rows of row_bytes each; one group of all rows on a GPU."""
+    rows_per_group = group_size(batch * heads, row_bytes, INFERENCE_GROUP_BYTES, device)
     if rows_per_group >= heads:
         per_group = rows_per_group // heads
         for b in range(0, batch, per_group):
