@@ -116,7 +116,8 @@ class LionAttention(nn.Module):
         return None
 
     def scan_orders(self, num_tokens: int, device: torch.device) -> Tensor:
-        """Snake orders for the current grid, cached per (grid, prefix, device)."""
+        """Snake orders for the current grid, cached per (grid, prefix, device); a LionViT gives all its
+        layers one cache."""
         if self.grid_size is None:
             raise ValueError("LionAttention with num_scans=2 needs grid_size set by the model")
         height, width = self.grid_size

@@ -75,8 +75,10 @@ class LionViT(VisionTransformer):
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
             dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
             weight_init=weight_init, **kwargs)
+        shared_orders: dict = {}  # every layer reads the same snake orders: compute and keep them once
         for attn in self.lion_attentions():
             attn.num_prefix_tokens = self.num_prefix_tokens
+            attn._orders = shared_orders
             if weight_init != "skip":
                 attn.reset_decay_parameters()  # timm's init zeroed the selective-decay bias
 

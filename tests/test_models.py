@@ -88,9 +88,11 @@ def test_scans_follow_the_grid():
     with torch.no_grad():
         model(torch.randn(1, 3, 32, 64))
         model(torch.randn(1, 3, 64, 32))
-    attn = next(m for m in model.modules() if isinstance(m, LionAttention))
-    grids = {key[:2] for key in attn._orders}
+    attns = [m for m in model.modules() if isinstance(m, LionAttention)]
+    grids = {key[:2] for key in attns[0]._orders}
     assert grids == {(2, 4), (4, 2)}
+    # one copy of each order for the whole model, not one per layer
+    assert all(a._orders is attns[0]._orders for a in attns)
 
 
 def test_selective_gate_trains():
