@@ -21,11 +21,65 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 STATUS_OK, STATUS_OOM, STATUS_TIMEOUT, STATUS_ERROR = "ok", "OOM", "timeout", "error"
+
+
+def model_name(text: str) -> str:
+    """argparse type: a model timm knows (the LION models registered), else a one-line usage error."""
+    import argparse
+    import timm
+    import lion_vit  # noqa: F401  (registers the LION models)
+    if not timm.is_model(text):
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}; use a LION name such as lion_d_small "
+            f"({', '.join(n for n in timm.list_models('lion_*') if n.endswith('_small'))}) or a timm model "
+            f"such as deit_small_patch16_224")
+    return text
+
+
+def _int_at_least(text: str, minimum: int, what: str) -> int:
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what} integer, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1, "a positive")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0, "a non-negative")
+
+
+def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
+    """argparse type for model[:form[:chunk_size]] -> (model, form, chunk_size); forms apply to LION models."""
+    import argparse
+    from .ops import FORMS
+    name, *rest = text.split(":")
+    model_name(name)
+    if not name.startswith("lion_"):
+        if rest:
+            raise argparse.ArgumentTypeError(f"{text!r}: only LION models take a form; write {name!r} alone")
+        return name, None, None
+    form = rest[0] if rest else "attention"
+    if form not in FORMS or len(rest) > 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {name}:FORM[:CHUNK_SIZE] with FORM one of "
+                                         f"{sorted(FORMS)}")
+    chunk = positive_int(rest[1]) if len(rest) == 2 else None
+    if chunk is not None and form != "chunk":
+        raise argparse.ArgumentTypeError(f"{text!r}: a chunk size goes with the chunk form ({name}:chunk:{chunk})")
+    return name, form, chunk
 
 
 def _status_kb(field: str) -> int:
@@ -141,6 +195,9 @@ def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"status": STATUS_OOM, "time_s": None, "peak_mem_mb": None}
+    except (ValueError, RuntimeError) as error:  # e.g. a size the patch does not divide: recorded, the sweep goes on
+        return {"status": STATUS_ERROR, "time_s": None, "peak_mem_mb": None,
+                "detail": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
 
 
 def label(row: Dict[str, Any]) -> str:
@@ -148,6 +205,14 @@ def label(row: Dict[str, Any]) -> str:
         return row["model"]
     form = row["form"] + (f" C={row['chunk_size']}" if row.get("chunk_size") else "")
     return f"{row['model']} ({form})"
+
+
+def status_line(row: Dict[str, Any]) -> str:
+    """One progress line for a measured row; a failed configuration says why (its error's last line)."""
+    if row["status"] != STATUS_OK:
+        return f"{label(row):40s} {row['status']:7s} {row.get('detail') or ''}".rstrip()
+    peak = "n/a" if row["peak_mem_mb"] is None else f"+{row['peak_mem_mb']:9.1f} MB"
+    return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}"
 
 
 def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:
@@ -170,7 +235,11 @@ def markdown_table(rows: Sequence[Dict[str, Any]], columns: Sequence[str]) -> st
 
 def plot_lines(rows: List[Dict[str, Any]], x_key: str, x_label: str, path: Path, title: str,
                log_x: bool = False) -> None:
-    """Two panels (peak memory, time) against x_key, one line per model/form; OOM points dropped."""
+    """Two panels (peak memory, time) against x_key, one line per model/form; OOM points dropped.
+    Nothing is written when no configuration succeeded."""
+    if not any(r["status"] == STATUS_OK for r in rows):
+        print(f"no configuration succeeded: {path} not written")
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -12,26 +12,37 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import MEMORY_MODES, label, markdown_table, measure, plot_lines, write_table
+from lion_vit.benchmark import (MEMORY_MODES, label, markdown_table, measure, model_name, non_negative_int,
+                                plot_lines, positive_int, status_line, write_table)
+from lion_vit.ops import FORMS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["lion_d_small"])
-    parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[16, 64, 256, 1024])
-    parser.add_argument("--resolution", type=int, default=1248)
+    parser.add_argument("--models", nargs="+", type=model_name, default=["lion_d_small"], help="LION models")
+    parser.add_argument("--chunk-sizes", nargs="+", type=positive_int, default=[16, 64, 256, 1024])
+    parser.add_argument("--resolution", type=positive_int, default=1248, help="a multiple of the patch size (16)")
     parser.add_argument("--baseline", default="deit_small_patch16_224", help="'' to skip")
-    parser.add_argument("--reference-forms", nargs="*", default=["rnn"], help="other forms to measure too")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORMS) - {"chunk"}), default=["rnn"],
+                        help="other forms to measure too")
+    parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=non_negative_int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
+    if args.baseline:
+        try:
+            model_name(args.baseline)
+        except argparse.ArgumentTypeError as error:
+            parser.error(f"argument --baseline: {error}")
+    not_lion = [m for m in args.models if not m.startswith("lion_")]
+    if not_lion:
+        parser.error(f"argument --models: {not_lion[0]!r} has no chunk form; give LION models (lion_d_small, ...)")
 
     configs = [(args.baseline, None, None)] if args.baseline else []
     for model in args.models:
@@ -47,8 +58,7 @@ def main() -> None:
             row["time_x_baseline"] = row["time_s"] / rows[0]["time_s"]
             row["mem_x_baseline"] = row["peak_mem_mb"] / max(rows[0]["peak_mem_mb"], 1e-9)
         rows.append(row)
-        print(f"{label(row):40s} {row['status']:7s} time {row['time_s'] or float('nan'):8.3f}s"
-              f"  peak +{row['peak_mem_mb'] or float('nan'):9.1f} MB", flush=True)
+        print(status_line(row), flush=True)
     write_table(rows, args.out, "chunk")
     chunk_rows = [r for r in rows if r["form"] == "chunk"]
     plot_lines(chunk_rows, "chunk_size", "chunk size (tokens)", args.out / "chunk.png",

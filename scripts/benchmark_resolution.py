@@ -12,27 +12,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import MEMORY_MODES, label, markdown_table, measure, plot_lines, write_table
+from lion_vit.benchmark import (MEMORY_MODES, label, markdown_table, measure, plot_lines, non_negative_int, positive_int,
+                                run_spec, status_line, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
 
-def parse_run(text: str):
-    """model[:form[:chunk]] -> (model, form, chunk)."""
-    parts = text.split(":")
-    form = parts[1] if len(parts) > 1 else ("attention" if parts[0].startswith("lion_") else None)
-    return parts[0], form, int(parts[2]) if len(parts) > 2 else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS,
-                        help="model[:form[:chunk_size]]; the first is the baseline (default: %(default)s)")
-    parser.add_argument("--resolutions", nargs="+", type=int, default=[224, 448, 672, 896, 1248])
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--runs", nargs="+", type=run_spec, default=[run_spec(r) for r in DEFAULT_RUNS],
+                        help="model[:form[:chunk_size]], form one of attention/rnn/chunk for LION models; "
+                             f"the first is the baseline (default: {' '.join(DEFAULT_RUNS)})")
+    parser.add_argument("--resolutions", nargs="+", type=positive_int, default=[224, 448, 672, 896, 1248],
+                        help="square image sizes in px, multiples of the patch size (16)")
+    parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up (median)")
+    parser.add_argument("--repeats", type=non_negative_int, default=2, help="timed runs after one warm-up (median)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per CPU configuration")
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
@@ -42,8 +38,7 @@ def main() -> None:
 
     rows = []
     for resolution in args.resolutions:
-        for run in args.runs:
-            model, form, chunk = parse_run(run)
+        for model, form, chunk in args.runs:
             config = dict(model_name=model, form=form, chunk_size=chunk, img_size=resolution,
                           batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
                           memory=args.memory)
@@ -56,8 +51,7 @@ def main() -> None:
                 row["time_x_baseline"] = row["time_s"] / baseline["time_s"]
                 row["mem_x_baseline"] = row["peak_mem_mb"] / max(baseline["peak_mem_mb"], 1e-9)
             rows.append(row)
-            print(f"{resolution:5d}px {label(row):40s} {row['status']:7s} time {row['time_s'] or float('nan'):8.3f}s"
-                  f"  peak +{row['peak_mem_mb'] or float('nan'):9.1f} MB", flush=True)
+            print(f"{resolution:5d}px {status_line(row)}", flush=True)
     write_table(rows, args.out, "resolution")
     plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",
                f"inference, batch {args.batch_size}, {args.device} {args.dtype}")

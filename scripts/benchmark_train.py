@@ -20,7 +20,7 @@ import timm
 import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import markdown_table, write_table
+from lion_vit.benchmark import markdown_table, model_name, positive_int, write_table
 from lion_vit.engine.allocator import keep_freed_memory
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
@@ -29,12 +29,12 @@ DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="the first is the baseline")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--img-size", type=int, default=224)
+    parser.add_argument("--models", nargs="+", type=model_name, default=DEFAULT_MODELS, help="the first is the baseline")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per model after one warm-up; the best is reported")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per model after one warm-up; the best is reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
@@ -54,7 +54,10 @@ def main() -> None:
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
     setups = {}
     for name in args.models:
-        model = timm.create_model(name, img_size=args.img_size).to(device).train()
+        try:
+            model = timm.create_model(name, img_size=args.img_size).to(device).train()
+        except (ValueError, AssertionError) as error:  # e.g. a size the patch does not divide
+            parser.error(f"{name} at --img-size {args.img_size}: {error}")
         step_model = torch.compile(model) if args.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         setups[name] = (step_model, optimizer)

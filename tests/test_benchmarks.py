@@ -1,14 +1,16 @@
 """The benchmark scripts run end to end on tiny models and write the tables the README quotes."""
 from __future__ import annotations
 
+import argparse
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from lion_vit.benchmark import measure, measure_inference
+from lion_vit.benchmark import measure, measure_inference, model_name, positive_int, run_spec, status_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,3 +70,58 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert (tmp_path / "train.png").stat().st_size > 0
     # the profile names each model and its most expensive ops
     assert "lion_d_tiny:" in out and "aten::" in out
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("deit_small_patch16_224", ("deit_small_patch16_224", None, None)),
+    ("lion_d_small", ("lion_d_small", "attention", None)),
+    ("lion_s_natural_small:rnn", ("lion_s_natural_small", "rnn", None)),
+    ("lion_d_small:chunk:64", ("lion_d_small", "chunk", 64)),
+])
+def test_run_spec_parses(text, expected):
+    assert run_spec(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lion_x_small", "unknown model 'lion_x_small'"),
+    ("lion_d_small:flash", "FORM one of ['attention', 'chunk', 'rnn']"),
+    ("lion_d_small:chunk:0", "expected a positive integer, got '0'"),
+    ("lion_d_small:chunk:abc", "expected a positive integer, got 'abc'"),
+    ("lion_d_small:rnn:16", "a chunk size goes with the chunk form"),
+    ("lion_d_small:chunk:16:4", "expected lion_d_small:FORM[:CHUNK_SIZE]"),
+    ("deit_small_patch16_224:chunk:64", "only LION models take a form"),
+])
+def test_run_spec_rejects(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+        run_spec(text)
+
+
+def test_argument_types():
+    assert positive_int("3") == 3 and model_name("lion_lit_tiny") == "lion_lit_tiny"
+    for bad in ("0", "-2", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("benchmark_train.py", ["--models", "deit_tiny_patch16_224", "lion_q_tiny"], "unknown model 'lion_q_tiny'"),
+    ("benchmark_train.py", ["--models", "lion_d_tiny", "--img-size", "40"], "not divisible by the patch size"),
+    ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
+    ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
+])
+def test_scripts_reject_bad_arguments_in_one_line(script, args, message):
+    """A typo gets argparse's usage error naming the problem, not a traceback or a silent run."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1]
+
+
+def test_failed_configuration_is_recorded_with_its_reason(tmp_path):
+    """A size the patch does not divide fails that configuration only, and says why."""
+    config = dict(model_name="lion_d_tiny", form="chunk", chunk_size=4, img_size=40, batch_size=1, device="cpu",
+                  dtype="float32", repeats=0, memory="steady")
+    result = measure(config, timeout_s=300)
+    assert result["status"] == "error" and "not divisible by the patch size" in result["detail"]
+    row = dict(model="lion_d_tiny", form="chunk", chunk_size=4, **result)
+    assert status_line(row).endswith(result["detail"]) and "\n" not in status_line(row)
