@@ -16,21 +16,28 @@ import timm
 import torch
 
 import lion_vit
+from lion_vit.benchmark import positive_int
 from lion_vit.testing import randomize_decays
 
 
 def parse_size(text: str) -> tuple:
+    """argparse type: "HxW" (or "S" for a square) -> (H, W)."""
     h, _, w = text.partition("x")
-    return int(h), int(w or h)
+    try:
+        return positive_int(h), positive_int(w or h)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected HxW with positive integers, such as 224x224, got {text!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES))
-    parser.add_argument("--sizes", nargs="+", default=["224x224", "160x288"], help="HxW")
-    parser.add_argument("--chunks", nargs="+", type=int, default=[64, 37])
+    parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES),
+                        choices=lion_vit.LION_MODEL_NAMES, metavar="MODEL", help="LION models (default: all 15)")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(224, 224), (160, 288)],
+                        help="HxW, multiples of the patch size 16 (default: 224x224 160x288)")
+    parser.add_argument("--chunks", nargs="+", type=positive_int, default=[64, 37])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -40,11 +47,14 @@ def main() -> None:
         model = timm.create_model(name, num_classes=10).to(dtype).eval()
         randomize_decays(model)
         model.to(args.device)
-        for size in map(parse_size, args.sizes):
+        for size in args.sizes:
             x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(1))
             x = x.to(args.device)
             with torch.no_grad():
-                reference = model.set_attn_form("attention")(x)
+                try:
+                    reference = model.set_attn_form("attention")(x)
+                except ValueError as error:  # a size the patch does not divide
+                    parser.error(f"argument --sizes: {error}")
                 for form, chunk in [("rnn", None)] + [("chunk", c) for c in args.chunks]:
                     out = model.set_attn_form(form, chunk)(x)
                     err = ((out - reference).abs().max() / reference.abs().max()).item()

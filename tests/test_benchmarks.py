@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def test_argument_types():
     ("benchmark_train.py", ["--models", "lion_d_tiny", "--img-size", "40"], "not divisible by the patch size"),
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
+    ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),
 ])
 def test_scripts_reject_bad_arguments_in_one_line(script, args, message):
     """A typo gets argparse's usage error naming the problem, not a traceback or a silent run."""
@@ -125,3 +127,13 @@ def test_failed_configuration_is_recorded_with_its_reason(tmp_path):
     assert result["status"] == "error" and "not divisible by the patch size" in result["detail"]
     row = dict(model="lion_d_tiny", form="chunk", chunk_size=4, **result)
     assert status_line(row).endswith(result["detail"]) and "\n" not in status_line(row)
+
+
+def test_check_equivalence_script(tmp_path):
+    """The README's form-agreement figures come from this script: it must report every form and size."""
+    out = run_script("check_equivalence.py", "--models", "lion_d_tiny", "lion_s_natural_tiny", "--sizes", "32x48",
+                     "--chunks", "5", "--json", str(tmp_path / "eq.json"))
+    rows = json.loads((tmp_path / "eq.json").read_text())
+    assert [(r["model"], r["form"], r["chunk_size"]) for r in rows] == [
+        (m, f, c) for m in ("lion_d_tiny", "lion_s_natural_tiny") for f, c in (("rnn", None), ("chunk", 5))]
+    assert all(r["size"] == "32x48" and 0 < r["rel_err"] < 1e-5 for r in rows) and out.splitlines()[-1].startswith("worst: ")
