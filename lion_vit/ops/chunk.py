@@ -1,7 +1,7 @@
 """Chunkwise LION: masked attention inside each chunk plus state passing between chunks.
 
-The sequence is cut into N chunks of C tokens (the last one shorter when C does not divide L,
-handled as a second group of chunks: nothing is padded). For a query at local
+The sequence is cut into N chunks of C tokens (when C does not divide L, the last one is padded
+with zero keys and values, which change nothing; see _chunk_rows). For a query at local
 position p of chunk n (local inclusive log-decay cumsum c_p, exclusive e_p = c_p - a_p, chunk
 total T_n):
 
@@ -19,17 +19,20 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask, mask_dtype
 from .rows import needs_grad, row_groups, take_rows
 
 
-def _with_ones(v: Tensor) -> Tensor:
-    """[v, 1]: [B, H, L, Dv+1], built in one allocation."""
-    v1 = v.new_empty(*v.shape[:-1], v.shape[-1] + 1)
-    v1[..., :-1] = v
-    v1[..., -1] = 1.0
+def _with_ones(v: Tensor, pad: int = 0) -> Tensor:
+    """[v, 1] followed by `pad` rows of zeros: [B, H, L + pad, Dv+1], built in one allocation."""
+    length = v.shape[-2]
+    v1 = v.new_zeros(*v.shape[:-2], length + pad, v.shape[-1] + 1) if pad else \
+        v.new_empty(*v.shape[:-1], v.shape[-1] + 1)
+    v1[..., :length, :-1] = v
+    v1[..., :length, -1] = 1.0
     return v1
 
 
@@ -79,72 +82,69 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     """
     batch, heads, length, _ = q.shape
     size = length if chunk_size is None else min(chunk_size, length)
-    out = v.new_empty(batch, heads, length, v.shape[-1] + 1)  # [numerator, normaliser]
+    padded = -(-length // size) * size
+    out = v.new_empty(batch, heads, padded, v.shape[-1] + 1)  # [numerator, normaliser], whole chunks
     groups = [(slice(None), slice(None))] if needs_grad(q, k, v, log_decay) else \
-        row_groups(batch, heads, length * out.shape[-1] * out.element_size(), out.device)
+        row_groups(batch, heads, padded * out.shape[-1] * out.element_size(), out.device)
     for rows in groups:
         _chunk_rows(*(None if t is None else take_rows(t, rows) for t in (q, k, v, log_decay)), size,
                     take_rows(out, rows))
-    return out[..., :-1], out[..., -1:]
+    return out[:, :, :length, :-1], out[:, :, :length, -1:]
 
 
 def _chunk_rows(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], size: int, out: Tensor) -> None:
-    """The chunk form for [b, h] rows, numerator and normaliser written into out [b, h, L, Dv+1]."""
+    """The chunk form for [b, h] rows, numerator and normaliser written into out [b, h, N * C, Dv+1].
+
+    When C does not divide L the last chunk is padded with zero keys and values and zero log decays:
+    a padded key adds nothing to any state or score, a zero log decay scales nothing, and the padded
+    queries' rows of out are never read. One group of equal chunks takes half the operations of full
+    chunks plus a shorter last one, and at 224 px those operations are most of the form's time. The
+    price is a padded copy of q and k (a row group's size without autograd; with autograd the
+    copies are what the backward keeps instead of views of q and k).
+    """
     batch, heads, length, _ = q.shape
-    num_full, tail = divmod(length, size)
-    # The full chunks and a shorter last one (when C does not divide L) are two groups of equal-size
-    # chunks, each a view of the sequence: nothing is padded or copied. (start, chunks, size):
-    groups = [(0, num_full, size)] + ([(num_full * size, 1, tail)] if tail else [])
-    v1 = _with_ones(v)  # the normaliser rides along as a column
-    a = None if log_decay is None else log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
+    pad = out.shape[2] - length
+    num_chunks = out.shape[2] // size
+    v1 = _with_ones(v, pad)  # the normaliser rides along as a column
+    if pad:
+        q, k = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad))
+    a = None
+    if log_decay is not None:
+        a = log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
+        a = F.pad(a, (0, pad)) if pad else a
+    qc, kc, v1c, outc = (t.unflatten(2, (num_chunks, size)) for t in (q, k, v1, out))  # [b, h, N, C, D]
 
-    def chunked(t: Tensor, start: int, count: int, c: int) -> Tensor:  # [..., L, D] -> [..., n, c, D]
-        return t[:, :, start:start + count * c].unflatten(2, (count, c))
-
-    parts = []  # per group: its place, forward/backward weights and chunk totals
-    for start, count, c in groups:
-        qg, kg, vg, outg = (chunked(t, start, count, c) for t in (q, k, v1, out))
-        scores = qg @ kg.transpose(-1, -2)  # [B, H, n, c, c]
-        weights = {False: (None, None), True: (None, None)}
-        total = None
-        if a is not None:
-            ag = a[:, :, start:start + count * c].unflatten(2, (count, c))  # [B, H, n, c]
-            inclusive = ag.cumsum(-1)
-            exclusive = inclusive - ag
-            total = inclusive[..., -1:]  # [B, H, n, 1]
-            # one decay per head (LION-d): every chunk shares one [c, c] Toeplitz block
-            fixed = log_decay.shape[-1] == 1
-            intra_mask = decay_mask(log_decay[..., None, :] if fixed else ag, c)  # [B|1, H, n|1, c, c]
-            scores = scores.to(intra_mask.dtype)
-            # in place when nothing needs the unmasked scores for a backward pass
-            scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
-            del intra_mask
-            weights = {  # (key weight, query weight) per direction (reverse: False, True)
-                False: (torch.exp(total - exclusive)[..., None].to(q.dtype), torch.exp(exclusive)[..., None]),
-                True: (torch.exp(inclusive)[..., None].to(q.dtype), torch.exp(total - inclusive)[..., None]),
-            }
-        intra = scores @ vg.to(scores.dtype)  # [B, H, n, c, Dv+1]
-        del scores
-        outg.copy_(intra)  # (autograd follows writes into views of out)
-        del intra
-        parts.append((start, count, c, weights, total))
-
-    if length > size:
-        log_chunk_decay = None if a is None else torch.cat([total for *_, total in parts], dim=2)[..., 0]  # [B, H, N]
-        for reverse in (False, True):  # one direction at a time: its states are O(N d^2) memory
-            contributions = []
-            for start, count, c, weights, _ in parts:
-                kg, key_weight = chunked(k, start, count, c), weights[reverse][0]
-                contributions.append((kg if key_weight is None else kg * key_weight).transpose(-1, -2)
-                                     @ chunked(v1, start, count, c))
-            contributions = contributions[0] if len(contributions) == 1 else torch.cat(contributions, dim=2)
-            states = _carried_states(contributions, log_chunk_decay, reverse)  # [B, H, N, Dk, Dv+1]
-            del contributions
-            for start, count, c, weights, _ in parts:
-                update = chunked(q, start, count, c) @ states[:, :, start // size:start // size + count]
-                query_weight = weights[reverse][1]
-                # in place: neither tensor is saved for backward, and each is as large as the output
-                outg = chunked(out, start, count, c)
-                outg.add_(update if query_weight is None else update.mul_(query_weight))
-                del update
-            del states
+    scores = qc @ kc.transpose(-1, -2)  # [b, h, N, C, C]
+    weights = {False: (None, None), True: (None, None)}  # (key weight, query weight) per direction (reverse)
+    total = None
+    if a is not None:
+        ac = a.unflatten(2, (num_chunks, size))  # [b, h, N, C]
+        inclusive = ac.cumsum(-1)
+        exclusive = inclusive - ac
+        total = inclusive[..., -1]  # [b, h, N]: each chunk's summed log decay
+        # one decay per head (LION-d): every chunk shares one [C, C] Toeplitz block
+        fixed = log_decay.shape[-1] == 1
+        intra_mask = decay_mask(log_decay[..., None, :] if fixed else ac, size)  # [b|1, h, N|1, C, C]
+        scores = scores.to(intra_mask.dtype)
+        # in place when nothing needs the unmasked scores for a backward pass
+        scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
+        del intra_mask
+        chunk_total = total[..., None]
+        weights = weights if num_chunks == 1 else {
+            False: (torch.exp(chunk_total - exclusive)[..., None].to(q.dtype), torch.exp(exclusive)[..., None]),
+            True: (torch.exp(inclusive)[..., None].to(q.dtype), torch.exp(chunk_total - inclusive)[..., None]),
+        }
+    outc.copy_(scores @ v1c.to(scores.dtype))  # intra-chunk part (autograd follows writes into views of out)
+    del scores
+    if num_chunks == 1:
+        return
+    for reverse in (False, True):  # one direction at a time: its states are O(N d^2) memory
+        key_weight, query_weight = weights[reverse]
+        contributions = (kc if key_weight is None else kc * key_weight).transpose(-1, -2) @ v1c  # [b, h, N, Dk, Dv+1]
+        states = _carried_states(contributions, total, reverse)
+        del contributions
+        update = qc @ states
+        del states
+        # in place: neither tensor is saved for backward, and each is as large as the output
+        outc.add_(update if query_weight is None else update.mul_(query_weight))
+        del update
