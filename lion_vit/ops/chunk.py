@@ -84,8 +84,12 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     size = length if chunk_size is None else min(chunk_size, length)
     padded = -(-length // size) * size
     out = v.new_empty(batch, heads, padded, v.shape[-1] + 1)  # [numerator, normaliser], whole chunks
+    # a row's temporaries: values with the ones column (and states, updates) of its size, and the
+    # padded copies of q and k when C does not divide L
+    row_bytes = padded * (out.shape[-1] * out.element_size() + (2 * q.shape[-1] * q.element_size()
+                                                                 if padded > length else 0))
     groups = [(slice(None), slice(None))] if needs_grad(q, k, v, log_decay) else \
-        row_groups(batch, heads, padded * out.shape[-1] * out.element_size(), out.device)
+        row_groups(batch, heads, row_bytes, out.device)
     for rows in groups:
         _chunk_rows(*(None if t is None else take_rows(t, rows) for t in (q, k, v, log_decay)), size,
                     take_rows(out, rows))
