@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -198,6 +198,32 @@ def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     except (ValueError, RuntimeError) as error:  # e.g. a size the patch does not divide: recorded, the sweep goes on
         return {"status": STATUS_ERROR, "time_s": None, "peak_mem_mb": None,
                 "detail": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+
+def measure_round_robin(configs: Sequence[Dict[str, Any]], rounds: int, timeout_s: float,
+                        report: Callable[[int, Dict[str, Any]], None]) -> List[Dict[str, Any]]:
+    """Measure every configuration `rounds` times, one round over all of them after another, so that
+    a machine whose speed drifts over minutes slows every configuration alike. Each configuration
+    keeps its first result with the best time of all rounds (noise only ever adds time);
+    report(index, result) is called after every measurement."""
+    results: List[Optional[Dict[str, Any]]] = [None] * len(configs)
+    for _ in range(rounds):
+        for index, config in enumerate(configs):
+            result = measure(config, timeout_s)
+            report(index, result)
+            best = results[index]
+            if best is None or best["status"] != STATUS_OK:
+                results[index] = result if best is None or result["status"] == STATUS_OK else best
+            elif result["status"] == STATUS_OK:
+                best["time_s"] = min(best["time_s"], result["time_s"])
+    return results  # type: ignore[return-value]
+
+
+def add_baseline_ratios(row: Dict[str, Any], baseline: Dict[str, Any]) -> None:
+    """time_x_baseline and mem_x_baseline of a measured row, when both it and its baseline succeeded."""
+    if row is not baseline and baseline["status"] == row["status"] == STATUS_OK:
+        row["time_x_baseline"] = row["time_s"] / baseline["time_s"]
+        row["mem_x_baseline"] = row["peak_mem_mb"] / max(baseline["peak_mem_mb"], 1e-9)
 
 
 def label(row: Dict[str, Any]) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, label, markdown_table, measure, model_name, non_negative_int,
-                                plot_lines, positive_int, status_line, write_table)
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_round_robin,
+                                model_name, non_negative_int, plot_lines, positive_int, status_line, write_table)
 from lion_vit.ops import FORMS
 
 
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=non_negative_int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="measure every configuration this many times, round-robin, keeping the best time")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
@@ -47,18 +49,17 @@ def main() -> None:
     configs = [(args.baseline, None, None)] if args.baseline else []
     for model in args.models:
         configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
-    rows = []
-    for model, form, chunk in configs:
-        config = dict(model_name=model, form=form, chunk_size=chunk, img_size=args.resolution,
-                      batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
-                      memory=args.memory)
-        row = dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, device=args.device,
-                   dtype=args.dtype, memory=args.memory, **measure(config, args.timeout))
-        if rows and rows[0]["model"] == args.baseline and rows[0]["status"] == row["status"] == "ok":
-            row["time_x_baseline"] = row["time_s"] / rows[0]["time_s"]
-            row["mem_x_baseline"] = row["peak_mem_mb"] / max(rows[0]["peak_mem_mb"], 1e-9)
-        rows.append(row)
-        print(status_line(row), flush=True)
+    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, device=args.device,
+                 dtype=args.dtype, memory=args.memory) for model, form, chunk in configs]
+    measured = [dict(model_name=model, form=form, chunk_size=chunk, img_size=args.resolution,
+                     batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
+                     memory=args.memory) for model, form, chunk in configs]
+    results = measure_round_robin(measured, args.rounds, args.timeout,
+                                  lambda i, result: print(status_line(dict(rows[i], **result)), flush=True))
+    for row, result in zip(rows, results):
+        row.update(result)
+        if args.baseline:
+            add_baseline_ratios(row, rows[0])
     write_table(rows, args.out, "chunk")
     chunk_rows = [r for r in rows if r["form"] == "chunk"]
     plot_lines(chunk_rows, "chunk_size", "chunk size (tokens)", args.out / "chunk.png",

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, label, markdown_table, measure, plot_lines, non_negative_int, positive_int,
-                                run_spec, status_line, write_table)
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_round_robin,
+                                non_negative_int, plot_lines, positive_int, run_spec, status_line, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=non_negative_int, default=2, help="timed runs after one warm-up (median)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="measure every configuration this many times, round-robin, keeping the best time "
+                             "(machine drift then hits all configurations alike)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per CPU configuration")
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
@@ -36,22 +39,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
 
-    rows = []
-    for resolution in args.resolutions:
-        for model, form, chunk in args.runs:
-            config = dict(model_name=model, form=form, chunk_size=chunk, img_size=resolution,
-                          batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
-                          memory=args.memory)
-            result = measure(config, args.timeout)
-            row = dict(model=model, form=form, chunk_size=chunk, resolution=resolution,
-                       tokens=(resolution // 16) ** 2, batch_size=args.batch_size, device=args.device,
-                       dtype=args.dtype, memory=args.memory, **result)
-            baseline = next((r for r in rows if r["resolution"] == resolution), None)
-            if baseline and baseline["status"] == "ok" and row["status"] == "ok":
-                row["time_x_baseline"] = row["time_s"] / baseline["time_s"]
-                row["mem_x_baseline"] = row["peak_mem_mb"] / max(baseline["peak_mem_mb"], 1e-9)
-            rows.append(row)
-            print(f"{resolution:5d}px {status_line(row)}", flush=True)
+    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,
+                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory)
+            for resolution in args.resolutions for model, form, chunk in args.runs]
+    configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
+                    batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
+                    memory=args.memory) for r in rows]
+    results = measure_round_robin(configs, args.rounds, args.timeout, lambda i, result: print(
+        f"{rows[i]['resolution']:5d}px {status_line(dict(rows[i], **result))}", flush=True))
+    for row, result in zip(rows, results):
+        row.update(result)
+        add_baseline_ratios(row, next(r for r in rows if r["resolution"] == row["resolution"]))
     write_table(rows, args.out, "resolution")
     plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",
                f"inference, batch {args.batch_size}, {args.device} {args.dtype}")

@@ -137,3 +137,26 @@ def test_check_equivalence_script(tmp_path):
     assert [(r["model"], r["form"], r["chunk_size"]) for r in rows] == [
         (m, f, c) for m in ("lion_d_tiny", "lion_s_natural_tiny") for f, c in (("rnn", None), ("chunk", 5))]
     assert all(r["size"] == "32x48" and 0 < r["rel_err"] < 1e-5 for r in rows) and out.splitlines()[-1].startswith("worst: ")
+
+
+def test_round_robin_keeps_each_configurations_best_time(monkeypatch):
+    """Rounds go over all configurations in turn; each keeps its best time, and a configuration
+    that failed once but succeeded in another round keeps the success."""
+    from lion_vit import benchmark
+    times = {"a": [3.0, 1.0, 2.0], "b": [None, 5.0, 4.0]}  # b fails in the first round
+    calls = []
+
+    def fake_measure(config, timeout_s):
+        calls.append(config["name"])
+        t = times[config["name"]][calls.count(config["name"]) - 1]
+        if t is None:
+            return {"status": "error", "time_s": None, "peak_mem_mb": None, "detail": "boom"}
+        return {"status": "ok", "time_s": t, "peak_mem_mb": 10 * t}
+
+    monkeypatch.setattr(benchmark, "measure", fake_measure)
+    reported = []
+    results = benchmark.measure_round_robin([{"name": "a"}, {"name": "b"}], 3, 1.0,
+                                            lambda i, r: reported.append((i, r["status"])))
+    assert calls == ["a", "b"] * 3 and len(reported) == 6
+    assert results[0] == {"status": "ok", "time_s": 1.0, "peak_mem_mb": 30.0}  # memory of its first result
+    assert results[1] == {"status": "ok", "time_s": 4.0, "peak_mem_mb": 50.0}

@@ -79,7 +79,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
 
     q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
     LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
-    form: "attention" | "rnn" | "chunk"; chunk_size: tokens per chunk for "chunk" (None = L).
+    form: "attention" | "rnn" | "chunk"; chunk_size: for "chunk", at most this many tokens per chunk
+    (ceil(L / chunk_size) equal chunks; None = one chunk of L).
     Returns [B, H, L, Dv].
     """
     check_form(form, chunk_size)

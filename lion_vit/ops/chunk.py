@@ -1,7 +1,8 @@
 """Chunkwise LION: masked attention inside each chunk plus state passing between chunks.
 
-The sequence is cut into N chunks of C tokens (when C does not divide L, the last one is padded
-with zero keys and values, which change nothing; see _chunk_rows). For a query at local
+The sequence is cut into N = ceil(L / chunk_size) chunks of C = ceil(L / N) <= chunk_size tokens
+(when C does not divide L, the last one is padded with fewer than N zero keys and values, which
+change nothing; see _chunk_rows). For a query at local
 position p of chunk n (local inclusive log-decay cumsum c_p, exclusive e_p = c_p - a_p, chunk
 total T_n):
 
@@ -12,7 +13,7 @@ total T_n):
 with v1 = [v, 1] (the normaliser rides along). Every exponent is a sum of log decays, so <= 0.
 The states entering every chunk are computed at once (one small [N, N] decay matmul, or a loop
 over chunks when N is large): peak memory O(L C + (L / C) d^2), linear in L for a fixed chunk
-size. Any chunk size from 1 to L works.
+size. Any chunk size >= 1 works (above L: one chunk).
 """
 from __future__ import annotations
 
@@ -81,8 +82,10 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decay: None or broadcastable to [B, H, L].
     """
     batch, heads, length, _ = q.shape
-    size = length if chunk_size is None else min(chunk_size, length)
-    padded = -(-length // size) * size
+    # N = ceil(L / chunk_size) chunks of equal size C <= chunk_size, as few padded tokens (< N) as N allows
+    num_chunks = 1 if chunk_size is None else -(-length // chunk_size)
+    size = -(-length // num_chunks)
+    padded = num_chunks * size
     out = v.new_empty(batch, heads, padded, v.shape[-1] + 1)  # [numerator, normaliser], whole chunks
     # a row's temporaries: values with the ones column (and states, updates) of its size, and the
     # padded copies of q and k when C does not divide L
