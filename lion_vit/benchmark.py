@@ -204,7 +204,8 @@ def measure_round_robin(configs: Sequence[Dict[str, Any]], rounds: int, timeout_
                         report: Callable[[int, Dict[str, Any]], None]) -> List[Dict[str, Any]]:
     """Measure every configuration `rounds` times, one round over all of them after another, so that
     a machine whose speed drifts over minutes slows every configuration alike. Each configuration
-    keeps its first result with the best time of all rounds (noise only ever adds time);
+    keeps its first successful result (else its first) with the best time of all rounds (noise only
+    ever adds time);
     report(index, result) is called after every measurement."""
     results: List[Optional[Dict[str, Any]]] = [None] * len(configs)
     for _ in range(rounds):
@@ -212,11 +213,25 @@ def measure_round_robin(configs: Sequence[Dict[str, Any]], rounds: int, timeout_
             result = measure(config, timeout_s)
             report(index, result)
             best = results[index]
-            if best is None or best["status"] != STATUS_OK:
-                results[index] = result if best is None or result["status"] == STATUS_OK else best
-            elif result["status"] == STATUS_OK:
+            if best is None or (best["status"] != STATUS_OK and result["status"] == STATUS_OK):
+                results[index] = result
+            elif best["status"] == result["status"] == STATUS_OK:
                 best["time_s"] = min(best["time_s"], result["time_s"])
     return results  # type: ignore[return-value]
+
+
+def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, timeout_s: float,
+                 progress_prefix: Callable[[Dict[str, Any]], str] = lambda row: "") -> None:
+    """Measure the inference configuration each row describes (model, form, chunk_size, resolution,
+    batch_size, device, dtype, memory), round-robin over `rounds`, printing a line per measurement,
+    and add the result (status, time_s, peak_mem_mb) to the row."""
+    configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
+                    batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
+                    memory=r["memory"]) for r in rows]
+    results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
+        progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
+    for row, result in zip(rows, results):
+        row.update(result)
 
 
 def add_baseline_ratios(row: Dict[str, Any], baseline: Dict[str, Any]) -> None:

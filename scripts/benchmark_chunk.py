@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_round_robin,
-                                model_name, non_negative_int, plot_lines, positive_int, status_line, write_table)
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_rows,
+                                model_name, non_negative_int, plot_lines, positive_int, write_table)
 from lion_vit.ops import FORMS
 
 
@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", type=model_name, default=["lion_d_small"], help="LION models")
     parser.add_argument("--chunk-sizes", nargs="+", type=positive_int, default=[16, 64, 256, 1024])
     parser.add_argument("--resolution", type=positive_int, default=1248, help="a multiple of the patch size (16)")
-    parser.add_argument("--baseline", default="deit_small_patch16_224", help="'' to skip")
+    parser.add_argument("--baseline", default="deit_small_patch16_224", type=lambda text: text and model_name(text),
+                        help="'' to skip")
     parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORMS) - {"chunk"}), default=["rnn"],
                         help="other forms to measure too")
     parser.add_argument("--batch-size", type=positive_int, default=1)
@@ -37,11 +38,6 @@ def main() -> None:
                              "such as library code paged in included (first)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
-    if args.baseline:
-        try:
-            model_name(args.baseline)
-        except argparse.ArgumentTypeError as error:
-            parser.error(f"argument --baseline: {error}")
     not_lion = [m for m in args.models if not m.startswith("lion_")]
     if not_lion:
         parser.error(f"argument --models: {not_lion[0]!r} has no chunk form; give LION models (lion_d_small, ...)")
@@ -49,16 +45,11 @@ def main() -> None:
     configs = [(args.baseline, None, None)] if args.baseline else []
     for model in args.models:
         configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
-    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, device=args.device,
-                 dtype=args.dtype, memory=args.memory) for model, form, chunk in configs]
-    measured = [dict(model_name=model, form=form, chunk_size=chunk, img_size=args.resolution,
-                     batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
-                     memory=args.memory) for model, form, chunk in configs]
-    results = measure_round_robin(measured, args.rounds, args.timeout,
-                                  lambda i, result: print(status_line(dict(rows[i], **result)), flush=True))
-    for row, result in zip(rows, results):
-        row.update(result)
-        if args.baseline:
+    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, batch_size=args.batch_size,
+                 device=args.device, dtype=args.dtype, memory=args.memory) for model, form, chunk in configs]
+    measure_rows(rows, args.repeats, args.rounds, args.timeout)
+    if args.baseline:
+        for row in rows:
             add_baseline_ratios(row, rows[0])
     write_table(rows, args.out, "chunk")
     chunk_rows = [r for r in rows if r["form"] == "chunk"]

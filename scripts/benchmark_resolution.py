@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_round_robin,
-                                non_negative_int, plot_lines, positive_int, run_spec, status_line, write_table)
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_rows,
+                                non_negative_int, plot_lines, positive_int, run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -42,13 +42,8 @@ def main() -> None:
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,
                  batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory)
             for resolution in args.resolutions for model, form, chunk in args.runs]
-    configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
-                    batch_size=args.batch_size, device=args.device, dtype=args.dtype, repeats=args.repeats,
-                    memory=args.memory) for r in rows]
-    results = measure_round_robin(configs, args.rounds, args.timeout, lambda i, result: print(
-        f"{rows[i]['resolution']:5d}px {status_line(dict(rows[i], **result))}", flush=True))
-    for row, result in zip(rows, results):
-        row.update(result)
+    measure_rows(rows, args.repeats, args.rounds, args.timeout, lambda row: f"{row['resolution']:5d}px ")
+    for row in rows:
         add_baseline_ratios(row, next(r for r in rows if r["resolution"] == row["resolution"]))
     write_table(rows, args.out, "resolution")
     plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",

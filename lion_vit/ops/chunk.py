@@ -122,13 +122,11 @@ def _chunk_rows(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], si
     qc, kc, v1c, outc = (t.unflatten(2, (num_chunks, size)) for t in (q, k, v1, out))  # [b, h, N, C, D]
 
     scores = qc @ kc.transpose(-1, -2)  # [b, h, N, C, C]
-    weights = {False: (None, None), True: (None, None)}  # (key weight, query weight) per direction (reverse)
-    total = None
     if a is not None:
         ac = a.unflatten(2, (num_chunks, size))  # [b, h, N, C]
         inclusive = ac.cumsum(-1)
         exclusive = inclusive - ac
-        total = inclusive[..., -1]  # [b, h, N]: each chunk's summed log decay
+        total = inclusive[..., -1:]  # [b, h, N, 1]: each chunk's summed log decay
         # one decay per head (LION-d): every chunk shares one [C, C] Toeplitz block
         fixed = log_decay.shape[-1] == 1
         intra_mask = decay_mask(log_decay[..., None, :] if fixed else ac, size)  # [b|1, h, N|1, C, C]
@@ -136,19 +134,17 @@ def _chunk_rows(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], si
         # in place when nothing needs the unmasked scores for a backward pass
         scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
         del intra_mask
-        chunk_total = total[..., None]
-        weights = weights if num_chunks == 1 else {
-            False: (torch.exp(chunk_total - exclusive)[..., None].to(q.dtype), torch.exp(exclusive)[..., None]),
-            True: (torch.exp(inclusive)[..., None].to(q.dtype), torch.exp(chunk_total - inclusive)[..., None]),
-        }
     outc.copy_(scores @ v1c.to(scores.dtype))  # intra-chunk part (autograd follows writes into views of out)
     del scores
     if num_chunks == 1:
         return
     for reverse in (False, True):  # one direction at a time: its states are O(N d^2) memory
-        key_weight, query_weight = weights[reverse]
+        key_weight = query_weight = None
+        if a is not None:  # key r enters its chunk's state, query p reads the state entering its chunk
+            key_log, query_log = (inclusive, total - inclusive) if reverse else (total - exclusive, exclusive)
+            key_weight, query_weight = torch.exp(key_log)[..., None].to(q.dtype), torch.exp(query_log)[..., None]
         contributions = (kc if key_weight is None else kc * key_weight).transpose(-1, -2) @ v1c  # [b, h, N, Dk, Dv+1]
-        states = _carried_states(contributions, total, reverse)
+        states = _carried_states(contributions, None if a is None else total[..., 0], reverse)
         del contributions
         update = qc @ states
         del states
