@@ -12,6 +12,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .ops.masks import mask_dtype
 from .ops import check_form, get_feature_map, lion_attention, lion_attention_multiscan, snake_orders
@@ -25,6 +26,30 @@ def initial_decays(num_heads: int) -> Tensor:
     Like RetNet's per-head gammas 1 - 2^-(5..), but on the scale of an image patch grid.
     """
     return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
+
+
+class _SplitHeads(torch.autograd.Function):
+    """[B, L, 3 * H * D] projection -> contiguous q, k, v [B, H, L, D] (head-major), for training.
+
+    The feature maps' backward runs several times faster on a CPU on contiguous tensors than on
+    strided views; and the backward writes the three gradients straight into the projection's
+    layout (one pass) instead of autograd's stack and then a copy out of the permuted stack (two).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: Tensor, heads: int) -> Tuple[Tensor, Tensor, Tensor]:
+        parts = qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D] view
+        return tuple(part.contiguous() for part in parts.unbind(0))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: Tensor) -> Tuple[Tensor, None]:
+        # (autograd materialises the gradient of an unused output as zeros: none is None)
+        batch, heads, length, head_dim = grads[0].shape
+        grad = grads[0].new_empty(batch, length, 3, heads, head_dim)
+        for index, part in enumerate(grads):
+            grad[:, :, index].copy_(part.transpose(1, 2))
+        return grad.flatten(2), None
 
 
 class LionAttention(nn.Module):
@@ -133,15 +158,14 @@ class LionAttention(nn.Module):
         if attn_mask is not None or is_causal:
             raise ValueError("LionAttention takes no attn_mask / is_causal: its mask comes from the decays")
         batch, length, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)
         if torch.is_grad_enabled():
-            # One copy into head-major layout: the feature maps' backward then runs on contiguous
-            # tensors, several times faster on a CPU than on strided views.
-            qkv = qkv.contiguous()
-        q, k, v = qkv.unbind(0)
+            q, k, v = _SplitHeads.apply(qkv, self.num_heads)
+        else:  # the feature maps read q and k strided; only v is copied
+            q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+            v = v.contiguous()
         del qkv  # without autograd the [B, L, 3 * dim] projection is freed once q, k, v are
         q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]
-        v = v.contiguous()
         log_decay = self.log_decay(x)
         if self.num_scans == 1:
             log_decay = None if log_decay is None else log_decay[0]

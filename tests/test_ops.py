@@ -24,6 +24,9 @@ def make_inputs(batch, heads, length, dim, decay, dtype, seed=0):
         "selective": torch.rand(batch, heads, length, generator=g, dtype=torch.float64) * 0.98 + 0.01,
         "near0": torch.full((batch, heads, length), 1e-3, dtype=torch.float64),
         "near1": torch.full((batch, heads, length), 1 - 1e-6, dtype=torch.float64),
+        # decays broadcast over the batch (selective) or given per sample (fixed)
+        "selective_shared": torch.rand(1, heads, length, generator=g, dtype=torch.float64) * 0.98 + 0.01,
+        "fixed_per_batch": torch.rand(batch, heads, 1, generator=g, dtype=torch.float64) * 0.5 + 0.45,
     }[decay]
     return q.to(dtype), k.to(dtype), v.to(dtype), lam
 
@@ -52,7 +55,7 @@ def test_forms_match_naive(form, decay, length, dtype):
 
 
 @pytest.mark.parametrize("length", [1, 13, 37])
-@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+@pytest.mark.parametrize("decay", DECAYS + ["selective_shared", "fixed_per_batch"])
 @pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 5)], ids=_form_id)
 def test_gradients_match_naive(form, decay, length):
     q, k, v, lam = make_inputs(2, 2, length, 6, decay, torch.float64, seed=1)

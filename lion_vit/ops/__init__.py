@@ -63,7 +63,9 @@ class _Divide(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> Tuple[Tensor, Tensor]:
         out, normaliser = ctx.saved_tensors
-        grad_numerator = grad / normaliser
+        # written contiguous: the incoming gradient is usually a [B, L, H, D]-strided view (from the
+        # heads' transpose), and the matmuls of the backward below would each copy it
+        grad_numerator = torch.div(grad, normaliser, out=torch.empty_like(out, memory_format=torch.contiguous_format))
         return grad_numerator, -(grad_numerator * out).sum(-1, keepdim=True)
 
 

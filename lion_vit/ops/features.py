@@ -17,7 +17,7 @@ def elu_plus_one(x: Tensor) -> Tensor:
 
 def shifted_silu(x: Tensor) -> Tensor:
     """SiLU(x) + 0.5; SiLU >= -0.279, so the result is >= 0.22."""
-    return F.silu(x) + 0.5
+    return F.silu(x).add_(0.5)  # in place: SiLU's backward reads its input, not its output
 
 
 class _NormalizedShiftedSilu(torch.autograd.Function):

@@ -40,13 +40,18 @@ def _positions(length: int, positions: Optional[Tensor], device: torch.device) -
     return torch.arange(length, device=device) if positions is None else positions
 
 
+def _distance(length: int, positions: Optional[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """|p_i - p_j| [L, L]: the exponent of lam in a fixed-decay mask."""
+    pos = _positions(length, positions, device).to(mask_dtype(dtype))
+    return (pos[:, None] - pos[None, :]).abs()
+
+
 def toeplitz_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = None) -> Tensor:
     """Fixed-decay (LION-d) mask lam^|p_i - p_j| from a (..., 1) log decay; returns (..., L, L).
 
     positions: scan position of each token (default: the identity order).
     """
-    pos = _positions(length, positions, log_decay.device).to(mask_dtype(log_decay.dtype))
-    distance = (pos[:, None] - pos[None, :]).abs()  # [L, L]
+    distance = _distance(length, positions, log_decay.dtype, log_decay.device)
     return torch.exp(log_decay.to(distance.dtype)[..., None] * distance)
 
 
@@ -114,31 +119,43 @@ class _SelectiveMask(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_mask: Tensor) -> Tuple[Tensor, None]:
         mask, positions = ctx.saved_tensors
-        *lead, length = mask.shape[:-1]
-        row = _positions(length, positions, mask.device)
-        # 1 where token j comes strictly before token i in the scan (a float product: masked_fill_
-        # with a broadcast boolean mask is several times slower on a CPU)
-        earlier = (row[:, None] > row[None, :]).to(mask.dtype)
-        # dL/d(log M) = dL/dM * M, written into the saved mask: nothing reads it after this
-        # backward (a second backward through the graph fails autograd's version check).
-        grad_log, grad_mask = mask.view(-1, length, length), grad_mask.reshape(-1, length, length)
-        rows, cols, diagonal, rows_lower, cols_lower = grad_log.new_empty(5, grad_log.shape[0], length)
-        for group in _slab_groups(grad_log.shape[0], length, mask.dtype, mask.device):
-            g = grad_log[group].mul_(grad_mask[group])
-            torch.sum(g, -1, out=rows[group])
-            torch.sum(g, -2, out=cols[group])
-            diagonal[group] = g.diagonal(dim1=-2, dim2=-1)
-            lower = g.mul_(earlier)
-            torch.sum(lower, -1, out=rows_lower[group])
-            torch.sum(lower, -2, out=cols_lower[group])
-        rows_upper, cols_upper = rows - rows_lower - diagonal, cols - cols_lower - diagonal
-        work_dtype = _cumsum_dtype(length, mask.dtype)
-        from_lower, from_upper = (cols_lower - rows_lower).to(work_dtype), (rows_upper - cols_upper).to(work_dtype)
-        if positions is not None:  # token order -> scan order
-            order = torch.argsort(positions)
-            from_lower, from_upper = from_lower[..., order], from_upper[..., order]
-        grad = from_lower.cumsum(-1) + from_upper.cumsum(-1) - from_upper
-        return grad.view(*lead, length).to(ctx.input_dtype), None
+        # dL/d(log M) = dL/dM * M, formed in the saved mask: nothing reads it after this backward
+        # (a second backward through the graph fails autograd's version check).
+        return _selective_log_decay_grad(mask, grad_mask, positions, ctx.input_dtype), None
+
+
+def _selective_log_decay_grad(buffer: Tensor, factor: Optional[Tensor], positions: Optional[Tensor],
+                              input_dtype: torch.dtype) -> Tensor:
+    """dL/d(log decays) [..., L] of a selective mask, from G = dL/d(log M) = buffer * factor [..., L, L]
+    (factor None: G = buffer).
+
+    G is formed in `buffer` (overwritten) one slab group at a time, each group reduced while it is
+    in cache. See _SelectiveMask for the formula.
+    """
+    *lead, length = buffer.shape[:-1]
+    row = _positions(length, positions, buffer.device)
+    # 1 where token j comes strictly before token i in the scan (a float product: masked_fill_
+    # with a broadcast boolean mask is several times slower on a CPU)
+    earlier = (row[:, None] > row[None, :]).to(buffer.dtype)
+    grad_log = buffer.view(-1, length, length)
+    factor = None if factor is None else factor.reshape(-1, length, length)
+    rows, cols, diagonal, rows_lower, cols_lower = grad_log.new_empty(5, grad_log.shape[0], length)
+    for group in _slab_groups(grad_log.shape[0], length, buffer.dtype, buffer.device):
+        g = grad_log[group] if factor is None else grad_log[group].mul_(factor[group])
+        torch.sum(g, -1, out=rows[group])
+        torch.sum(g, -2, out=cols[group])
+        diagonal[group] = g.diagonal(dim1=-2, dim2=-1)
+        lower = g.mul_(earlier)
+        torch.sum(lower, -1, out=rows_lower[group])
+        torch.sum(lower, -2, out=cols_lower[group])
+    rows_upper, cols_upper = rows - rows_lower - diagonal, cols - cols_lower - diagonal
+    work_dtype = _cumsum_dtype(length, buffer.dtype)
+    from_lower, from_upper = (cols_lower - rows_lower).to(work_dtype), (rows_upper - cols_upper).to(work_dtype)
+    if positions is not None:  # token order -> scan order
+        order = torch.argsort(positions)
+        from_lower, from_upper = from_lower[..., order], from_upper[..., order]
+    grad = from_lower.cumsum(-1) + from_upper.cumsum(-1) - from_upper
+    return grad.view(*lead, length).to(input_dtype)
 
 
 def selective_mask(log_decay: Tensor, positions: Optional[Tensor] = None) -> Tensor:
@@ -159,3 +176,31 @@ def decay_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = Non
     if log_decay.shape[-1] == 1:
         return toeplitz_mask(log_decay, length, positions)
     return selective_mask(log_decay, positions)
+
+
+def decay_mask_values(log_decay: Tensor, length: int, positions: Optional[Tensor] = None) -> Tensor:
+    """decay_mask's values, outside autograd (for ops with their own backward)."""
+    with torch.no_grad():
+        if log_decay.shape[-1] == 1:
+            return toeplitz_mask(log_decay, length, positions)
+        return _selective_mask_values(log_decay, positions)
+
+
+def decay_mask_backward(buffer: Tensor, factor: Tensor, log_decay: Tensor,
+                        positions: Optional[Tensor] = None) -> Tensor:
+    """dL/d(log_decay) for M = decay_mask(log_decay, L, positions), from G = dL/d(log M) = buffer * factor.
+
+    buffer, factor: [..., L, L], broadcast over M's shape; `buffer` is overwritten. An op that keeps
+    W = S * M can pass (W, dL/dW) here instead of (M, dL/dM = dL/dW * S) and need not keep S.
+    """
+    length = buffer.shape[-1]
+    mask_shape = log_decay.shape[:-1] + (length, length)
+    if log_decay.shape[-1] != 1:
+        if buffer.shape == mask_shape:  # G formed group by group inside the reduction, in cache
+            return _selective_log_decay_grad(buffer, factor, positions, log_decay.dtype)
+        grad_log = buffer.mul_(factor).sum_to_size(mask_shape)  # a mask broadcast over the batch
+        return _selective_log_decay_grad(grad_log, None, positions, log_decay.dtype)
+    # log M = a |p_i - p_j|:  dL/da = sum_ij G_ij |p_i - p_j|, one matrix-vector product per slab
+    distance = _distance(length, positions, buffer.dtype, buffer.device)
+    grad_log = buffer.mul_(factor).flatten(-2) @ distance.flatten()  # [..., ] over every slab
+    return grad_log.sum_to_size(log_decay.shape[:-1]).unsqueeze(-1).to(log_decay.dtype)
