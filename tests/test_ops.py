@@ -8,7 +8,7 @@ from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map
 from naive import naive_lion, naive_multiscan
 
 FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
-DECAYS = ["lit", "fixed", "selective", "near0", "near1"]
+DECAYS = ["lit", "fixed", "selective", "near0", "near1", "underflow"]
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
@@ -24,6 +24,8 @@ def make_inputs(batch, heads, length, dim, decay, dtype, seed=0):
         "selective": torch.rand(batch, heads, length, generator=g, dtype=torch.float64) * 0.98 + 0.01,
         "near0": torch.full((batch, heads, length), 1e-3, dtype=torch.float64),
         "near1": torch.full((batch, heads, length), 1 - 1e-6, dtype=torch.float64),
+        # every product of 6 or more decays is 0 in float64 (of 2 or more, exp(-276), in float32)
+        "underflow": torch.rand(batch, heads, length, generator=g, dtype=torch.float64) * 1e-60 + 1e-61,
         # decays broadcast over the batch (selective) or given per sample (fixed)
         "selective_shared": torch.rand(1, heads, length, generator=g, dtype=torch.float64) * 0.98 + 0.01,
         "fixed_per_batch": torch.rand(batch, heads, 1, generator=g, dtype=torch.float64) * 0.5 + 0.45,
@@ -112,11 +114,14 @@ def test_multiscan_matches_naive(form, decay, dtype):
     assert rel_err(out, naive_multiscan(q, k, v, lams, orders)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("scale", ["moderate", "near0_and_near1", "underflow"])
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("form", [("attention", None), ("chunk", 4)], ids=_form_id)
-def test_multiscan_gradients_match_naive(form, decay):
+def test_multiscan_gradients_match_naive(form, decay, scale):
     """The hand-written backwards (masked attention, selective mask in scan order) against autograd
-    through the float64 oracle."""
+    through the float64 oracle; also with one scan's decays near 0 and the other's near 1 (each
+    scan's share of the summed mask near 0 or 1), and with decays so small that both scans' mask
+    entries underflow to 0 away from the diagonal."""
     height, width, prefix = 3, 4, 1
     length = height * width + prefix
     orders = snake_orders(height, width, prefix)
@@ -124,6 +129,10 @@ def test_multiscan_gradients_match_naive(form, decay):
     g = torch.Generator().manual_seed(7)
     shape = (2, 1, 2, 1) if decay == "fixed" else (2, 2, 2, length)
     lams = torch.rand(*shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    if scale == "near0_and_near1":
+        lams = torch.stack([lams[0] * 1e-3, 1 - lams[1] * 1e-6])
+    elif scale == "underflow":  # 1e-60^6 = 1e-360 is 0 in float64
+        lams = lams * 1e-60
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=g)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
     ref_grads = torch.autograd.grad((naive_multiscan(*ref_leaves, orders) * upstream).sum(), ref_leaves)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .attention import attention_unnormalized, masked_unnormalized
+from .attention import attention_unnormalized, decay_masked_unnormalized
 from .chunk import chunk_unnormalized
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
@@ -112,10 +112,7 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     if form == "attention":
         # Masks add up, so the full form needs one summed mask in token order and no permutation
         # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
-        mask = decay_mask(a[0], length, positions=inverse[0])
-        for s in range(1, num_scans):  # out of place: each scan's mask is saved for its backward
-            mask = mask + decay_mask(a[s], length, positions=inverse[s])
-        return _normalize(*masked_unnormalized(q, k, v, mask), v.dtype)
+        return _normalize(*decay_masked_unnormalized(q, k, v, a, inverse), v.dtype)
 
     if not needs_grad(q, k, v, a):
         return _normalize(*_multiscan_inference(q, k, v, a, orders, form, chunk_size), v.dtype)

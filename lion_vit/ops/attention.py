@@ -1,7 +1,7 @@
 """Full (parallel) LION form: (Q K^T * M) V and its row sums (paper Eq. 13), the training form."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,9 +21,7 @@ def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
     if log_decay is None:
         # All-ones mask: Q (K^T V) and Q (sum_j k_j) are exact and never build an L x L matrix.
         return q @ _KeyValueProduct.apply(k, v), q @ k.sum(-2).unsqueeze(-1)
-    if needs_grad(q, k, v, log_decay):
-        return _DecayMaskedAttention.apply(q, k, v, log_decay)
-    return masked_unnormalized(q, k, v, decay_mask_values(log_decay, q.shape[-2]))
+    return decay_masked_unnormalized(q, k, v, log_decay[None])
 
 
 class _KeyValueProduct(torch.autograd.Function):
@@ -51,93 +49,86 @@ class _KeyValueProduct(torch.autograd.Function):
         return grad_k, grad_v
 
 
-def _masked_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, keep_scores: bool) -> Tuple[Tensor, ...]:
-    """numerator (Q K^T * mask) V, normaliser rowsum(Q K^T * mask), the weights Q K^T * mask and,
-    if keep_scores, the scores Q K^T (else formed in place into the weights)."""
-    scores = (q @ k.transpose(-1, -2)).to(mask.dtype)  # [B, H, L, L]
-    weights = scores * mask if keep_scores else scores.mul_(mask)
+def _masked_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """numerator (Q K^T * mask) V, normaliser rowsum(Q K^T * mask) and the weights Q K^T * mask."""
+    weights = (q @ k.transpose(-1, -2)).to(mask.dtype).mul_(mask)  # [B, H, L, L], in place of the scores
     numerator = weights @ v.to(weights.dtype)  # under autocast this matmul runs in bf16
-    return numerator, weights.sum(-1, keepdim=True), weights, scores if keep_scores else None
+    return numerator, weights.sum(-1, keepdim=True), weights  # the row sums stay in float32
 
 
-def _grad_v_and_weights(ctx, v: Tensor, weights: Tensor, grad_numerator: Tensor,
-                        grad_normaliser: Tensor) -> Tuple[Optional[Tensor], Tensor]:
-    """dV = W^T dN and dW = dN V^T + dn (the one L x L allocation of a masked backward)."""
-    grad_numerator = grad_numerator.to(ctx.compute_dtype)
-    grad_v = None
-    if ctx.needs_input_grad[2]:
-        grad_v = (weights.to(ctx.compute_dtype).transpose(-1, -2) @ grad_numerator).to(v.dtype)
-    # d/dW of  W V  and of rowsum(W)
-    grad_weights = (grad_numerator @ v.to(ctx.compute_dtype).transpose(-1, -2)).to(weights.dtype)
-    return grad_v, grad_weights.add_(grad_normaliser.to(weights.dtype))
-
-
-def _grad_q_k(ctx, q: Tensor, k: Tensor, grad_weights: Tensor, mask: Tensor) -> Tuple[Optional[Tensor], ...]:
-    """dQ and dK from dS = dW * mask (formed in place into dW)."""
-    grad_scores = grad_weights.mul_(mask).to(ctx.compute_dtype)
-    grad_q = (grad_scores @ k.to(ctx.compute_dtype)).to(q.dtype) if ctx.needs_input_grad[0] else None
-    grad_k = (grad_scores.transpose(-1, -2) @ q.to(ctx.compute_dtype)).to(k.dtype) if ctx.needs_input_grad[1] else None
-    return grad_q, grad_k
-
-
-class _MaskedAttention(torch.autograd.Function):
-    """(Q K^T * mask) V and its row sums, with a hand-written backward.
-
-    Autograd would keep the scores and the weights, then allocate a fresh L x L tensor for each of
-    half a dozen gradient steps; on a CPU those allocations (page faults on 30 MB tensors) cost
-    more than the arithmetic. Here the backward allocates one L x L tensor and updates it in place.
-    Matmuls run in the dtype the forward's matmul produced (bf16 under autocast), the mask and the
-    weights in float32/64. A mask that needs a gradient (dL/dM = dW * S) makes the forward keep the
-    scores as well; `_DecayMaskedAttention` avoids that for a mask built from log decays.
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-        numerator, normaliser, weights, scores = _masked_forward(q, k, v, mask, ctx.needs_input_grad[3])
-        ctx.compute_dtype = numerator.dtype
-        ctx.save_for_backward(q, k, v, mask, weights, scores)
-        return numerator, normaliser
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor):
-        q, k, v, mask, weights, scores = ctx.saved_tensors
-        grad_v, grad_weights = _grad_v_and_weights(ctx, v, weights, grad_numerator, grad_normaliser)
-        grad_mask = None
-        if scores is not None:  # scores are not needed after this: reuse their storage
-            grad_mask = scores.mul_(grad_weights).sum_to_size(mask.shape)
-        return (*_grad_q_k(ctx, q, k, grad_weights, mask), grad_v, grad_mask)
+def _scan_masks(log_decays: Tensor, length: int, positions: Optional[Tensor]) -> List[Tensor]:
+    """Each scan's mask in token order (no autograd): log_decays [S, ...] in scan order, positions
+    [S, L] (scan position of each token) or None for one scan in token order."""
+    return [decay_mask_values(a, length, None if positions is None else positions[s])
+            for s, a in enumerate(log_decays.unbind(0))]
 
 
 class _DecayMaskedAttention(torch.autograd.Function):
-    """(Q K^T * M) V and its row sums for the mask M = decay_mask(log_decay), built inside.
+    """(Q K^T * M) V and its row sums for M = sum_s M_s, M_s = decay_mask(log_decays[s]), with a
+    hand-written backward.
 
-    The log decays' gradient needs only dL/d(log M) = dL/dM * M = dW * W, so unlike
-    `_MaskedAttention` with a mask that needs a gradient, the forward forms the weights in place
-    of the scores and keeps one L x L tensor (W) per layer instead of two.
+    Autograd would keep the scores and the weights, then allocate a fresh L x L tensor for each of
+    half a dozen gradient steps; on a CPU those allocations (page faults on 30 MB tensors) cost
+    more than the arithmetic. Here the forward forms the weights W = S * M in place of the scores S
+    and keeps only W: the decays' gradient needs dL/d(log M_s) = dL/dM_s * M_s = dW * W * R_s with
+    R_s = M_s / M (R = 1 for one scan), never S itself. The backward allocates one L x L tensor,
+    dW, and updates it in place. Matmuls run in the dtype the forward's matmul produced (bf16
+    under autocast), masks and weights in float32/64.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor) -> Tuple[Tensor, Tensor]:
-        mask = decay_mask_values(log_decay, q.shape[-2])
-        numerator, normaliser, weights, _ = _masked_forward(q, k, v, mask, keep_scores=False)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor,
+                positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        masks = _scan_masks(log_decays, q.shape[-2], positions)
+        mask, ratios = masks[0], []
+        if len(masks) > 1:
+            mask = sum(masks[1:], masks[0])  # out of place: each scan's mask becomes its ratio
+            # R_s = M_s / M; where every scan's entry underflowed to 0, R_s = 0 (and W = 0) there
+            denominator = mask + torch.finfo(mask.dtype).tiny
+            ratios = [m.div_(denominator) for m in masks]
+        numerator, normaliser, weights = _masked_forward(q, k, v, mask)
         ctx.compute_dtype = numerator.dtype
-        ctx.save_for_backward(q, k, v, mask, weights, log_decay)
+        ctx.save_for_backward(q, k, v, mask, weights, log_decays, positions, *ratios)
         return numerator, normaliser
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor):
-        q, k, v, mask, weights, log_decay = ctx.saved_tensors
-        grad_v, grad_weights = _grad_v_and_weights(ctx, v, weights, grad_numerator, grad_normaliser)
-        grad_log_decay = None
-        if ctx.needs_input_grad[3]:  # weights are not needed after this: G = dW * W is formed in them
-            grad_log_decay = decay_mask_backward(weights, grad_weights, log_decay)
-        return (*_grad_q_k(ctx, q, k, grad_weights, mask), grad_v, grad_log_decay)
+        q, k, v, mask, weights, log_decays, positions, *ratios = ctx.saved_tensors
+        compute = ctx.compute_dtype
+        grad_numerator = grad_numerator.to(compute)
+        grad_v = None
+        if ctx.needs_input_grad[2]:
+            grad_v = (weights.to(compute).transpose(-1, -2) @ grad_numerator).to(v.dtype)
+        # d/dW of  W V  and of rowsum(W): the one L x L allocation of this backward
+        grad_weights = (grad_numerator @ v.to(compute).transpose(-1, -2)).to(weights.dtype)
+        grad_weights.add_(grad_normaliser.to(weights.dtype))
+        grad_log_decays = None
+        if ctx.needs_input_grad[3]:  # the weights are not needed after this: dW * W is formed in them
+            scans = log_decays.unbind(0)
+            if not ratios:
+                grads = [decay_mask_backward(weights, grad_weights, scans[0])]
+            else:
+                grad_log_mask = weights.mul_(grad_weights)
+                grads = [decay_mask_backward(r, grad_log_mask.sum_to_size(r.shape), a, positions[s])
+                         for s, (a, r) in enumerate(zip(scans, ratios))]
+            grad_log_decays = torch.stack(grads)
+        grad_scores = grad_weights.mul_(mask).to(compute)
+        grad_q = (grad_scores @ k.to(compute)).to(q.dtype) if ctx.needs_input_grad[0] else None
+        grad_k = (grad_scores.transpose(-1, -2) @ q.to(compute)).to(k.dtype) if ctx.needs_input_grad[1] else None
+        return grad_q, grad_k, grad_v, grad_log_decays, None
 
 
-def masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
-    """(Q K^T * mask) V and its row sums, for a mask [B|1, H, L, L] in float32/64."""
-    if needs_grad(q, k, v, mask):
-        return _MaskedAttention.apply(q, k, v, mask)
-    return _masked_forward(q, k, v, mask, keep_scores=False)[:2]
+def decay_masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor,
+                              positions: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(Q K^T * M) V and its row sums for the summed mask M = sum_s decay_mask(log_decays[s]).
+
+    log_decays: [S, B|1, H|1, L|1], each scan's in scan order; positions: [S, L], the scan position
+    of each token, or None for one scan in token order.
+    """
+    if needs_grad(q, k, v, log_decays):
+        return _DecayMaskedAttention.apply(q, k, v, log_decays, positions)
+    mask, *others = _scan_masks(log_decays, q.shape[-2], positions)  # every scan's mask has one shape
+    for other in others:
+        mask.add_(other)
+    return _masked_forward(q, k, v, mask)[:2]

@@ -50,8 +50,10 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     """
     num_chunks = contributions.shape[2]
     if num_chunks <= MATMUL_CARRY_MAX_CHUNKS:
+        ones = torch.ones(num_chunks, num_chunks, dtype=torch.bool, device=contributions.device)
+        carried = ones.triu(diagonal=1) if reverse else ones.tril(diagonal=-1)  # (n, m): m after / before n
         if log_chunk_decay is None:
-            weights = torch.ones(num_chunks, num_chunks, dtype=contributions.dtype, device=contributions.device)
+            weights = carried
         else:
             # float64: the sums run over up to L tokens of decay, and only [N, N] entries are formed
             a = log_chunk_decay.double()
@@ -60,8 +62,9 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
             # entry (n, m): m < n: T_{m+1} + ... + T_{n-1} = E_n - G_m;  m > n: T_{n+1} + ... + T_{m-1} = E_m - G_n
             exponent = exclusive[..., None, :] - inclusive[..., :, None] if reverse else \
                 exclusive[..., :, None] - inclusive[..., None, :]
-            weights = torch.exp(exponent)  # entries outside the triangle may overflow: they are dropped
-        weights = torch.triu(weights, diagonal=1) if reverse else torch.tril(weights, diagonal=-1)
+            # outside the triangle the exponent is positive and may overflow: exp(-inf) = 0 there keeps
+            # both the weights and their gradient (grad * exp) free of inf and NaN
+            weights = torch.exp(exponent.masked_fill(~carried, float("-inf")))
         weights = weights.to(contributions.dtype)  # [B|1, H|1, N, N]
         return (weights @ contributions.flatten(-2)).unflatten(-1, contributions.shape[-2:])
     if reverse:
