@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
-from naive import naive_lion, naive_multiscan
+from naive import naive_lion, naive_mask, naive_multiscan
 
 FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
 DECAYS = ["lit", "fixed", "selective", "near0", "near1", "underflow"]
@@ -232,6 +232,26 @@ def test_selective_mask_in_slab_groups(group_bytes, monkeypatch):
         ref_grads = list(ref_grads[:3]) + [ref_grads[3] * ref_leaves[3].detach()]
         for name, got, ref in zip("qkva", grads, ref_grads):
             assert rel_err(got, ref) < 1e-9, f"grad of {name} ({'single' if single else 'multi'}-scan)"
+
+
+@pytest.mark.parametrize("block", [1, 3, 32, 1000])
+@pytest.mark.parametrize("decay", ["selective", "near0", "near1", "underflow"])
+def test_selective_mask_in_row_blocks(decay, block, monkeypatch):
+    """On a CPU the one-scan selective mask is built a block of rows at a time (exact diagonal blocks,
+    outer products off them): every entry against the oracle's running products, for blocks of one
+    row, blocks that leave a short last one, and one block of the whole sequence."""
+    import lion_vit.ops.masks as masks
+    monkeypatch.setattr(masks, "CPU_MASK_BLOCK", block)
+    *_, lam = make_inputs(2, 3, 40, 1, decay, torch.float64, seed=15)
+    expected = naive_mask(lam)
+    # float32: the exponents are differences of float32 cumulative sums (error ~ eps * L * |log lam|)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        mask = masks.decay_mask(torch.log(lam).to(dtype), 40)
+        assert mask.dtype == dtype
+        # relative error per entry wherever the oracle's entry is a normal float32
+        scale = expected.clamp_min(torch.finfo(torch.float32).tiny)
+        assert ((mask.double() - expected).abs() / scale).max().item() < tol
+        assert torch.equal(mask.diagonal(dim1=-2, dim2=-1), torch.ones(2, 3, 40, dtype=dtype))
 
 
 def test_selective_mask_gradient_long_fp32(monkeypatch):
