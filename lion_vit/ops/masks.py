@@ -31,6 +31,23 @@ CPU_GROUP_BYTES = 4 << 20
 CPU_MASK_BLOCK = 32
 
 
+# Just above the log of float32's smallest normal number (-87.34): exp() below it gives a denormal
+# or 0, which a CPU's vectorised exp computes on a slow path, 5-14x slower than the normal range
+# (and so it does right at the boundary: hence a margin).
+_FLOAT32_EXP_FLOOR = -87.0
+
+
+def _exp_nonpositive(exponent: Tensor) -> Tensor:
+    """exp of a mask exponent (<= 0). In float32 on a CPU the exponent is first raised to at least
+    -87, so no entry takes exp's slow underflow path: entries below exp(-87) = 1.6e-38 (next to the
+    diagonal's 1, nothing a float32 sum can see) become 1.6e-38. In place when autograd does not
+    need the exponent."""
+    if exponent.dtype == torch.float32 and exponent.device.type == "cpu":
+        exponent = exponent.clamp_min(_FLOAT32_EXP_FLOOR) if exponent.requires_grad else \
+            exponent.clamp_min_(_FLOAT32_EXP_FLOOR)
+    return exponent.exp() if exponent.requires_grad else exponent.exp_()
+
+
 def mask_dtype(dtype: torch.dtype) -> torch.dtype:
     """Masks and normalisers stay in float32 (or float64) even for half-precision inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -57,7 +74,7 @@ def toeplitz_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = 
     positions: scan position of each token (default: the identity order).
     """
     distance = _distance(length, positions, log_decay.dtype, log_decay.device)
-    return torch.exp(log_decay.to(distance.dtype)[..., None] * distance)
+    return _exp_nonpositive(log_decay.to(distance.dtype)[..., None] * distance)
 
 
 def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -92,7 +109,7 @@ def _exact_exponent_exp(before_rows: Tensor, before_cols: Tensor, at_rows: Tenso
     """
     lower = torch.sub(before_rows[:, :, None], before_cols[:, None, :], out=out)
     upper = at_cols[:, None, :] - at_rows[:, :, None]
-    return torch.minimum(lower, upper, out=lower).exp_()
+    return _exp_nonpositive(torch.minimum(lower, upper, out=lower))
 
 
 def _fill_in_blocks(mask: Tensor, exclusive: Tensor, inclusive: Tensor, block: int) -> None:
