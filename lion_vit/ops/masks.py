@@ -99,16 +99,16 @@ def _slab_groups(count: int, length: int, dtype: torch.dtype, device: torch.devi
         yield slice(start, start + per_group)
 
 
-def _exact_exponent_exp(before_rows: Tensor, before_cols: Tensor, at_rows: Tensor, at_cols: Tensor,
-                        out: Optional[Tensor] = None) -> Tensor:
-    """exp of the mask's exponent for rows x columns of one scan-ordered stretch, [n, rows, cols].
+def _exact_exponent_exp(before: Tensor, at: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """The mask [n, l, l] among l tokens of one scan (in any order, e.g. token order) from their
+    exclusive (`before`, c_{i-1}) and inclusive (`at`, c_i) log-decay sums along the scan, [n, l].
 
     Below the diagonal the exponent is c_{i-1} - c_{j-1} <= 0, above it c_j - c_i <= 0; the other
     expression is >= 0 on each side (the sums are monotone), so their minimum is the exponent
     everywhere, with no position test.
     """
-    lower = torch.sub(before_rows[:, :, None], before_cols[:, None, :], out=out)
-    upper = at_cols[:, None, :] - at_rows[:, :, None]
+    lower = torch.sub(before[:, :, None], before[:, None, :], out=out)
+    upper = at[:, None, :] - at[:, :, None]
     return _exp_nonpositive(torch.minimum(lower, upper, out=lower))
 
 
@@ -127,7 +127,7 @@ def _fill_in_blocks(mask: Tensor, exclusive: Tensor, inclusive: Tensor, block: i
     for s in range(0, length, block):
         t = min(s + block, length)
         before, at = exclusive[:, s:t], inclusive[:, s:t]
-        mask[:, s:t, s:t] = _exact_exponent_exp(before, before, at, at)
+        mask[:, s:t, s:t] = _exact_exponent_exp(before, at)
         if s > 0:
             ref = exclusive[:, s:s + 1]
             torch.mul(torch.exp(before - ref).to(mask.dtype)[:, :, None],
@@ -150,7 +150,7 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     in_place = mask.dtype == inclusive.dtype
     for group in _slab_groups(mask.shape[0], length, inclusive.dtype, mask.device):
         before, at = exclusive[group], inclusive[group]
-        values = _exact_exponent_exp(before, before, at, at, out=mask[group] if in_place else None)
+        values = _exact_exponent_exp(before, at, out=mask[group] if in_place else None)
         if not in_place:
             mask[group] = values
     return mask.view(*lead, length, length)
