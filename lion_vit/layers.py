@@ -28,6 +28,11 @@ def initial_decays(num_heads: int) -> Tensor:
     return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
 
 
+def _head_major(qkv: Tensor, heads: int) -> Tensor:
+    """[B, L, 3 * H * D] projection -> [3, B, H, L, D] view (q, k, v)."""
+    return qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
+
+
 class _SplitHeads(torch.autograd.Function):
     """[B, L, 3 * H * D] projection -> contiguous q, k, v [B, H, L, D] (head-major), for training.
 
@@ -38,8 +43,7 @@ class _SplitHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv: Tensor, heads: int) -> Tuple[Tensor, Tensor, Tensor]:
-        parts = qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D] view
-        return tuple(part.contiguous() for part in parts.unbind(0))
+        return tuple(part.contiguous() for part in _head_major(qkv, heads).unbind(0))
 
     @staticmethod
     @once_differentiable
@@ -162,7 +166,7 @@ class LionAttention(nn.Module):
         if torch.is_grad_enabled():
             q, k, v = _SplitHeads.apply(qkv, self.num_heads)
         else:  # the feature maps read q and k strided; only v is copied
-            q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = _head_major(qkv, self.num_heads).unbind(0)
             v = v.contiguous()
         del qkv  # without autograd the [B, L, 3 * dim] projection is freed once q, k, v are
         q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]

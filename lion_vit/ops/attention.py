@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .masks import decay_mask_backward, decay_mask_values
+from .masks import decay_mask, decay_mask_backward
 from .rows import needs_grad
 
 
@@ -56,11 +56,16 @@ def _masked_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tens
     return numerator, weights.sum(-1, keepdim=True), weights  # the row sums stay in float32
 
 
+def _scan_positions(positions: Optional[Tensor], num_scans: int) -> List[Optional[Tensor]]:
+    """Each scan's positions [L] (scan position of each token), or None for token order."""
+    return [None] * num_scans if positions is None else list(positions.unbind(0))
+
+
 def _scan_masks(log_decays: Tensor, length: int, positions: Optional[Tensor]) -> List[Tensor]:
-    """Each scan's mask in token order (no autograd): log_decays [S, ...] in scan order, positions
-    [S, L] (scan position of each token) or None for one scan in token order."""
-    return [decay_mask_values(a, length, None if positions is None else positions[s])
-            for s, a in enumerate(log_decays.unbind(0))]
+    """Each scan's mask in token order (called without autograd): log_decays [S, ...] in scan order,
+    positions [S, L] or None for one scan in token order."""
+    return [decay_mask(a, length, pos)
+            for a, pos in zip(log_decays.unbind(0), _scan_positions(positions, len(log_decays)))]
 
 
 class _DecayMaskedAttention(torch.autograd.Function):
@@ -105,13 +110,13 @@ class _DecayMaskedAttention(torch.autograd.Function):
         grad_weights.add_(grad_normaliser.to(weights.dtype))
         grad_log_decays = None
         if ctx.needs_input_grad[3]:  # the weights are not needed after this: dW * W is formed in them
-            scans = log_decays.unbind(0)
+            scans, scan_positions = log_decays.unbind(0), _scan_positions(positions, len(log_decays))
             if not ratios:
-                grads = [decay_mask_backward(weights, grad_weights, scans[0])]
+                grads = [decay_mask_backward(weights, grad_weights, scans[0], scan_positions[0])]
             else:
                 grad_log_mask = weights.mul_(grad_weights)
-                grads = [decay_mask_backward(r, grad_log_mask.sum_to_size(r.shape), a, positions[s])
-                         for s, (a, r) in enumerate(zip(scans, ratios))]
+                grads = [decay_mask_backward(r, grad_log_mask.sum_to_size(r.shape), a, pos)
+                         for a, r, pos in zip(scans, ratios, scan_positions)]
             grad_log_decays = torch.stack(grads)
         grad_scores = grad_weights.mul_(mask).to(compute)
         grad_q = (grad_scores @ k.to(compute)).to(q.dtype) if ctx.needs_input_grad[0] else None

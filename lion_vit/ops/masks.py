@@ -237,14 +237,6 @@ def decay_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = Non
     return selective_mask(log_decay, positions)
 
 
-def decay_mask_values(log_decay: Tensor, length: int, positions: Optional[Tensor] = None) -> Tensor:
-    """decay_mask's values, outside autograd (for ops with their own backward)."""
-    with torch.no_grad():
-        if log_decay.shape[-1] == 1:
-            return toeplitz_mask(log_decay, length, positions)
-        return _selective_mask_values(log_decay, positions)
-
-
 def decay_mask_backward(buffer: Tensor, factor: Tensor, log_decay: Tensor,
                         positions: Optional[Tensor] = None) -> Tensor:
     """dL/d(log_decay) for M = decay_mask(log_decay, L, positions), from G = dL/d(log M) = buffer * factor.
