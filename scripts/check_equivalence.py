@@ -39,16 +39,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--batch-size", type=positive_int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, decays and inputs (default 0)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []
     for name in args.models:
+        torch.manual_seed(args.seed)  # the same weights in every run: the printed figures are reproducible
         model = timm.create_model(name, num_classes=10).to(dtype).eval()
-        randomize_decays(model)
+        randomize_decays(model, seed=args.seed)
         model.to(args.device)
         for size in args.sizes:
-            x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(1))
+            x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(args.seed + 1))
             x = x.to(args.device)
             with torch.no_grad():
                 try:
