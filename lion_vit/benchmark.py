@@ -62,6 +62,21 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "a non-negative")
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def device_name(text: str) -> str:
+    """argparse type: "cpu", or "cuda" where a CUDA device is available (else a one-line usage error
+    up front, instead of a traceback or every configuration failing)."""
+    import argparse
+    if text not in DEVICES:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose one of {', '.join(DEVICES)}")
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda: no CUDA device is available here (torch.cuda.is_available() is "
+                                         "False); use --device cpu")
+    return text
+
+
 def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
     """argparse type for model[:form[:chunk_size]] -> (model, form, chunk_size); forms apply to LION models."""
     import argparse

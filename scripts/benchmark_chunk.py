@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_rows,
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, device_name, label, markdown_table, measure_rows,
                                 model_name, non_negative_int, plot_lines, positive_int, write_table)
 from lion_vit.ops import FORMS
 
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORMS) - {"chunk"}), default=["rnn"],
                         help="other forms to measure too")
     parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=non_negative_int, default=2)
     parser.add_argument("--rounds", type=positive_int, default=1,

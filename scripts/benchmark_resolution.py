@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, label, markdown_table, measure_rows,
+from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, device_name, label, markdown_table, measure_rows,
                                 non_negative_int, plot_lines, positive_int, run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--resolutions", nargs="+", type=positive_int, default=[224, 448, 672, 896, 1248],
                         help="square image sizes in px, multiples of the patch size (16)")
     parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=non_negative_int, default=2, help="timed runs after one warm-up (median)")
     parser.add_argument("--rounds", type=positive_int, default=1,

@@ -20,7 +20,7 @@ import timm
 import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import markdown_table, model_name, positive_int, write_table
+from lion_vit.benchmark import device_name, markdown_table, model_name, positive_int, write_table
 from lion_vit.engine.allocator import keep_freed_memory
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", type=model_name, default=DEFAULT_MODELS, help="the first is the baseline")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per model after one warm-up; the best is reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")

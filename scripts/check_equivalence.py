@@ -16,7 +16,7 @@ import timm
 import torch
 
 import lion_vit
-from lion_vit.benchmark import positive_int
+from lion_vit.benchmark import device_name, positive_int
 from lion_vit.testing import randomize_decays
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--chunks", nargs="+", type=positive_int, default=[64, 37])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--batch-size", type=positive_int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, decays and inputs (default 0)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -50,7 +50,8 @@ def main() -> None:
         randomize_decays(model, seed=args.seed)
         model.to(args.device)
         for size in args.sizes:
-            x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=torch.Generator().manual_seed(args.seed + 1))
+            generator = torch.Generator().manual_seed(args.seed + 1)
+            x = torch.randn(args.batch_size, 3, *size, dtype=dtype, generator=generator)
             x = x.to(args.device)
             with torch.no_grad():
                 try:

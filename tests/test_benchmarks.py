@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from lion_vit.benchmark import measure, measure_inference, model_name, positive_int, run_spec, status_line
+from lion_vit.benchmark import device_name, measure, measure_inference, model_name, positive_int, run_spec, status_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +103,18 @@ def test_argument_types():
     for bad in ("0", "-2", "1.5", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             positive_int(bad)
+
+
+def test_device_argument_says_when_cuda_is_missing(monkeypatch):
+    """--device cuda on a machine without CUDA is a usage error up front, naming the fix."""
+    assert device_name("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(argparse.ArgumentTypeError, match="no CUDA device is available.*use --device cpu"):
+        device_name("cuda")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown device 'gpu'"):
+        device_name("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device_name("cuda") == "cuda"
 
 
 @pytest.mark.parametrize("script, args, message", [
