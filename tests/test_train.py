@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,40 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={corrupt}"), "corrupt")
     assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={tmp_path / 'missing.pt'}"),
                        "does not exist")
+    assert_clean_error(run_train(*SMALL_LION, "batch_size=0"), "batch_size=0", "positive integer")
+    assert_clean_error(run_train(*SMALL_LION, "optim.lr=-1"), "optim.lr=-1", "positive number")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
+    ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
+    ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
+])
+def test_settings_out_of_range_are_named(override, needle):
+    """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
+        cfg = compose("config", overrides=["ema.enabled=true", override])
+    with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
+        check_settings(cfg)
+
+
+def test_out_of_memory_becomes_one_line():
+    """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower."""
+    from omegaconf import OmegaConf
+    from lion_vit.engine.trainer import _out_of_memory
+    cfg = OmegaConf.create({"img_size": 230, "batch_size": 64})
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 179098240000 bytes. Error code 12 (Cannot allocate memory)")
+    message = str(_out_of_memory(cpu, cfg))
+    assert message.startswith("out of memory at img_size 230, batch_size 64") and "179.1 GB requested" in message
+    assert "lower batch_size or img_size" in message and "\n" not in message
+    cuda = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...")
+    assert "(20.00 GiB requested)" in str(_out_of_memory(cuda, cfg))
+    assert _out_of_memory(RuntimeError("shape mismatch"), cfg) is None
 
 
 def test_existing_run_is_not_overwritten(trained):

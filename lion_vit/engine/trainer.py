@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -44,6 +45,56 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
     return torch.device(name)
+
+
+def _require(value: Any, ok: bool, name: str, expected: str) -> None:
+    if not ok:
+        raise UserError(f"{name}={value} is not allowed; set {name} to {expected}")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """One clear line for a numeric setting out of range, before any data or model is built (torch,
+    timm and the DataLoader would otherwise fail deep inside with their own assertion)."""
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def is_number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    _require(cfg.img_size, is_int(cfg.img_size) and cfg.img_size > 0, "img_size", "a positive integer")
+    _require(cfg.batch_size, is_int(cfg.batch_size) and cfg.batch_size > 0, "batch_size", "a positive integer")
+    _require(cfg.num_workers, is_int(cfg.num_workers) and cfg.num_workers >= 0, "num_workers", "an integer >= 0")
+    if cfg.eval_only:
+        return
+    _require(cfg.epochs, is_int(cfg.epochs) and cfg.epochs > 0, "epochs", "a positive integer")
+    optim = cfg.optim
+    _require(optim.lr, is_number(optim.lr) and optim.lr > 0, "optim.lr", "a positive number")
+    _require(optim.warmup_epochs, is_number(optim.warmup_epochs) and optim.warmup_epochs >= 0,
+             "optim.warmup_epochs", "a number >= 0")
+    _require(optim.clip_grad, optim.clip_grad is None or (is_number(optim.clip_grad) and optim.clip_grad > 0),
+             "optim.clip_grad", "null or a positive max norm")
+    if cfg.ema.enabled:
+        _require(cfg.ema.decay, is_number(cfg.ema.decay) and 0 < cfg.ema.decay < 1, "ema.decay",
+                 "a number between 0 and 1")
+
+
+_REQUESTED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?([A-Za-z]+)")
+
+
+def _out_of_memory(error: BaseException, cfg: DictConfig) -> Optional[UserError]:
+    """A UserError for an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
+    RuntimeError), saying how much was asked for and what to lower; None for any other error."""
+    message = str(error)
+    if not isinstance(error, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in message:
+        return None
+    found = _REQUESTED.search(message)
+    size = ""
+    if found:
+        amount, unit = found.groups()
+        size = f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else f" ({amount} {unit} requested)"
+    return UserError(f"out of memory at img_size {cfg.img_size}, batch_size {cfg.batch_size} per process{size}; "
+                     f"lower batch_size or img_size (the attention form's memory grows with the square of the "
+                     f"tokens per image; to evaluate at high resolution use model.attn_form=chunk)")
 
 
 def seed_everything(seed: int) -> None:
@@ -170,6 +221,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
 
 def train(cfg: DictConfig) -> Dict[str, Any]:
     """Run training (or evaluation with eval_only=true) as configured; returns the final metrics."""
+    check_settings(cfg)
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_keep_freed_memory:
         keep_freed_memory()
@@ -186,6 +238,11 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         if cfg.eval_only:
             return run_eval_only(cfg, dist_info, device, output_dir)
         return _fit(cfg, dist_info, device, output_dir)
+    except RuntimeError as error:  # torch.cuda.OutOfMemoryError is one
+        out_of_memory = _out_of_memory(error, cfg)
+        if out_of_memory is None:
+            raise
+        raise out_of_memory from None
     finally:
         cleanup()
 
