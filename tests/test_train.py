@@ -262,6 +262,22 @@ def test_cifar_format_loading(tmp_path):
                        "CIFAR-100 not found", "data.download=true")
 
 
+def test_cifar_download_failure_is_one_line(tmp_path, monkeypatch):
+    """data.download=true without a network says so and where to fetch the archive, not a urllib traceback."""
+    import urllib.error
+    import torchvision.datasets
+    from lion_vit.data.datasets import cifar
+    from lion_vit.errors import UserError
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(torchvision.datasets.CIFAR100, "download", offline)
+    with pytest.raises(UserError, match=r"could not download CIFAR-100 .*Name or service not known.*"
+                                        r"fetch https://\S+cifar-100-python.tar.gz by hand"):
+        cifar(str(tmp_path), 100, train=True, download=True)
+
+
 def test_quickstart_short(tmp_path):
     """The no-argument command, shortened to 3 epochs for CI (the full run is in the README)."""
     proc = run_train("epochs=3", f"output_dir={tmp_path}", "progress=false")

@@ -61,7 +61,13 @@ def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable
     base = Path(root) / folder
     if not base.is_dir() and download:
         from torchvision.datasets import CIFAR10, CIFAR100
-        (CIFAR10 if num_classes == 10 else CIFAR100)(root, train=train, download=True)
+        dataset = CIFAR10 if num_classes == 10 else CIFAR100
+        try:
+            dataset(root, train=train, download=True)
+        except OSError as error:  # no network (URLError), a refused write, a truncated archive
+            reason = getattr(error, "reason", None) or error
+            raise UserError(f"could not download CIFAR-{num_classes} into {root} ({reason}); fetch {dataset.url} "
+                            f"by hand and extract it under data.root") from None
     if not base.is_dir():
         raise UserError(f"CIFAR-{num_classes} not found: expected {base}/ (the python version of the archive); "
                         f"set data.root to the folder holding it, or add data.download=true")
