@@ -227,6 +227,28 @@ def test_existing_run_is_not_overwritten(trained):
     assert (trained / "checkpoint-last.pt").read_bytes() == before
 
 
+def test_resume_with_another_model_is_named(trained, folder, tmp_path):
+    """resume=auto with a different model.name says which setting differs, and changes nothing."""
+    import shutil
+    run = shutil.copytree(trained, tmp_path / "run")
+    before = (run / "checkpoint-last.pt").read_bytes()
+    proc = run_train(*SMALL_LION, "model.name=lion_d_tiny", "data=imagefolder", f"data.root={folder}", "epochs=3",
+                     "batch_size=4", "aug=none", f"output_dir={run}", "resume=auto")
+    assert_clean_error(proc, "model.name=lion_s_tiny", "model.name=lion_d_tiny", "same model settings")
+    assert (run / "checkpoint-last.pt").read_bytes() == before
+
+
+def test_weights_that_do_not_fit_name_the_first_problem():
+    import timm
+    from lion_vit.engine.trainer import load_weights
+    from lion_vit.errors import UserError
+    model = timm.create_model("lion_d_tiny", img_size=32, patch_size=8, depth=1, num_classes=3)
+    weights = model.state_dict()
+    del weights["head.bias"]
+    with pytest.raises(UserError, match=r"does not fit model LionViT: Missing key\(s\) in state_dict: \"head.bias\""):
+        load_weights(model, weights)
+
+
 def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
             f"output_dir={tmp_path}"]

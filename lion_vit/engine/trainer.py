@@ -147,8 +147,22 @@ def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as error:
-        first = str(error).strip().splitlines()[0]
+        # torch's first line only says "Error(s) in loading state_dict for ...": name the first problem
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        first = lines[1] if len(lines) > 1 else lines[0]
+        first = first if len(first) <= 200 else first[:200] + " ..."
         raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
+
+
+def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
+    """Resuming continues the checkpoint's run: a different model setting is a mistake to name, not a
+    wall of missing keys."""
+    trained = state.get("config", {}).get("model", {})
+    for key in ("name", "patch_size", "kwargs"):
+        if key in trained and trained[key] != OmegaConf.to_container(cfg.model, resolve=True).get(key):
+            raise UserError(f"the checkpoint to resume was trained with model.{key}={trained[key]}, this run has "
+                            f"model.{key}={cfg.model.get(key)}; resume with the same model settings or choose "
+                            f"a new output_dir")
 
 
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
@@ -289,6 +303,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
 
     start_epoch, best_acc1 = 0, -1.0
     if resume_state is not None:
+        _check_same_architecture(cfg, resume_state)
         load_weights(model, resume_state["model"])
         optimizer.load_state_dict(resume_state["optimizer"])
         scheduler.load_state_dict(resume_state["scheduler"])
