@@ -186,12 +186,16 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
                        "does not exist")
     assert_clean_error(run_train(*SMALL_LION, "batch_size=0"), "batch_size=0", "positive integer")
     assert_clean_error(run_train(*SMALL_LION, "optim.lr=-1"), "optim.lr=-1", "positive number")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    assert_clean_error(run_train(*SMALL_LION, f"output_dir={a_file}"), "cannot create output_dir", "File exists")
 
 
 @pytest.mark.parametrize("override, needle", [
     ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
     ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
+    ("logger.wandb.mode=onlin", "logger.wandb.mode"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
@@ -203,6 +207,24 @@ def test_settings_out_of_range_are_named(override, needle):
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)
+
+
+def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    """logger.wandb.mode=online without an account names the fixes instead of wandb's traceback."""
+    import wandb
+    from omegaconf import OmegaConf
+    from lion_vit.engine.trainer import WandbLogger
+    from lion_vit.errors import UserError
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    cfg = OmegaConf.create({"logger": {"wandb": {"mode": "online", "project": "p", "entity": None, "name": None,
+                                                 "tags": []}}})
+    with pytest.raises(UserError, match=r"wandb could not start in mode=online \(No API key configured.*\); "
+                                        r"run `wandb login`.*logger.wandb.mode=offline"):
+        WandbLogger(cfg, tmp_path, enabled=True)
 
 
 def test_out_of_memory_becomes_one_line():

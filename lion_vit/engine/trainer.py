@@ -47,6 +47,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 def _require(value: Any, ok: bool, name: str, expected: str) -> None:
     if not ok:
         raise UserError(f"{name}={value} is not allowed; set {name} to {expected}")
@@ -64,6 +67,8 @@ def check_settings(cfg: DictConfig) -> None:
     _require(cfg.img_size, is_int(cfg.img_size) and cfg.img_size > 0, "img_size", "a positive integer")
     _require(cfg.batch_size, is_int(cfg.batch_size) and cfg.batch_size > 0, "batch_size", "a positive integer")
     _require(cfg.num_workers, is_int(cfg.num_workers) and cfg.num_workers >= 0, "num_workers", "an integer >= 0")
+    _require(cfg.logger.wandb.mode, cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
+             " | ".join(WANDB_MODES))
     if cfg.eval_only:
         return
     _require(cfg.epochs, is_int(cfg.epochs) and cfg.epochs > 0, "epochs", "a positive integer")
@@ -192,9 +197,14 @@ class WandbLogger:
             return
         import wandb
         wb = cfg.logger.wandb
-        self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
-                              mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
-                              config=OmegaConf.to_container(cfg, resolve=True))
+        try:
+            self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
+                                  mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
+                                  config=OmegaConf.to_container(cfg, resolve=True))
+        except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(f"wandb could not start in mode={wb.mode} ({reason}); run `wandb login` or set "
+                            f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         if self.run is not None:
@@ -246,7 +256,11 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             torch.cuda.set_device(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as error:  # a file of that name, no permission, a read-only disk
+                raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
+                                f"output_dir") from None
         _setup_logging(output_dir, dist_info.is_main)
         seed_everything(epoch_seed(cfg.seed, 0, dist_info.rank))
         if cfg.eval_only:
