@@ -173,6 +173,21 @@ def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
     assert result["img_size"] == 64 and result["chunk_size"] == 16
 
 
+def test_val_classes_must_match(trained, folder, tmp_path):
+    """A class folder missing from val would shift every later label silently: training and eval_only refuse."""
+    import shutil
+    partial = shutil.copytree(folder, tmp_path / "partial")
+    shutil.rmtree(partial / "val" / "class_1")
+    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={partial}", "epochs=1",
+                                 f"output_dir={tmp_path / 'fit'}"),
+                       "validation split has 2 classes, not the 3 expected", "missing ['class_1']")
+    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={partial}", "eval_only=true",
+                                 f"checkpoint={trained / 'checkpoint-best.pt'}", f"output_dir={tmp_path / 'eval'}"),
+                       "has 2 classes, not the 3 expected", "classes the checkpoint was trained on")
+    assert torch.load(trained / "checkpoint-best.pt", weights_only=False)["classes"] == \
+        ["class_0", "class_1", "class_2"]
+
+
 def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1"),
                        "does not exist", "data.root")

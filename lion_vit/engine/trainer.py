@@ -170,6 +170,15 @@ def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
                             f"a new output_dir")
 
 
+def check_same_classes(expected: list, found: list, what: str, fix: str) -> None:
+    """Labels are class indices: a class missing from one split shifts every later label silently."""
+    if list(expected) != list(found):
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        detail = "; ".join(part for part in (f"missing {missing[:3]}" if missing else "",
+                                             f"extra {extra[:3]}" if extra else "") if part) or "a different order"
+        raise UserError(f"{what} has {len(found)} classes, not the {len(expected)} expected ({detail}); {fix}")
+
+
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
     if not cfg.amp or device.type != "cuda":
         return Precision(device)
@@ -226,6 +235,12 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     with_arch = OmegaConf.merge(model_cfg, {k: trained[k] for k in ("name", "patch_size", "kwargs") if k in trained})
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
     num_classes = state.get("num_classes", num_classes_of(val_set))
+    if "classes" in state:
+        check_same_classes(state["classes"], val_set.classes, f"the {cfg.data.name} validation split",
+                           "evaluate on data with the classes the checkpoint was trained on")
+    elif num_classes_of(val_set) != num_classes:
+        raise UserError(f"the validation split has {num_classes_of(val_set)} classes, the checkpoint "
+                        f"{num_classes}; evaluate on data with the classes it was trained on")
     model = build_model(with_arch, num_classes, cfg.img_size)
     use_ema = cfg.ema.eval_ema and state.get("ema") is not None
     load_weights(model, state["ema"] if use_ema else state["model"])
@@ -284,6 +299,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.aug, cfg.img_size, train=True))
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
     num_classes = num_classes_of(train_set)
+    check_same_classes(train_set.classes, val_set.classes, "the validation split",
+                       "give train and val the same class folders")
     loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, rank=dist_info.rank,
                        world_size=dist_info.world_size, seed=cfg.seed, pin_memory=device.type == "cuda")
     train_loader = build_loader(train_set, train=True, repeated_aug=cfg.aug.repeated_aug, **loader_args)
@@ -363,7 +380,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 state = {"model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
-                         "best_acc1": best_acc1, "num_classes": num_classes,
+                         "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
                          "config": OmegaConf.to_container(cfg, resolve=True), "rng": _rng_states()}
                 ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
                 if is_best:
