@@ -321,6 +321,20 @@ def test_cifar_format_loading(tmp_path):
                        "CIFAR-100 not found", "data.download=true")
 
 
+def test_flat_val_folder_is_named(tmp_path):
+    """ImageNet's validation archive unpacks flat: say so, rather than torchvision's "no class folder"."""
+    from lion_vit.data.datasets import image_folder
+    from lion_vit.errors import UserError
+    (tmp_path / "val").mkdir()
+    for i in range(3):
+        Image.new("RGB", (8, 8)).save(tmp_path / "val" / f"ILSVRC2012_val_{i:08d}.JPEG")
+    with pytest.raises(UserError, match=r"val holds 3 images but no class subfolders; sort them into one folder"):
+        image_folder(str(tmp_path), "val")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no images found under"):
+        image_folder(str(tmp_path), "empty")
+
+
 def test_cifar_download_failure_is_one_line(tmp_path, monkeypatch):
     """data.download=true without a network says so and where to fetch the archive, not a urllib traceback."""
     import urllib.error

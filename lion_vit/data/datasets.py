@@ -13,6 +13,7 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
 
@@ -123,4 +124,8 @@ def image_folder(root: str, split: str, transform: Optional[Callable] = None) ->
     try:
         return SafeImageFolder(str(path), transform=transform)
     except FileNotFoundError as error:
+        flat = sum(1 for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
+        if flat:  # ImageNet's validation archive unpacks flat
+            raise UserError(f"{path} holds {flat} images but no class subfolders; sort them into one folder per "
+                            f"class, as in train/ (see data/README.md)") from None
         raise UserError(f"no images found under {path}: {error}") from None
