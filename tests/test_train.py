@@ -201,6 +201,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
                        "does not exist")
     assert_clean_error(run_train(*SMALL_LION, "batch_size=0"), "batch_size=0", "positive integer")
     assert_clean_error(run_train(*SMALL_LION, "optim.lr=-1"), "optim.lr=-1", "positive number")
+    assert_clean_error(run_train(*SMALL_LION, "model.name=resnet18"), "cannot build model resnet18",
+                       "unexpected keyword argument 'depth'", "start from model=lion or model=deit")
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
     assert_clean_error(run_train(*SMALL_LION, f"output_dir={a_file}"), "cannot create output_dir", "File exists")

@@ -141,7 +141,11 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Mo
                 raise
             return timm.create_model(name, **kwargs)
     except (ValueError, TypeError) as error:
-        raise UserError(f"cannot build model {name}: {error}") from None
+        hint = ""
+        if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
+            hint = (f" (model.kwargs={OmegaConf.to_container(model_cfg.kwargs)} comes from the model group; "
+                    f"start from model=lion or model=deit, whose kwargs are empty)")
+        raise UserError(f"cannot build model {name}: {error}{hint}") from None
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
