@@ -62,6 +62,34 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "a non-negative")
 
 
+def _unwritable(folder: Path) -> Optional[str]:
+    """Why results cannot be written into `folder` (created if missing), or None."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create {str(folder)!r} ({error.strerror})"
+    return None if os.access(folder, os.W_OK) else f"cannot write to {str(folder)!r}"
+
+
+def output_folder(text: str) -> Path:
+    """argparse type: a folder for the results, created now, so that a path that cannot be written
+    fails before the measurements, not after them."""
+    import argparse
+    reason = _unwritable(Path(text))
+    if reason:
+        raise argparse.ArgumentTypeError(f"{reason}; choose another folder")
+    return Path(text)
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a results file whose folder is created (and checked) now."""
+    import argparse
+    reason = _unwritable(Path(text).parent)
+    if reason:
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder: {reason}; choose another path")
+    return Path(text)
+
+
 DEVICES = ("cpu", "cuda")
 
 

@@ -10,10 +10,9 @@ resolution for reference. Writes <out>/chunk.{csv,json,png}.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, device_name, label, markdown_table, measure_rows,
-                                model_name, non_negative_int, plot_lines, positive_int, write_table)
+                                model_name, non_negative_int, output_folder, plot_lines, positive_int, write_table)
 from lion_vit.ops import FORMS
 
 
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
     not_lion = [m for m in args.models if not m.startswith("lion_")]
     if not_lion:

@@ -10,10 +10,9 @@ time and memory as a ratio to the first model (the baseline) at the same resolut
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, device_name, label, markdown_table, measure_rows,
-                                non_negative_int, plot_lines, positive_int, run_spec, write_table)
+                                non_negative_int, output_folder, plot_lines, positive_int, run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -36,7 +35,7 @@ def main() -> None:
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
 
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,

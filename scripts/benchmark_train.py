@@ -20,7 +20,7 @@ import timm
 import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import device_name, markdown_table, model_name, positive_int, write_table
+from lion_vit.benchmark import device_name, markdown_table, model_name, output_folder, positive_int, write_table
 from lion_vit.engine.allocator import keep_freed_memory
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step per model and print its most expensive ops "
                              "(where the time goes: shared linear/MLP matmuls vs attention)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
     if args.device == "cpu" and args.malloc == "keep":
         keep_freed_memory()

@@ -16,7 +16,7 @@ import timm
 import torch
 
 import lion_vit
-from lion_vit.benchmark import device_name, positive_int
+from lion_vit.benchmark import device_name, output_file, positive_int
 from lion_vit.testing import randomize_decays
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=positive_int, default=2)
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, decays and inputs (default 0)")
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", type=output_file, help="also write the results to this file")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     rows = []

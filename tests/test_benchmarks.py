@@ -123,6 +123,10 @@ def test_device_argument_says_when_cuda_is_missing(monkeypatch):
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
     ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),
+    # an output path that cannot be written fails before minutes of measurements, not after
+    ("benchmark_resolution.py", ["--out", "README.md"], "cannot create 'README.md' (File exists)"),
+    ("benchmark_train.py", ["--out", "README.md/results"], "(Not a directory); choose another folder"),
+    ("check_equivalence.py", ["--json", "README.md/eq.json"], "its folder: cannot create 'README.md'"),
 ])
 def test_scripts_reject_bad_arguments_in_one_line(script, args, message):
     """A typo gets argparse's usage error naming the problem, not a traceback or a silent run."""
