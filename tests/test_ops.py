@@ -133,12 +133,17 @@ def test_multiscan_gradients_match_naive(form, decay, scale):
         lams = torch.stack([lams[0] * 1e-3, 1 - lams[1] * 1e-6])
     elif scale == "underflow":  # 1e-60^6 = 1e-360 is 0 in float64
         lams = lams * 1e-60
-    upstream = torch.randn(v.shape, dtype=torch.float64, generator=g)
+    assert_multiscan_gradients_match_naive(q, k, v, lams, orders, g, form=form[0], chunk_size=form[1])
+
+
+def assert_multiscan_gradients_match_naive(q, k, v, lams, orders, generator, **form):
+    """Gradients of q, k, v and the log decays from lion_attention_multiscan against autograd through
+    the float64 oracle, for a random upstream gradient."""
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=generator)
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
     ref_grads = torch.autograd.grad((naive_multiscan(*ref_leaves, orders) * upstream).sum(), ref_leaves)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams))]
-    out = lion_attention_multiscan(*leaves, orders, form=form[0], chunk_size=form[1])
-    grads = torch.autograd.grad((out * upstream).sum(), leaves)
+    grads = torch.autograd.grad((lion_attention_multiscan(*leaves, orders, **form) * upstream).sum(), leaves)
     ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]  # d/d(log lam) = lam * d/d(lam)
     for name, got, ref in zip("qkva", grads, ref_grads):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
@@ -154,14 +159,7 @@ def test_one_scan_in_a_permuted_order_gradients(decay):
     g = torch.Generator().manual_seed(18)
     shape = (1, 1, 2, 1) if decay == "fixed" else (1, 2, 2, length)
     lams = torch.rand(*shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
-    upstream = torch.randn(v.shape, dtype=torch.float64, generator=g)
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
-    ref_grads = torch.autograd.grad((naive_multiscan(*ref_leaves, orders) * upstream).sum(), ref_leaves)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams))]
-    grads = torch.autograd.grad((lion_attention_multiscan(*leaves, orders) * upstream).sum(), leaves)
-    ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]
-    for name, got, ref in zip("qkva", grads, ref_grads):
-        assert rel_err(got, ref) < 1e-9, f"grad of {name}"
+    assert_multiscan_gradients_match_naive(q, k, v, lams, orders, g)
 
 
 def test_snake_orders():

@@ -163,24 +163,35 @@ def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
         raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
 
 
+def _trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The model settings that fix a checkpoint's architecture (name, patch_size, kwargs), as saved."""
+    trained = state.get("config", {}).get("model", {})
+    return {key: trained[key] for key in ("name", "patch_size", "kwargs") if key in trained}
+
+
 def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
     """Resuming continues the checkpoint's run: a different model setting is a mistake to name, not a
     wall of missing keys."""
-    trained = state.get("config", {}).get("model", {})
-    for key in ("name", "patch_size", "kwargs"):
-        if key in trained and trained[key] != OmegaConf.to_container(cfg.model, resolve=True).get(key):
-            raise UserError(f"the checkpoint to resume was trained with model.{key}={trained[key]}, this run has "
-                            f"model.{key}={cfg.model.get(key)}; resume with the same model settings or choose "
+    current = OmegaConf.to_container(cfg.model, resolve=True)
+    for key, value in _trained_architecture(state).items():
+        if value != current.get(key):
+            raise UserError(f"the checkpoint to resume was trained with model.{key}={value}, this run has "
+                            f"model.{key}={current.get(key)}; resume with the same model settings or choose "
                             f"a new output_dir")
 
 
-def check_same_classes(expected: list, found: list, what: str, fix: str) -> None:
+def _check_same_classes(expected: list, found: list, what: str, fix: str) -> None:
     """Labels are class indices: a class missing from one split shifts every later label silently."""
-    if list(expected) != list(found):
-        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-        detail = "; ".join(part for part in (f"missing {missing[:3]}" if missing else "",
-                                             f"extra {extra[:3]}" if extra else "") if part) or "a different order"
-        raise UserError(f"{what} has {len(found)} classes, not the {len(expected)} expected ({detail}); {fix}")
+    if list(expected) == list(found):
+        return
+    differences = []
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        differences.append(f"missing {missing[:3]}")
+    if extra:
+        differences.append(f"extra {extra[:3]}")
+    detail = "; ".join(differences) or "a different order"
+    raise UserError(f"{what} has {len(found)} classes, not the {len(expected)} expected ({detail}); {fix}")
 
 
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
@@ -233,14 +244,12 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     if not cfg.checkpoint:
         raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
     state = ckpt.load_checkpoint(Path(cfg.checkpoint))
-    model_cfg = cfg.model.copy()
-    trained = state.get("config", {}).get("model", {})
     # The architecture is the checkpoint's; the form and resolution are this command's.
-    with_arch = OmegaConf.merge(model_cfg, {k: trained[k] for k in ("name", "patch_size", "kwargs") if k in trained})
+    with_arch = OmegaConf.merge(cfg.model, _trained_architecture(state))
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
     num_classes = state.get("num_classes", num_classes_of(val_set))
     if "classes" in state:
-        check_same_classes(state["classes"], val_set.classes, f"the {cfg.data.name} validation split",
+        _check_same_classes(state["classes"], val_set.classes, f"the {cfg.data.name} validation split",
                            "evaluate on data with the classes the checkpoint was trained on")
     elif num_classes_of(val_set) != num_classes:
         raise UserError(f"the validation split has {num_classes_of(val_set)} classes, the checkpoint "
@@ -303,7 +312,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.aug, cfg.img_size, train=True))
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
     num_classes = num_classes_of(train_set)
-    check_same_classes(train_set.classes, val_set.classes, "the validation split",
+    _check_same_classes(train_set.classes, val_set.classes, "the validation split",
                        "give train and val the same class folders")
     loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, rank=dist_info.rank,
                        world_size=dist_info.world_size, seed=cfg.seed, pin_memory=device.type == "cuda")
