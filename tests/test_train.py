@@ -98,8 +98,8 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert set(line) >= {"epoch", "train_loss", "val_loss", "val_acc1", "val_acc5", "lr", "epoch_time_s",
                          "imgs_per_s", "val_acc1_ema"}
     assert (tmp_path / "config.yaml").read_text().count("lion_s_tiny") == 1
-    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=False)
-    assert {"model", "ema", "optimizer", "scheduler", "scaler", "epoch", "rng", "config"} <= set(state)
+    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)  # tensors and plain data only
+    assert {"model", "ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
 
 
@@ -117,7 +117,7 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
                      "aug=none", f"output_dir={tmp_path}", launcher=launcher)
     assert_ok(proc)
     (line,) = read_metrics(tmp_path)  # rank 0 writes once
-    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)
     assert state["epoch"] == 0
     # 24 training images, 2 processes x batch 4, drop_last: 3 steps x 8 images seen per epoch
     assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
@@ -140,8 +140,8 @@ def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
     assert 1 <= epochs_done < 3, "the run must be killed part-way"
     assert_ok(run_train(*args, f"output_dir={resumed}", "resume=auto"))
 
-    a = torch.load(straight / "checkpoint-last.pt", weights_only=False)
-    b = torch.load(resumed / "checkpoint-last.pt", weights_only=False)
+    a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
+    b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
     assert a["epoch"] == b["epoch"] == 2
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
@@ -184,7 +184,7 @@ def test_val_classes_must_match(trained, folder, tmp_path):
     assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={partial}", "eval_only=true",
                                  f"checkpoint={trained / 'checkpoint-best.pt'}", f"output_dir={tmp_path / 'eval'}"),
                        "has 2 classes, not the 3 expected", "classes the checkpoint was trained on")
-    assert torch.load(trained / "checkpoint-best.pt", weights_only=False)["classes"] == \
+    assert torch.load(trained / "checkpoint-best.pt")["classes"] == \
         ["class_0", "class_1", "class_2"]
 
 
@@ -275,6 +275,48 @@ def test_resume_with_another_model_is_named(trained, folder, tmp_path):
                      "batch_size=4", "aug=none", f"output_dir={run}", "resume=auto")
     assert_clean_error(proc, "model.name=lion_s_tiny", "model.name=lion_d_tiny", "same model settings")
     assert (run / "checkpoint-last.pt").read_bytes() == before
+
+
+def test_checkpoint_loads_into_timm_create_model(trained):
+    """A researcher's own code: timm's checkpoint_path (a weights_only load of the 'model' entry)."""
+    import timm
+    import lion_vit  # noqa: F401
+    path = trained / "checkpoint-best.pt"
+    weights = torch.load(path)["model"]  # torch's default load (weights_only=True) accepts it
+    model = timm.create_model("lion_s_tiny", checkpoint_path=str(path), img_size=32, patch_size=8, depth=2,
+                              num_classes=3)
+    assert model.state_dict().keys() == weights.keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_checkpoint_with_foreign_objects_is_refused_not_run(tmp_path):
+    from lion_vit.engine.checkpoint import load_checkpoint
+    from lion_vit.errors import UserError
+    marker = tmp_path / "ran"
+    torch.save({"model": {}, "payload": _WritesFileWhenUnpickled(str(marker))}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match=r"holds a Python object \(\S+\) that torch's safe "
+                                        r"load \(weights_only\) will not unpickle"):
+        load_checkpoint(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+class _WritesFileWhenUnpickled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
+
+
+def test_checkpoint_of_earlier_versions_with_numpy_rng_state_loads(tmp_path):
+    """Checkpoints written before the RNG states were dropped hold numpy arrays: still readable."""
+    from lion_vit.engine.checkpoint import load_checkpoint
+    weights = {"head.weight": torch.randn(3, 4)}
+    torch.save({"model": weights, "epoch": 4, "rng": {"numpy": np.random.get_state()}}, tmp_path / "old.pt")
+    state = load_checkpoint(tmp_path / "old.pt")
+    assert state["epoch"] == 4 and torch.equal(state["model"]["head.weight"], weights["head.weight"])
+    assert state["rng"]["numpy"][0] == "MT19937"
 
 
 def test_weights_that_do_not_fit_name_the_first_problem():

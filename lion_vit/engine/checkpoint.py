@@ -1,11 +1,15 @@
 """Checkpoints that survive crashes: atomic writes, the previous one kept, clear errors."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
+import re
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
+import numpy as np
 import torch
 
 from ..errors import UserError
@@ -27,17 +31,58 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Load a training checkpoint or raise UserError saying what is wrong with it."""
+    """Load a training checkpoint or raise UserError saying what is wrong with it.
+
+    Checkpoints hold only tensors and plain Python data, so they load with torch's safe
+    `weights_only=True` (torch's and timm's default); a file that would run other code when
+    unpickled is refused, not executed.
+    """
     if not Path(path).is_file():
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = _safe_load(path)
     except Exception as error:  # torch raises many types for truncated or foreign files
+        refused = _refused_global(error) if isinstance(error, pickle.UnpicklingError) else None
+        if refused:
+            raise UserError(f"checkpoint {path} holds a Python object ({refused}) that torch's safe load "
+                            f"(weights_only) will not unpickle; use a checkpoint written by lion-vit's "
+                            f"train.py") from None
         raise UserError(f"checkpoint {path} is corrupt or not a torch checkpoint ({type(error).__name__}); "
                         f"use another checkpoint (e.g. {PREVIOUS})") from None
     if not isinstance(state, dict) or "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state
+
+
+def _safe_load(path: Path) -> Any:
+    """torch.load(weights_only=True), also accepting numpy arrays (checkpoints of earlier lion-vit
+    versions stored numpy's RNG state)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if not (_refused_global(error) or "").startswith("numpy."):
+            raise
+    with _numpy_arrays_allowed():
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _refused_global(error: pickle.UnpicklingError) -> Optional[str]:
+    """The name of the class or function a weights_only load refused, or None for another error."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return found.group(1) if found else None
+
+
+@contextlib.contextmanager
+def _numpy_arrays_allowed() -> Iterator[None]:
+    """Allow numpy uint32 arrays (an RNG state's) in a weights_only load (torch >= 2.5; older torch
+    refuses them)."""
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:
+        yield
+        return
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 / 1
+    with safe_globals([multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+        yield
 
 
 def newest_readable(output_dir: Path) -> Optional[Dict[str, Any]]:

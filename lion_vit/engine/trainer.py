@@ -394,7 +394,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
                          "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
-                         "config": OmegaConf.to_container(cfg, resolve=True), "rng": _rng_states()}
+                         "config": OmegaConf.to_container(cfg, resolve=True)}
                 ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
                 if is_best:
                     ckpt.save_atomic(state, output_dir / ckpt.BEST)
@@ -408,13 +408,6 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     finally:
         logger.finish()
     return metrics
-
-
-def _rng_states() -> Dict[str, Any]:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
 
 
 def _resume_state(cfg: DictConfig, output_dir: Path) -> Optional[Dict[str, Any]]:
