@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from lion_vit.engine.trainer import train
@@ -22,6 +24,11 @@ from lion_vit.errors import UserError
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
+        # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
+        cfg.output_dir = hydra_cfg.runtime.output_dir
     try:
         metrics = train(cfg)
     except UserError as error:

@@ -123,6 +123,18 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
     assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
 
 
+def test_sweep_jobs_get_their_own_output_dirs(folder, tmp_path):
+    """hydra -m: one output_dir and resume=auto for the sweep, a folder per job, never shared."""
+    proc = run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4",
+                     "aug=none", f"output_dir={tmp_path}", "resume=auto", "seed=0,1")
+    assert_ok(proc)
+    first, second = (torch.load(tmp_path / str(job) / "checkpoint-last.pt") for job in (0, 1))
+    assert (first["config"]["seed"], second["config"]["seed"]) == (0, 1)
+    assert first["epoch"] == second["epoch"] == 0  # job 1 trained; it did not resume from job 0's checkpoint
+    assert len(read_metrics(tmp_path / "1")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]  # Hydra's sweep record
+
+
 def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4", "aug=deit"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
