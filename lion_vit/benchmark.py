@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -282,6 +283,19 @@ def add_baseline_ratios(row: Dict[str, Any], baseline: Dict[str, Any]) -> None:
     if row is not baseline and baseline["status"] == row["status"] == STATUS_OK:
         row["time_x_baseline"] = row["time_s"] / baseline["time_s"]
         row["mem_x_baseline"] = row["peak_mem_mb"] / max(baseline["peak_mem_mb"], 1e-9)
+
+
+def paired_ratio(times: Sequence[float], baseline_times: Sequence[float]) -> float:
+    """Median over rounds of time / baseline time within the same round of a round-robin.
+
+    Steps of one round run next to each other, so a machine whose speed drifts between rounds
+    (this one's does, by tens of percent within minutes) slows both sides of each pair alike;
+    the best-of ratio instead compares each side's single luckiest step, which may come from
+    different moments.
+    """
+    if len(times) != len(baseline_times) or not times:
+        raise ValueError("paired_ratio needs one time per round for both, and at least one round")
+    return statistics.median(t / b for t, b in zip(times, baseline_times))
 
 
 def label(row: Dict[str, Any]) -> str:

@@ -6,7 +6,8 @@ machine noise hits them all alike.
     python scripts/benchmark_train.py                                    # small scale, batch 32, CPU fp32
     python scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 256
 
-Prints each model's step time as a ratio to the baseline (the first model) and writes
+Prints each model's step time as a ratio to the baseline (the first model): the ratio of best steps,
+and the median of the per-round ratios (paired: robust to a machine whose speed drifts), and writes
 <out>/train.{csv,json,png}.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ import timm
 import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import device_name, markdown_table, model_name, output_folder, positive_int, write_table
+from lion_vit.benchmark import (device_name, markdown_table, model_name, output_folder, paired_ratio, positive_int,
+                                write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
@@ -34,7 +36,9 @@ def main() -> None:
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per model after one warm-up; the best is reported")
+    parser.add_argument("--steps", type=positive_int, default=3,
+                        help="timed rounds (one step per model each) after one warm-up; the best step and the "
+                             "median per-round ratio are reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
@@ -87,20 +91,24 @@ def main() -> None:
         for name in args.models:
             times[name].append(step(name))
 
-    # best of the timed steps: on a shared machine noise only ever adds time
-    base = min(times[args.models[0]])
+    # best of the timed steps: on a shared machine noise only ever adds time; and the median of the
+    # per-round ratios, which a machine whose speed drifts between rounds moves less
+    baseline_times = times[args.models[0]]
+    base = min(baseline_times)
     rows = []
     for name in args.models:
-        best = min(times[name])
+        best, paired = min(times[name]), paired_ratio(times[name], baseline_times)
         rows.append(dict(model=name, batch_size=args.batch_size, img_size=args.img_size, device=args.device,
                          dtype=args.dtype, malloc=args.malloc if args.device == "cpu" else None,
                          step_s=best, step_median_s=statistics.median(times[name]),
-                         imgs_per_s=args.batch_size / best, x_baseline=best / base, peak_mem_mb=peaks[name]))
-        print(f"{name:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}", flush=True)
+                         imgs_per_s=args.batch_size / best, x_baseline=best / base, x_baseline_paired=paired,
+                         peak_mem_mb=peaks[name]))
+        print(f"{name:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}  "
+              f"(paired x{paired:.2f})", flush=True)
     write_table(rows, args.out, "train")
     _plot(rows, args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, "
                                         f"{args.device} {args.dtype}")
-    print(markdown_table(rows, ["model", "step_s", "imgs_per_s", "x_baseline", "peak_mem_mb"]))
+    print(markdown_table(rows, ["model", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired", "peak_mem_mb"]))
     if args.profile:
         for name in args.models:
             _print_profile(name, lambda: step(name))

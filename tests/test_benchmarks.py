@@ -69,9 +69,23 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert [r["model"] for r in rows] == ["deit_tiny_patch16_224", "lion_d_tiny"]
     assert float(rows[0]["x_baseline"]) == 1.0
     assert float(rows[1]["x_baseline"]) == pytest.approx(float(rows[1]["step_s"]) / float(rows[0]["step_s"]))
+    # one round: the paired ratio is that round's ratio, the same steps as the best-of ratio
+    assert float(rows[0]["x_baseline_paired"]) == 1.0
+    assert float(rows[1]["x_baseline_paired"]) == pytest.approx(float(rows[1]["x_baseline"]))
     assert (tmp_path / "train.png").stat().st_size > 0
     # the profile names each model and its most expensive ops
     assert "lion_d_tiny:" in out and "aten::" in out
+
+
+def test_paired_ratio_follows_a_drifting_machine():
+    from lion_vit.benchmark import paired_ratio
+    # the machine is fast only during the baseline's first step; every same-round pair says x1.1
+    baseline, model = [1.0, 1.5, 1.5], [1.65, 1.65, 1.65]
+    assert min(model) / min(baseline) == pytest.approx(1.65)
+    assert paired_ratio(model, baseline) == pytest.approx(1.1)
+    assert paired_ratio([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0  # the median, not the mean or the best
+    with pytest.raises(ValueError, match="one time per round"):
+        paired_ratio([1.0], [1.0, 2.0])
 
 
 @pytest.mark.parametrize("text, expected", [
