@@ -302,6 +302,34 @@ def test_checkpoint_loads_into_timm_create_model(trained):
         assert torch.equal(value, weights[key]), key
 
 
+def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
+    """The README's fine-tuning overrides: the backbone starts from the checkpoint, the classifier anew;
+    the run's own checkpoints then resume and evaluate without the initial file."""
+    initial = tmp_path / "initial.pt"
+    initial.write_bytes((trained / "checkpoint-best.pt").read_bytes())
+    run = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+           f"output_dir={tmp_path / 'run'}", "optim.lr=1e-12", "optim.lr_base_batch=null", "optim.warmup_epochs=0",
+           "optim.min_lr=0",
+           "+model.kwargs.pretrained=true"]
+    assert_clean_error(run_train(*run, "epochs=1", f"+model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}"),
+                       "cannot load the initial weights of lion_s_tiny",
+                       f"model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}")
+    run.append(f"+model.kwargs.pretrained_cfg_overlay.file={initial}")
+    assert_ok(run_train(*run, "epochs=1"))
+    pretrained = torch.load(initial)["model"]
+    tuned = torch.load(tmp_path / "run" / "checkpoint-last.pt")["model"]
+    backbone = [key for key in pretrained if not key.startswith("head.")]
+    assert backbone and all(torch.allclose(tuned[k], pretrained[k], atol=1e-6) for k in backbone)
+    assert not torch.allclose(tuned["head.weight"], pretrained["head.weight"], atol=1e-3)
+
+    initial.unlink()  # weights now come from the run's checkpoints
+    assert_ok(run_train(*run, "epochs=2", "resume=auto"))
+    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [0, 1]
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+                        f"checkpoint={tmp_path / 'run' / 'checkpoint-last.pt'}", f"output_dir={tmp_path / 'eval'}"))
+    assert (tmp_path / "eval" / "eval.json").exists()
+
+
 def test_checkpoint_with_foreign_objects_is_refused_not_run(tmp_path):
     from lion_vit.engine.checkpoint import load_checkpoint
     from lion_vit.errors import UserError

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import re
 import sys
@@ -113,8 +114,17 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return seed * 1_000_003 + epoch * 1_009 + rank
 
 
-def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Module:
-    """timm.create_model from the `model` config group, with clear errors for bad settings."""
+# timm.create_model arguments that choose a model's initial weights, not its architecture (fine-tuning:
+# model.kwargs.pretrained=true, model.kwargs.pretrained_cfg_overlay.file=<checkpoint>). A model whose
+# weights come from a checkpoint (resume, eval_only) is built without them.
+INITIAL_WEIGHT_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
+
+
+def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
+    """timm.create_model from the `model` config group, with clear errors for bad settings.
+
+    initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights).
+    """
     name = model_cfg.name
     if not timm.is_model(name):
         raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
@@ -128,8 +138,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Mo
         raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {sorted(FORMS)}")
     if not is_lion and (model_cfg.attn_form != "attention" or model_cfg.chunk_size):
         raise UserError(f"model.attn_form / model.chunk_size apply to LION models only, not {name}")
-    kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate,
-                                  **OmegaConf.to_container(model_cfg.kwargs, resolve=True))
+    model_kwargs = OmegaConf.to_container(model_cfg.kwargs, resolve=True)
+    if not initial_weights:
+        model_kwargs = _without_initial_weights(model_kwargs)
+    kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
     if is_lion:
         kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size)
     size_kwargs = dict(img_size=img_size, **({"patch_size": patch} if patch else {}))
@@ -146,6 +158,27 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int) -> nn.Mo
             hint = (f" (model.kwargs={OmegaConf.to_container(model_cfg.kwargs)} comes from the model group; "
                     f"start from model=lion or model=deit, whose kwargs are empty)")
         raise UserError(f"cannot build model {name}: {error}{hint}") from None
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        source = _initial_weights_source(kwargs)
+        if source is None:
+            raise
+        # a missing, unreadable or mismatched file of initial weights (timm's loader)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line}") from None
+
+
+def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    return {key: value for key, value in kwargs.items() if key not in INITIAL_WEIGHT_KWARGS}
+
+
+def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
+    """Where timm.create_model takes a model's initial weights from, or None (random initialisation)."""
+    if kwargs.get("checkpoint_path"):
+        return f"model.kwargs.checkpoint_path={kwargs['checkpoint_path']}"
+    if kwargs.get("pretrained"):
+        file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file")
+        return f"model.kwargs.pretrained_cfg_overlay.file={file}" if file else "timm's pretrained weights"
+    return None
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -163,16 +196,24 @@ def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
         raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
 
 
+def _architecture(model_settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The model settings that fix an architecture: name, patch_size and kwargs (without the ones that
+    only choose initial weights)."""
+    settings = {key: model_settings[key] for key in ("name", "patch_size", "kwargs") if key in model_settings}
+    if settings.get("kwargs"):
+        settings["kwargs"] = _without_initial_weights(settings["kwargs"])
+    return settings
+
+
 def _trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
-    """The model settings that fix a checkpoint's architecture (name, patch_size, kwargs), as saved."""
-    trained = state.get("config", {}).get("model", {})
-    return {key: trained[key] for key in ("name", "patch_size", "kwargs") if key in trained}
+    """A checkpoint's architecture settings, as saved."""
+    return _architecture(state.get("config", {}).get("model", {}))
 
 
 def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
     """Resuming continues the checkpoint's run: a different model setting is a mistake to name, not a
     wall of missing keys."""
-    current = OmegaConf.to_container(cfg.model, resolve=True)
+    current = _architecture(OmegaConf.to_container(cfg.model, resolve=True))
     for key, value in _trained_architecture(state).items():
         if value != current.get(key):
             raise UserError(f"the checkpoint to resume was trained with model.{key}={value}, this run has "
@@ -254,7 +295,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     elif num_classes_of(val_set) != num_classes:
         raise UserError(f"the validation split has {num_classes_of(val_set)} classes, the checkpoint "
                         f"{num_classes}; evaluate on data with the classes it was trained on")
-    model = build_model(with_arch, num_classes, cfg.img_size)
+    model = build_model(with_arch, num_classes, cfg.img_size, initial_weights=False)
     use_ema = cfg.ema.eval_ema and state.get("ema") is not None
     load_weights(model, state["ema"] if use_ema else state["model"])
     model.to(device)
@@ -322,7 +363,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         raise UserError(f"{len(train_set)} training images are fewer than one batch of {cfg.batch_size} per "
                         f"process; lower batch_size")
 
-    model = build_model(cfg.model, num_classes, cfg.img_size).to(device)
+    model = build_model(cfg.model, num_classes, cfg.img_size, initial_weights=resume_state is None).to(device)
     ema = ModelEmaV3(model, decay=cfg.ema.decay) if cfg.ema.enabled else None
     global_batch = cfg.batch_size * dist_info.world_size
     lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
