@@ -256,6 +256,18 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
         WandbLogger(cfg, tmp_path, enabled=True)
 
 
+def test_resumed_run_continues_its_wandb_run(folder, tmp_path):
+    """Offline wandb (no account, no network): the resumed run logs to the run id of the first part."""
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={tmp_path}", "logger.wandb.mode=offline"]
+    assert_ok(run_train(*args, "epochs=1"))
+    first_id = torch.load(tmp_path / "checkpoint-last.pt")["wandb_run_id"]
+    assert_ok(run_train(*args, "epochs=2", "resume=auto"))
+    assert torch.load(tmp_path / "checkpoint-last.pt")["wandb_run_id"] == first_id
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(run.name.endswith(f"-{first_id}") for run in runs), runs
+
+
 def test_out_of_memory_becomes_one_line():
     """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower."""
     from omegaconf import OmegaConf

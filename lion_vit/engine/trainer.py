@@ -254,9 +254,13 @@ def _setup_logging(output_dir: Optional[Path], is_main: bool) -> None:
 
 
 class WandbLogger:
-    """wandb on rank 0 only; mode=disabled makes every call a no-op (tests, no account)."""
+    """wandb on rank 0 only; mode=disabled makes every call a no-op (tests, no account).
 
-    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool) -> None:
+    run_id: the wandb run of the checkpoint being resumed, continued so that a killed and resumed
+    training run keeps one set of curves.
+    """
+
+    def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, run_id: Optional[str] = None) -> None:
         self.run = None
         if not enabled or cfg.logger.wandb.mode == "disabled":
             return
@@ -265,11 +269,16 @@ class WandbLogger:
         try:
             self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
                                   mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
-                                  config=OmegaConf.to_container(cfg, resolve=True))
+                                  config=OmegaConf.to_container(cfg, resolve=True),
+                                  id=run_id, resume="allow" if run_id else None)
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(f"wandb could not start in mode={wb.mode} ({reason}); run `wandb login` or set "
                             f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return None if self.run is None else self.run.id
 
     def log(self, metrics: Dict[str, Any], step: int) -> None:
         if self.run is not None:
@@ -409,7 +418,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     log.info("model %s (%.2fM params), %d train / %d val images, %d classes, lr %.2e, %d process(es), %s",
              cfg.model.name, n_params / 1e6, len(train_set), len(val_set), num_classes, lr,
              dist_info.world_size, device)
-    logger = WandbLogger(cfg, output_dir, is_main)
+    logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
     show = cfg.progress and is_main
     try:
@@ -435,7 +444,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
                          "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
-                         "config": OmegaConf.to_container(cfg, resolve=True)}
+                         "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                 ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
                 if is_best:
                     ckpt.save_atomic(state, output_dir / ckpt.BEST)
