@@ -252,19 +252,29 @@ def test_selective_mask_in_slab_groups(group_bytes, monkeypatch):
             assert rel_err(got, ref) < 1e-9, f"grad of {name} ({'single' if single else 'multi'}-scan)"
 
 
+@pytest.mark.parametrize("scan", ["token_order", "row_snake", "column_snake"])
 @pytest.mark.parametrize("block", [1, 3, 32, 1000])
 @pytest.mark.parametrize("decay", ["selective", "near0", "near1", "underflow"])
-def test_selective_mask_in_row_blocks(decay, block, monkeypatch):
-    """On a CPU the one-scan selective mask is built a block of rows at a time (exact diagonal blocks,
-    outer products off them): every entry against the oracle's running products, for blocks of one
-    row, blocks that leave a short last one, and one block of the whole sequence."""
+def test_selective_mask_in_row_blocks(decay, block, scan, monkeypatch):
+    """On a CPU the selective mask is built a block of rows at a time where the scan allows (exact
+    diagonal blocks, outer products off them): every entry against the oracle's running products, for
+    blocks of one row, blocks that leave a short last one, and one block of the whole sequence; in
+    token order and, for the two snake scans of a 3 x 13 grid after a class token, in token order
+    from decays in scan order (the column snake takes the whole-matrix path)."""
     import lion_vit.ops.masks as masks
     monkeypatch.setattr(masks, "CPU_MASK_BLOCK", block)
-    *_, lam = make_inputs(2, 3, 40, 1, decay, torch.float64, seed=15)
+    *_, lam = make_inputs(2, 3, 40, 1, decay, torch.float64, seed=15)  # in scan order
+    positions = None if scan == "token_order" else \
+        torch.argsort(snake_orders(3, 13, 1)[int(scan == "column_snake")])
     expected = naive_mask(lam)
+    if positions is not None:
+        expected = expected[..., positions, :][..., positions]
+    if scan == "row_snake" and block == 32:  # a row snake factorises in blocks (the training case)
+        bounds = masks._row_blocks(40, positions, block)
+        assert len(bounds) > 2 and max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * block, bounds
     # float32: the exponents are differences of float32 cumulative sums (error ~ eps * L * |log lam|)
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
-        mask = masks.decay_mask(torch.log(lam).to(dtype), 40)
+        mask = masks.decay_mask(torch.log(lam).to(dtype), 40, positions)
         assert mask.dtype == dtype
         # relative error per entry; absolute below 1e-37 in float32, where a mask on a CPU holds
         # exp(-87) = 1.6e-38 instead of a denormal or 0 (the slow path of exp), and below float64's

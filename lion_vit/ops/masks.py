@@ -7,7 +7,7 @@ that is <= 0 by construction, so nothing overflows however long the sequence is.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -26,8 +26,9 @@ FLOAT64_CUMSUM_ABOVE = 512
 CPU_GROUP_BYTES = 4 << 20
 
 
-# On a CPU a selective mask in token order (one scan) is built a block of this many rows at a time
-# (see _fill_in_blocks): 32 was fastest of 32 / 64 / 128 at L = 197 and L = 600.
+# On a CPU a selective mask is built a block of about this many rows at a time where its scan allows
+# (token order, a row snake; see _row_blocks, _fill_in_blocks): 32 was fastest of 32 / 64 / 128 at
+# L = 197 and L = 600.
 CPU_MASK_BLOCK = 32
 
 
@@ -112,28 +113,50 @@ def _exact_exponent_exp(before: Tensor, at: Tensor, out: Optional[Tensor] = None
     return _exp_nonpositive(torch.minimum(lower, upper, out=lower))
 
 
-def _fill_in_blocks(mask: Tensor, exclusive: Tensor, inclusive: Tensor, block: int) -> None:
-    """The mask in scan order, a block of rows at a time: exact on the diagonal blocks, and off them
-    an outer product of two factors that are each <= 0 in the exponent. For rows i in [s, t):
+def _row_blocks(length: int, positions: Optional[Tensor], block: int) -> List[int]:
+    """Boundaries 0 = b_0 < b_1 < ... < b_n = L of blocks of rows (tokens) of about `block` rows, each
+    block's tokens consecutive along the scan, with every token before it coming before it along
+    the scan: where the mask factorises off the diagonal (see _fill_in_blocks).
 
-        j < s:   exp(e_i - e_j) = exp(e_i - e_s) exp(e_s - e_j)          (e = c_{.-1}, non-increasing)
-        j >= t:  exp(c_j - c_i) = exp(c_{t-1} - c_i) exp(c_j - c_{t-1})
+    Token order: any b; a row snake: a grid row ends one, as may any token of a row read left to
+    right; a column snake: none but 0 and L (a token-order block spans every column).
+    """
+    if positions is None:
+        valid = list(range(length + 1))
+    else:  # b qualifies when tokens [0, b) are the scan's first b: their largest scan position is b - 1
+        first_b = positions.cummax(0).values == torch.arange(length, device=positions.device)
+        valid = [0] + (first_b.nonzero().flatten() + 1).tolist()
+    bounds = [0]
+    for index, b in enumerate(valid[1:], start=1):
+        following = valid[index + 1] if index + 1 < len(valid) else None
+        if following is None or following - bounds[-1] > block:
+            bounds.append(b)
+    return bounds
+
+
+def _fill_in_blocks(mask: Tensor, exclusive: Tensor, inclusive: Tensor, bounds: List[int]) -> None:
+    """The mask in token order, a block of rows at a time (bounds from _row_blocks): exact on the
+    diagonal blocks, and off them an outer product of two factors that are each <= 0 in the
+    exponent. With e = c_{.-1} and c non-increasing along the scan, for rows i of a block (scan
+    positions [s, t) by _row_blocks) and r, R the block's first and last tokens along the scan:
+
+        j before the block:  exp(e_i - e_j) = exp(e_i - e_r) exp(e_r - e_j)
+        j after the block:   exp(c_j - c_i) = exp(c_R - c_i) exp(c_j - c_R)
 
     One multiplication per entry instead of two subtractions, a minimum and an exp (whose slow path
     for results that underflow made small decays cost several times more). Neither factor can
     overflow; where one underflows the product underflows too.
     """
     length = mask.shape[-1]
-    for s in range(0, length, block):
-        t = min(s + block, length)
+    for s, t in zip(bounds[:-1], bounds[1:]):
         before, at = exclusive[:, s:t], inclusive[:, s:t]
         mask[:, s:t, s:t] = _exact_exponent_exp(before, at)
         if s > 0:
-            ref = exclusive[:, s:s + 1]
+            ref = before.amax(-1, keepdim=True)  # e at the block's first token along the scan
             torch.mul(torch.exp(before - ref).to(mask.dtype)[:, :, None],
                       torch.exp(ref - exclusive[:, :s]).to(mask.dtype)[:, None, :], out=mask[:, s:t, :s])
         if t < length:
-            ref = inclusive[:, t - 1:t]
+            ref = at.amin(-1, keepdim=True)  # c at its last token along the scan
             torch.mul(torch.exp(ref - at).to(mask.dtype)[:, :, None],
                       torch.exp(inclusive[:, t:] - ref).to(mask.dtype)[:, None, :], out=mask[:, s:t, t:])
 
@@ -144,9 +167,11 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     inclusive, exclusive = inclusive.reshape(-1, length), exclusive.reshape(-1, length)
     mask = torch.empty(inclusive.shape[0], length, length, dtype=mask_dtype(log_decay.dtype),
                        device=inclusive.device)
-    if positions is None and mask.device.type == "cpu":  # (a GPU: a few kernels beat a loop over blocks)
-        _fill_in_blocks(mask, exclusive, inclusive, CPU_MASK_BLOCK)
-        return mask.view(*lead, length, length)
+    if mask.device.type == "cpu":  # (a GPU: a few kernels beat a loop over blocks)
+        bounds = _row_blocks(length, positions, CPU_MASK_BLOCK)
+        if max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * CPU_MASK_BLOCK:  # else: grouped below
+            _fill_in_blocks(mask, exclusive, inclusive, bounds)
+            return mask.view(*lead, length, length)
     in_place = mask.dtype == inclusive.dtype
     for group in _slab_groups(mask.shape[0], length, inclusive.dtype, mask.device):
         before, at = exclusive[group], inclusive[group]
