@@ -224,7 +224,7 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
     ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
-    ("logger.wandb.mode=onlin", "logger.wandb.mode"),
+    ("logger.wandb.mode=onlin", "logger.wandb.mode"), ("compile=ture", "compile"), ("ema.enabled=yes", "ema.enabled"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
@@ -266,6 +266,18 @@ def test_resumed_run_continues_its_wandb_run(folder, tmp_path):
     assert torch.load(tmp_path / "checkpoint-last.pt")["wandb_run_id"] == first_id
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(run.name.endswith(f"-{first_id}") for run in runs), runs
+
+
+def test_configure_cuda_sets_the_timm_defaults():
+    from lion_vit.engine.trainer import configure_cuda
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        for tf32 in (True, False):
+            configure_cuda(tf32)
+            assert torch.backends.cudnn.benchmark
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def test_out_of_memory_becomes_one_line():

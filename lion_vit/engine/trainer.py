@@ -48,6 +48,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def configure_cuda(tf32: bool) -> None:
+    """GPU defaults of DeiT / timm training: cuDNN picks the fastest convolution for the fixed input size,
+    and float32 matmuls and convolutions (those outside bf16 autocast) may use TF32 (tf32=true)."""
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -56,9 +64,13 @@ def _require(value: Any, ok: bool, name: str, expected: str) -> None:
         raise UserError(f"{name}={value} is not allowed; set {name} to {expected}")
 
 
+SWITCHES = ("eval_only", "amp", "compile", "tf32", "cpu_keep_freed_memory", "progress", "ema.enabled", "ema.eval_ema")
+
+
 def check_settings(cfg: DictConfig) -> None:
-    """One clear line for a numeric setting out of range, before any data or model is built (torch,
-    timm and the DataLoader would otherwise fail deep inside with their own assertion)."""
+    """One clear line for a numeric setting out of range or a switch that is not true/false, before any
+    data or model is built (torch, timm and the DataLoader would otherwise fail deep inside with their
+    own assertion)."""
     def is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
@@ -70,6 +82,9 @@ def check_settings(cfg: DictConfig) -> None:
     _require(cfg.num_workers, is_int(cfg.num_workers) and cfg.num_workers >= 0, "num_workers", "an integer >= 0")
     _require(cfg.logger.wandb.mode, cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
              " | ".join(WANDB_MODES))
+    for switch in SWITCHES:  # `compile=ture` would otherwise count as true
+        value = OmegaConf.select(cfg, switch)
+        _require(value, isinstance(value, bool), switch, "true or false")
     if cfg.eval_only:
         return
     _require(cfg.epochs, is_int(cfg.epochs) and cfg.epochs > 0, "epochs", "a positive integer")
@@ -327,6 +342,8 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_keep_freed_memory:
         keep_freed_memory()
+    if device.type == "cuda":
+        configure_cuda(cfg.tf32)
     dist_info = init_distributed(device)
     try:
         if device.type == "cuda":
