@@ -185,6 +185,17 @@ def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
     assert result["img_size"] == 64 and result["chunk_size"] == 16
 
 
+def test_eval_only_takes_the_architecture_from_the_checkpoint(trained, folder, tmp_path):
+    """The README's eval command names no architecture: here the default model group (digits), whose
+    kwargs (embed_dim 64, depth 4, ...) differ from the checkpoint's (lion_s_tiny, depth 2)."""
+    assert_ok(run_train("data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=32", "progress=false",
+                        f"checkpoint={trained / 'checkpoint-best.pt'}", f"output_dir={tmp_path}"))
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["model"] == "lion_s_tiny" and result["num_images"] == 12
+    trained_acc1 = max(m["val_acc1"] for m in read_metrics(trained))  # checkpoint-best
+    assert result["acc1"] == pytest.approx(trained_acc1)
+
+
 def test_val_classes_must_match(trained, folder, tmp_path):
     """A class folder missing from val would shift every later label silently: training and eval_only refuse."""
     import shutil

@@ -310,7 +310,9 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
         raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
     state = ckpt.load_checkpoint(Path(cfg.checkpoint))
     # The architecture is the checkpoint's; the form and resolution are this command's.
-    with_arch = OmegaConf.merge(cfg.model, _trained_architecture(state))
+    # Replaced whole, not merged: kwargs of this command's model group must not leak into the trained
+    # architecture (nor can a merge add the checkpoint's kwargs to Hydra's struct config).
+    with_arch = OmegaConf.create({**OmegaConf.to_container(cfg.model, resolve=True), **_trained_architecture(state)})
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
     num_classes = state.get("num_classes", num_classes_of(val_set))
     if "classes" in state:
