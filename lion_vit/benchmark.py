@@ -145,12 +145,11 @@ def _reset_peak_rss() -> bool:
 
 def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
           device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    import timm
-    import lion_vit  # noqa: F401  (registers the LION models)
-    kwargs: Dict[str, Any] = dict(img_size=img_size)
+    from lion_vit.models import create_model_at_size  # (importing lion_vit registers the LION models)
+    kwargs: Dict[str, Any] = {}
     if model_name.startswith("lion_"):
         kwargs.update(attn_form=form or "attention", chunk_size=chunk_size)
-    model = timm.create_model(model_name, **kwargs).eval().to(device)
+    model = create_model_at_size(model_name, img_size, **kwargs).eval().to(device)
     return model.to(dtype) if dtype == torch.float64 else model
 
 

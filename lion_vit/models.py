@@ -26,7 +26,7 @@ from torch import Tensor
 from .layers import LionAttention
 from .ops import check_form
 
-__all__ = ["LionViT", "LION_MODEL_NAMES"]
+__all__ = ["LionViT", "LION_MODEL_NAMES", "create_model_at_size"]
 
 
 class DivisiblePatchEmbed(PatchEmbed):
@@ -39,6 +39,19 @@ class DivisiblePatchEmbed(PatchEmbed):
     def forward(self, x: Tensor) -> Tensor:
         _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
         return super().forward(x)
+
+
+def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
+    """timm.create_model for inputs of img_size (and patch_size when given). A model that takes no such
+    argument (a CNN baseline such as resnet50) is built without it: it accepts any input size."""
+    import timm
+    size_kwargs: Dict[str, Any] = dict(img_size=img_size, **({"patch_size": patch_size} if patch_size else {}))
+    try:
+        return timm.create_model(name, **kwargs, **size_kwargs)
+    except TypeError as error:
+        if not any(key in str(error) for key in size_kwargs):
+            raise
+        return timm.create_model(name, **kwargs)
 
 
 def _check_divisible(size: Tuple[int, int], patch: Tuple[int, int], what: str) -> None:

@@ -17,13 +17,13 @@ import statistics
 import time
 from pathlib import Path
 
-import timm
 import torch
 
 import lion_vit  # noqa: F401  (registers the LION models)
 from lion_vit.benchmark import (device_name, markdown_table, model_name, output_folder, paired_ratio, positive_int,
                                 write_table)
 from lion_vit.engine.allocator import keep_freed_memory
+from lion_vit.models import create_model_at_size
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
                   "lion_d_natural_small", "lion_s_natural_small"]
@@ -59,7 +59,7 @@ def main() -> None:
     setups = {}
     for name in args.models:
         try:
-            model = timm.create_model(name, img_size=args.img_size).to(device).train()
+            model = create_model_at_size(name, args.img_size).to(device).train()
         except (ValueError, AssertionError) as error:  # e.g. a size the patch does not divide
             parser.error(f"{name} at --img-size {args.img_size}: {error}")
         step_model = torch.compile(model) if args.compile else model

@@ -77,6 +77,17 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert "lion_d_tiny:" in out and "aten::" in out
 
 
+def test_baselines_without_an_input_size_argument_are_built_too():
+    """A CNN baseline (resnet18) takes any input size and no img_size argument; ViTs get theirs."""
+    from lion_vit.models import create_model_at_size
+    cnn = create_model_at_size("resnet18", 48, num_classes=3)
+    vit = create_model_at_size("lion_d_tiny", 48, 8, depth=1, num_classes=3)
+    assert vit.patch_embed.img_size == (48, 48) and vit.patch_embed.patch_size == (8, 8)
+    assert cnn(torch.randn(1, 3, 48, 48)).shape == vit(torch.randn(1, 3, 48, 48)).shape == (1, 3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'not_an_argument'"):
+        create_model_at_size("resnet18", 48, not_an_argument=1)
+
+
 def test_paired_ratio_follows_a_drifting_machine():
     from lion_vit.benchmark import paired_ratio
     # the machine is fast only during the baseline's first step; every same-round pair says x1.1

@@ -159,14 +159,8 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
     if is_lion:
         kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size)
-    size_kwargs = dict(img_size=img_size, **({"patch_size": patch} if patch else {}))
     try:
-        try:
-            return timm.create_model(name, **kwargs, **size_kwargs)
-        except TypeError as error:  # a timm model without img_size / patch_size (e.g. a CNN)
-            if "img_size" not in str(error) and "patch_size" not in str(error):
-                raise
-            return timm.create_model(name, **kwargs)
+        return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
     except (ValueError, TypeError) as error:
         hint = ""
         if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
