@@ -313,6 +313,17 @@ def test_existing_run_is_not_overwritten(trained):
     assert (trained / "checkpoint-last.pt").read_bytes() == before
 
 
+def test_resume_of_a_finished_run_says_so(trained, folder, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=2", "batch_size=4",
+                     "aug=none", f"output_dir={run}", "resume=auto")
+    assert_ok(proc)
+    assert "finished all 2 epochs of epochs=2: nothing left to train" in proc.stdout + proc.stderr
+    assert read_metrics(run) == read_metrics(trained)
+
+
 def test_resume_with_another_model_is_named(trained, folder, tmp_path):
     """resume=auto with a different model.name says which setting differs, and changes nothing."""
     import shutil

@@ -420,6 +420,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             load_weights(ema.module, resume_state["ema"])
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
         log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
+        if start_epoch >= cfg.epochs:
+            log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
+                     "larger epochs, training goes on at the schedule's final rate, optim.min_lr)",
+                     start_epoch, cfg.epochs)
 
     train_model: nn.Module = model
     if cfg.compile:
