@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import PatchEmbed, to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, create_model, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 from torch import Tensor
@@ -44,14 +44,13 @@ class DivisiblePatchEmbed(PatchEmbed):
 def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
     """timm.create_model for inputs of img_size (and patch_size when given). A model that takes no such
     argument (a CNN baseline such as resnet50) is built without it: it accepts any input size."""
-    import timm
     size_kwargs: Dict[str, Any] = dict(img_size=img_size, **({"patch_size": patch_size} if patch_size else {}))
     try:
-        return timm.create_model(name, **kwargs, **size_kwargs)
+        return create_model(name, **kwargs, **size_kwargs)
     except TypeError as error:
         if not any(key in str(error) for key in size_kwargs):
             raise
-        return timm.create_model(name, **kwargs)
+        return create_model(name, **kwargs)
 
 
 def _check_divisible(size: Tuple[int, int], patch: Tuple[int, int], what: str) -> None:
