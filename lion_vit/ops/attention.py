@@ -88,9 +88,10 @@ class _DecayMaskedAttention(torch.autograd.Function):
         mask, ratios = masks[0], []
         if len(masks) > 1:
             mask = sum(masks[1:], masks[0])  # out of place: each scan's mask becomes its ratio
-            # R_s = M_s / M; where every scan's entry underflowed to 0, R_s = 0 (and W = 0) there
-            denominator = mask + torch.finfo(mask.dtype).tiny
-            ratios = [m.div_(denominator) for m in masks]
+            # R_s = M_s / M. Where every scan's entry underflowed to 0, M becomes the smallest normal
+            # number (like the float32 CPU floor of each mask) and R_s = 0: in place, no L x L temporary
+            mask.clamp_min_(torch.finfo(mask.dtype).tiny)
+            ratios = [m.div_(mask) for m in masks]
         numerator, normaliser, weights = _masked_forward(q, k, v, mask)
         ctx.compute_dtype = numerator.dtype
         ctx.save_for_backward(q, k, v, mask, weights, log_decays, positions, *ratios)
