@@ -172,8 +172,13 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         if source is None:
             raise
         # a missing, unreadable or mismatched file of initial weights (timm's loader)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line}") from None
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line (its type for an empty message), for a one-line UserError."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -281,8 +286,7 @@ class WandbLogger:
                                   config=OmegaConf.to_container(cfg, resolve=True),
                                   id=run_id, resume="allow" if run_id else None)
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise UserError(f"wandb could not start in mode={wb.mode} ({reason}); run `wandb login` or set "
+            raise UserError(f"wandb could not start in mode={wb.mode} ({_first_line(error)}); run `wandb login` or set "
                             f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
 
     @property

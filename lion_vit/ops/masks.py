@@ -121,11 +121,11 @@ def _row_blocks(length: int, positions: Optional[Tensor], block: int) -> List[in
     Token order: any b; a row snake: a grid row ends one, as may any token of a row read left to
     right; a column snake: none but 0 and L (a token-order block spans every column).
     """
-    if positions is None:
-        valid = list(range(length + 1))
-    else:  # b qualifies when tokens [0, b) are the scan's first b: their largest scan position is b - 1
-        first_b = positions.cummax(0).values == torch.arange(length, device=positions.device)
-        valid = [0] + (first_b.nonzero().flatten() + 1).tolist()
+    if positions is None:  # every b qualifies
+        return list(range(0, length, block)) + [length]
+    # b qualifies when tokens [0, b) are the scan's first b: their largest scan position is b - 1
+    first_b = positions.cummax(0).values == torch.arange(length, device=positions.device)
+    valid = [0] + (first_b.nonzero().flatten() + 1).tolist()
     bounds = [0]
     for index, b in enumerate(valid[1:], start=1):
         following = valid[index + 1] if index + 1 < len(valid) else None
