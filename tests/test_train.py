@@ -249,6 +249,20 @@ def test_settings_out_of_range_are_named(override, needle):
         check_settings(cfg)
 
 
+def test_odd_batch_with_mixup_is_named():
+    """timm's Mixup pairs each image with its mirror in the batch and asserts on an odd batch in the first step."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        check_settings(compose("config", overrides=["batch_size=33"]))  # digits: no mixup, any batch
+        check_settings(compose("config", overrides=["aug=deit", "batch_size=34"]))
+        check_settings(compose("config", overrides=["aug=deit", "batch_size=33", "aug.mixup=0", "aug.cutmix=0"]))
+        odd = compose("config", overrides=["aug=deit", "batch_size=33"])
+    with pytest.raises(UserError, match=r"^batch_size=33 is not allowed; set batch_size to an even number .*aug.mixup=0"):
+        check_settings(odd)
+
+
 def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     """logger.wandb.mode=online without an account names the fixes instead of wandb's traceback."""
     import wandb

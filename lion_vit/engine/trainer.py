@@ -94,6 +94,10 @@ def check_settings(cfg: DictConfig) -> None:
              "optim.warmup_epochs", "a number >= 0")
     _require(optim.clip_grad, optim.clip_grad is None or (is_number(optim.clip_grad) and optim.clip_grad > 0),
              "optim.clip_grad", "null or a positive max norm")
+    if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:  # timm's Mixup asserts on an odd batch, deep in the first step
+        _require(cfg.batch_size, cfg.batch_size % 2 == 0, "batch_size",
+                 "an even number while mixup or cutmix is on (timm's Mixup mixes each image with its mirror in "
+                 "the batch), or turn them off with aug.mixup=0 aug.cutmix=0")
     if cfg.ema.enabled:
         _require(cfg.ema.decay, is_number(cfg.ema.decay) and 0 < cfg.ema.decay < 1, "ema.decay",
                  "a number between 0 and 1")
