@@ -426,6 +426,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             scaler.load_state_dict(resume_state["scaler"])
         if ema is not None and resume_state.get("ema") is not None:
             load_weights(ema.module, resume_state["ema"])
+        elif ema is not None:  # EMA turned on for a run that trained without it: start from its weights
+            ema.set(model)
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
         log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
         if start_epoch >= cfg.epochs:
