@@ -338,7 +338,7 @@ def test_resume_of_a_finished_run_says_so(trained, folder, tmp_path):
     assert read_metrics(run) == read_metrics(trained)
 
 
-def test_ema_turned_on_at_resume_starts_from_the_trained_weights(trained, folder, tmp_path):
+def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_reads_it(trained, folder, tmp_path):
     """Not from the fresh model's random initialisation, which the EMA was built from."""
     import shutil
     run = shutil.copytree(trained, tmp_path / "run")
@@ -351,6 +351,14 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights(trained, folder
     worst = max((ema[name].float() - resumed[name].float()).abs().max().item() for name in resumed)
     assert worst < 1e-4, worst
     assert read_metrics(run)[-1]["epoch"] == 2 and "val_acc1_ema" in read_metrics(run)[-1]
+
+    evaluate = ("eval_only=true", "ema.eval_ema=true", "data=imagefolder", f"data.root={folder}", "aug=none")
+    assert_ok(run_train(*SMALL_LION, *evaluate, f"checkpoint={run / 'checkpoint-last.pt'}",
+                        f"output_dir={tmp_path / 'eval_ema'}"))
+    result = json.loads((tmp_path / "eval_ema" / "eval.json").read_text())
+    assert result["weights"] == "ema" and result["acc1"] == read_metrics(run)[-1]["val_acc1_ema"]
+    assert_clean_error(run_train(*SMALL_LION, *evaluate, f"checkpoint={trained / 'checkpoint-last.pt'}",
+                                 f"output_dir={tmp_path / 'no_ema'}"), "holds no EMA weights", "drop ema.eval_ema")
 
 
 def test_resume_with_another_model_is_named(trained, folder, tmp_path):

@@ -324,7 +324,10 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
         raise UserError(f"the validation split has {num_classes_of(val_set)} classes, the checkpoint "
                         f"{num_classes}; evaluate on data with the classes it was trained on")
     model = build_model(with_arch, num_classes, cfg.img_size, initial_weights=False)
-    use_ema = cfg.ema.eval_ema and state.get("ema") is not None
+    use_ema = cfg.ema.eval_ema
+    if use_ema and state.get("ema") is None:
+        raise UserError(f"ema.eval_ema=true, but {cfg.checkpoint} holds no EMA weights (its run had "
+                        f"ema.enabled=false); drop ema.eval_ema to evaluate its model weights")
     load_weights(model, state["ema"] if use_ema else state["model"])
     model.to(device)
     loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
