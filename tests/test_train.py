@@ -361,6 +361,22 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
                                  f"output_dir={tmp_path / 'no_ema'}"), "holds no EMA weights", "drop ema.eval_ema")
 
 
+def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_path):
+    """Fewer processes or another batch_size at resume change the updates per epoch; the learning rate
+    then follows the schedule of this command's settings (a loaded scheduler state would count
+    warm-up and cosine in the old run's updates and reach optim.min_lr epochs early)."""
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=none", "optim.warmup_epochs=1",
+            "optim.lr=2e-3", "optim.lr_base_batch=null"]
+    first, straight = tmp_path / "first", tmp_path / "straight"
+    assert_ok(run_train(*args, "epochs=1", "batch_size=4", f"output_dir={first}"))
+    assert_ok(run_train(*args, "epochs=3", "batch_size=2", f"output_dir={first}", "resume=auto"))
+    assert_ok(run_train(*args, "epochs=3", "batch_size=2", f"output_dir={straight}"))
+    resumed_lrs = [m["lr"] for m in read_metrics(first)][1:]
+    straight_lrs = [m["lr"] for m in read_metrics(straight)][1:]
+    assert resumed_lrs == pytest.approx(straight_lrs, rel=1e-9)
+    assert straight_lrs[0] > 2 * straight_lrs[1]  # the cosine has not ended before the last epoch
+
+
 def test_resume_with_another_model_is_named(trained, folder, tmp_path):
     """resume=auto with a different model.name says which setting differs, and changes nothing."""
     import shutil

@@ -424,7 +424,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         _check_same_architecture(cfg, resume_state)
         load_weights(model, resume_state["model"])
         optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
+        # The schedule is rebuilt from this command's settings, not loaded: its state is only those
+        # settings in units of updates, stale once the number of processes, batch_size or epochs changed.
+        scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * len(train_loader))
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
         if ema is not None and resume_state.get("ema") is not None:
@@ -435,7 +437,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
         if start_epoch >= cfg.epochs:
             log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
-                     "larger epochs, training goes on at the schedule's final rate, optim.min_lr)",
+                     "larger epochs, training goes on along that longer schedule)",
                      start_epoch, cfg.epochs)
 
     train_model: nn.Module = model
