@@ -226,6 +226,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     assert_clean_error(run_train(*SMALL_LION, "optim.lr=-1"), "optim.lr=-1", "positive number")
     assert_clean_error(run_train(*SMALL_LION, "model.name=resnet18"), "cannot build model resnet18",
                        "unexpected keyword argument 'depth'", "start from model=lion or model=deit")
+    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", "data.root=null", "epochs=1"),
+                       "data=imagefolder needs data.root")
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
     assert_clean_error(run_train(*SMALL_LION, f"output_dir={a_file}"), "cannot create output_dir", "File exists")
@@ -236,6 +238,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
     ("logger.wandb.mode=onlin", "logger.wandb.mode"), ("compile=ture", "compile"), ("ema.enabled=yes", "ema.enabled"),
+    ("seed=abc", "seed"), ("seed=-1", "seed"), ("amp_dtype=float8", "amp_dtype"), ("optim.opt=lamb2", "optim.opt"),
+    ("optim.sched=cosin", "optim.sched"), ("optim.sched=plateau", "optim.sched"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""

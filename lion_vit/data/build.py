@@ -29,6 +29,8 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
     kind, train = data.name, split == "train"
     if kind == "digits":
         return digits(train, transform)
+    if kind in KINDS and not data.root:
+        raise UserError(f"data={kind} needs data.root, the folder that holds the dataset (see data/README.md)")
     if kind in ("cifar10", "cifar100"):
         return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
     if kind in ("imagefolder", "imagenet"):

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 from torch import nn
@@ -64,6 +64,9 @@ def _require(value: Any, ok: bool, name: str, expected: str) -> None:
         raise UserError(f"{name}={value} is not allowed; set {name} to {expected}")
 
 
+AMP_DTYPES = ("bfloat16", "float16")
+# timm's schedules that step per update (plateau needs a validation metric each epoch)
+SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 SWITCHES = ("eval_only", "amp", "compile", "tf32", "cpu_keep_freed_memory", "progress", "ema.enabled", "ema.eval_ema")
 
 
@@ -80,6 +83,8 @@ def check_settings(cfg: DictConfig) -> None:
     _require(cfg.img_size, is_int(cfg.img_size) and cfg.img_size > 0, "img_size", "a positive integer")
     _require(cfg.batch_size, is_int(cfg.batch_size) and cfg.batch_size > 0, "batch_size", "a positive integer")
     _require(cfg.num_workers, is_int(cfg.num_workers) and cfg.num_workers >= 0, "num_workers", "an integer >= 0")
+    _require(cfg.seed, is_int(cfg.seed) and cfg.seed >= 0, "seed", "an integer >= 0")
+    _require(cfg.amp_dtype, cfg.amp_dtype in AMP_DTYPES, "amp_dtype", " | ".join(AMP_DTYPES))
     _require(cfg.logger.wandb.mode, cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
              " | ".join(WANDB_MODES))
     for switch in SWITCHES:  # `compile=ture` would otherwise count as true
@@ -89,6 +94,9 @@ def check_settings(cfg: DictConfig) -> None:
         return
     _require(cfg.epochs, is_int(cfg.epochs) and cfg.epochs > 0, "epochs", "a positive integer")
     optim = cfg.optim
+    _require(optim.opt, optim.opt in list_optimizers(), "optim.opt",
+             "a timm optimizer name such as adamw, sgd or lamb (timm.optim.list_optimizers())")
+    _require(optim.sched, optim.sched in SCHEDULES, "optim.sched", " | ".join(SCHEDULES))
     _require(optim.lr, is_number(optim.lr) and optim.lr > 0, "optim.lr", "a positive number")
     _require(optim.warmup_epochs, is_number(optim.warmup_epochs) and optim.warmup_epochs >= 0,
              "optim.warmup_epochs", "a number >= 0")
