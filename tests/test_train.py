@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import re
 import signal
 import subprocess
@@ -492,6 +493,34 @@ def test_corrupt_image_is_skipped_with_warning(tmp_path):
                      "aug=none", f"output_dir={tmp_path / 'out'}")
     assert_ok(proc)
     assert "broken.png" in proc.stdout + proc.stderr
+
+
+def test_randaugment_posterize_to_zero_bits_is_a_black_image():
+    """Pillow >= 13 refuses to keep 0 bits, which RandAugment asks for at its top magnitude; Pillow < 13
+    (and DeiT's training) gave a black image."""
+    from PIL import ImageOps
+    from timm.data.auto_augment import AugmentOp
+    import lion_vit.data.build  # noqa: F401  (applies the fix before transforms are built)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 7, 3), dtype=np.uint8))
+    zero_bits = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)  # keeps 4 - 4 = 0 bits
+    out = zero_bits(image)
+    assert out.mode == image.mode and out.size == image.size and not np.asarray(out).any()
+    four_bits = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=0)
+    assert np.array_equal(np.asarray(four_bits(image)), np.asarray(ImageOps.posterize(image, 4)))
+
+
+def test_deit_augmentation_runs_through_many_images():
+    """The DeiT transform (RandAugment m9, mstd 0.5) over 2,000 draws: about 1 in 400 kept 0 bits."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.data.build import build_transform
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["data=imagefolder", "aug=deit"])
+    transform = build_transform(cfg.data, cfg.aug, 32, train=True)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    torch.manual_seed(0)
+    random.seed(0)
+    shapes = {tuple(transform(image).shape) for _ in range(2000)}
+    assert shapes == {(3, 32, 32)}
 
 
 def test_cifar_format_loading(tmp_path):

@@ -9,7 +9,10 @@ from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import UserError
+from .compat import patch_timm_posterize
 from .datasets import cifar, digits, image_folder
+
+patch_timm_posterize()  # RandAugment on Pillow >= 13 (see compat.py)
 
 KINDS = ("digits", "imagefolder", "imagenet", "cifar10", "cifar100")
 
