@@ -240,7 +240,12 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
     ("logger.wandb.mode=onlin", "logger.wandb.mode"), ("compile=ture", "compile"), ("ema.enabled=yes", "ema.enabled"),
     ("seed=abc", "seed"), ("seed=-1", "seed"), ("amp_dtype=float8", "amp_dtype"), ("optim.opt=lamb2", "optim.opt"),
-    ("optim.sched=cosin", "optim.sched"), ("optim.sched=plateau", "optim.sched"),
+    ("optim.sched=cosin", "optim.sched"), ("optim.sched=plateau", "optim.sched"), ("model.name=null", "model.name"),
+    ("data.crop_pct=0", "data.crop_pct"), ("optim.weight_decay=abc", "optim.weight_decay"),
+    ("optim.betas=[0.9]", "optim.betas"), ("optim.eps=0", "optim.eps"), ("optim.min_lr=-1", "optim.min_lr"),
+    ("aug.mixup=-1", "aug.mixup"), ("aug.mixup_prob=2", "aug.mixup_prob"), ("aug.mixup_mode=elements", "aug.mixup_mode"),
+    ("aug.smoothing=1.5", "aug.smoothing"), ("aug.reprob=2", "aug.reprob"), ("aug.scale=[1.0]", "aug.scale"),
+    ("aug.scale=[0.9,0.1]", "aug.scale"), ("aug.repeated_aug=-1", "aug.repeated_aug"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
@@ -252,6 +257,15 @@ def test_settings_out_of_range_are_named(override, needle):
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
+def test_every_experiment_passes_the_setting_checks(experiment):
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for model in ("lion", "deit"):
+            check_settings(compose("config", overrides=[f"experiment={experiment}", f"model={model}"]))
 
 
 def test_odd_batch_with_mixup_is_named():

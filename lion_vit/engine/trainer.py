@@ -12,12 +12,12 @@ import random
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import timm
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, list_optimizers
@@ -64,50 +64,87 @@ def _require(value: Any, ok: bool, name: str, expected: str) -> None:
         raise UserError(f"{name}={value} is not allowed; set {name} to {expected}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_fraction(value: Any) -> bool:
+    return _is_number(value) and 0 <= value <= 1
+
+
+def _is_pair(value: Any, test: Callable[[Any], bool]) -> bool:
+    return isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(test(x) for x in value)
+
+
 AMP_DTYPES = ("bfloat16", "float16")
 # timm's schedules that step per update (plateau needs a validation metric each epoch)
 SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
+MIXUP_MODES = ("batch", "pair", "elem")
 SWITCHES = ("eval_only", "amp", "compile", "tf32", "cpu_keep_freed_memory", "progress", "ema.enabled", "ema.eval_ema")
+
+# (setting, test, what it must be) for every run, then for training runs only
+_SETTINGS = (
+    ("img_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("batch_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("num_workers", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("amp_dtype", lambda v: v in AMP_DTYPES, " | ".join(AMP_DTYPES)),
+    ("logger.wandb.mode", lambda v: v in WANDB_MODES, " | ".join(WANDB_MODES)),
+    ("model.name", lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small"),
+    ("data.crop_pct", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    # `compile=ture` would otherwise count as true
+    *((switch, lambda v: isinstance(v, bool), "true or false") for switch in SWITCHES),
+)
+_TRAINING_SETTINGS = (
+    ("epochs", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("optim.opt", lambda v: v in list_optimizers(),
+     "a timm optimizer name such as adamw, sgd or lamb (timm.optim.list_optimizers())"),
+    ("optim.sched", lambda v: v in SCHEDULES, " | ".join(SCHEDULES)),
+    ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    ("optim.betas", lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)"),
+    ("optim.eps", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.min_lr", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    ("optim.warmup_lr", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    ("optim.warmup_epochs", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    ("optim.clip_grad", lambda v: v is None or (_is_number(v) and v > 0), "null or a positive max norm"),
+    ("aug.mixup", lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: off)"),
+    ("aug.cutmix", lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: off)"),
+    ("aug.mixup_prob", _is_fraction, "a probability in [0, 1]"),
+    ("aug.mixup_switch_prob", _is_fraction, "a probability in [0, 1]"),
+    ("aug.mixup_mode", lambda v: v in MIXUP_MODES, " | ".join(MIXUP_MODES)),
+    ("aug.smoothing", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("aug.reprob", _is_fraction, "a probability in [0, 1]"),
+    ("aug.hflip", _is_fraction, "a probability in [0, 1]"),
+    ("aug.color_jitter", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    ("aug.scale", lambda v: _is_pair(v, lambda x: _is_number(x) and 0 < x <= 1) and v[0] <= v[1],
+     "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)"),
+    ("aug.repeated_aug", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 or 1: off)"),
+)
+_ABSENT = object()
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """One clear line for a numeric setting out of range or a switch that is not true/false, before any
-    data or model is built (torch, timm and the DataLoader would otherwise fail deep inside with their
-    own assertion)."""
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def is_number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    _require(cfg.img_size, is_int(cfg.img_size) and cfg.img_size > 0, "img_size", "a positive integer")
-    _require(cfg.batch_size, is_int(cfg.batch_size) and cfg.batch_size > 0, "batch_size", "a positive integer")
-    _require(cfg.num_workers, is_int(cfg.num_workers) and cfg.num_workers >= 0, "num_workers", "an integer >= 0")
-    _require(cfg.seed, is_int(cfg.seed) and cfg.seed >= 0, "seed", "an integer >= 0")
-    _require(cfg.amp_dtype, cfg.amp_dtype in AMP_DTYPES, "amp_dtype", " | ".join(AMP_DTYPES))
-    _require(cfg.logger.wandb.mode, cfg.logger.wandb.mode in WANDB_MODES, "logger.wandb.mode",
-             " | ".join(WANDB_MODES))
-    for switch in SWITCHES:  # `compile=ture` would otherwise count as true
-        value = OmegaConf.select(cfg, switch)
-        _require(value, isinstance(value, bool), switch, "true or false")
+    """One clear line for a setting out of range, an unknown name or a switch that is not true/false,
+    before any data or model is built (torch, timm and the DataLoader would otherwise fail deep
+    inside with their own assertion, or take the value silently). Settings a config does not have
+    are left to the code that reads them."""
+    for name, test, expected in _SETTINGS + (() if cfg.eval_only is True else _TRAINING_SETTINGS):
+        value = OmegaConf.select(cfg, name, default=_ABSENT)
+        if value is not _ABSENT:
+            _require(value, test(value), name, expected)
     if cfg.eval_only:
         return
-    _require(cfg.epochs, is_int(cfg.epochs) and cfg.epochs > 0, "epochs", "a positive integer")
-    optim = cfg.optim
-    _require(optim.opt, optim.opt in list_optimizers(), "optim.opt",
-             "a timm optimizer name such as adamw, sgd or lamb (timm.optim.list_optimizers())")
-    _require(optim.sched, optim.sched in SCHEDULES, "optim.sched", " | ".join(SCHEDULES))
-    _require(optim.lr, is_number(optim.lr) and optim.lr > 0, "optim.lr", "a positive number")
-    _require(optim.warmup_epochs, is_number(optim.warmup_epochs) and optim.warmup_epochs >= 0,
-             "optim.warmup_epochs", "a number >= 0")
-    _require(optim.clip_grad, optim.clip_grad is None or (is_number(optim.clip_grad) and optim.clip_grad > 0),
-             "optim.clip_grad", "null or a positive max norm")
     if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:  # timm's Mixup asserts on an odd batch, deep in the first step
         _require(cfg.batch_size, cfg.batch_size % 2 == 0, "batch_size",
                  "an even number while mixup or cutmix is on (timm's Mixup mixes each image with its mirror in "
                  "the batch), or turn them off with aug.mixup=0 aug.cutmix=0")
     if cfg.ema.enabled:
-        _require(cfg.ema.decay, is_number(cfg.ema.decay) and 0 < cfg.ema.decay < 1, "ema.decay",
+        _require(cfg.ema.decay, _is_number(cfg.ema.decay) and 0 < cfg.ema.decay < 1, "ema.decay",
                  "a number between 0 and 1")
 
 
