@@ -268,6 +268,18 @@ def test_every_experiment_passes_the_setting_checks(experiment):
             check_settings(compose("config", overrides=[f"experiment={experiment}", f"model={model}"]))
 
 
+def test_slurm_launcher_config_fits_the_plugin_schema():
+    """hydra/launcher=slurm holds only deltas to hydra-submitit-launcher's own config (a full copy of it
+    broke when the plugin's schema changed). Runs where the plugin (the [slurm] extra) is installed."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.max_num_timeout) == (2, 8, 8, 3)
+
+
 def test_odd_batch_with_mixup_is_named():
     """timm's Mixup pairs each image with its mirror in the batch and asserts on an odd batch in the first step."""
     from hydra import compose, initialize_config_dir
