@@ -500,6 +500,25 @@ def test_weights_that_do_not_fit_name_the_first_problem():
         load_weights(model, weights)
 
 
+def test_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+    from lion_vit.engine import checkpoint as ckpt
+    from lion_vit.errors import UserError
+    last = tmp_path / ckpt.LAST
+    ckpt.save_atomic({"model": {"w": torch.ones(3)}, "epoch": 0}, last)
+    before = last.read_bytes()
+
+    def save_until_full(state, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(ckpt.torch, "save", save_until_full)
+    with pytest.raises(UserError, match=r"^could not write checkpoint .*checkpoint-last.pt \(No space left on device\); "
+                                        r"the checkpoint already there is kept; .*resume=auto"):
+        ckpt.save_atomic({"model": {}, "epoch": 1}, last, keep_previous=tmp_path / ckpt.PREVIOUS)
+    assert last.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LAST]  # no partial .tmp left behind
+
+
 def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
             f"output_dir={tmp_path}"]

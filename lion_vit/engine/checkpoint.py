@@ -21,10 +21,17 @@ LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-b
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
     """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as error:  # a full disk or quota: torch raises either
+        tmp.unlink(missing_ok=True)
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        kept = "; the checkpoint already there is kept" if path.exists() else ""
+        raise UserError(f"could not write checkpoint {path} ({reason}){kept}; free space there or set another "
+                        f"output_dir, then continue with resume=auto") from None
     if keep_previous is not None and path.exists():
         os.replace(path, keep_previous)
     os.replace(tmp, path)
