@@ -408,6 +408,21 @@ def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_p
     assert straight_lrs[0] > 2 * straight_lrs[1]  # the cosine has not ended before the last epoch
 
 
+def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_path):
+    """A run killed after logging an epoch but before writing its checkpoint trains that epoch again:
+    metrics.jsonl keeps one line per epoch."""
+    import shutil
+    run = shutil.copytree(trained, tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 2, "train_loss": -1.0}) + "\n" + '{"epoch": 3, "train_lo')
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4",
+                        "aug=none", f"output_dir={run}", "resume=auto", "optim.lr=2e-3", "optim.lr_base_batch=null",
+                        "optim.warmup_epochs=0"))
+    metrics = read_metrics(run)
+    assert [m["epoch"] for m in metrics] == [0, 1, 2]
+    assert metrics[:2] == read_metrics(trained) and metrics[2]["train_loss"] > 0
+
+
 def test_resume_with_another_model_is_named(trained, folder, tmp_path):
     """resume=auto with a different model.name says which setting differs, and changes nothing."""
     import shutil

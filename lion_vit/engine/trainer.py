@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import random
 import re
@@ -57,6 +58,7 @@ def configure_cuda(tf32: bool) -> None:
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+METRICS = "metrics.jsonl"
 
 
 def _require(value: Any, ok: bool, name: str, expected: str) -> None:
@@ -480,6 +482,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             ema.set(model)
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
         log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
+        if is_main:
+            _drop_metrics_after(output_dir / METRICS, resume_state["epoch"])
         if start_epoch >= cfg.epochs:
             log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
                      "larger epochs, training goes on along that longer schedule)",
@@ -522,11 +526,12 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
                          "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
                          "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
+                # metrics first: a run killed in between re-trains this epoch and drops its line on resume
+                with open(output_dir / METRICS, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
                 ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
                 if is_best:
                     ckpt.save_atomic(state, output_dir / ckpt.BEST)
-                with open(output_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
                 log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
                          "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
                          metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
@@ -535,6 +540,25 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     finally:
         logger.finish()
     return metrics
+
+
+def _drop_metrics_after(path: Path, epoch: int) -> None:
+    """Keep metrics.jsonl's lines up to the resumed checkpoint's epoch: a line of a later epoch comes
+    from a run killed after logging it and before its checkpoint was written, and is trained again."""
+    if not path.exists():
+        return
+    def logged_epoch(line: str) -> float:
+        try:
+            return json.loads(line)["epoch"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by the kill
+            return float("inf")
+
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if logged_epoch(line) <= epoch]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
 
 def _resume_state(cfg: DictConfig, output_dir: Path) -> Optional[Dict[str, Any]]:
