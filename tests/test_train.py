@@ -408,6 +408,21 @@ def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_p
     assert straight_lrs[0] > 2 * straight_lrs[1]  # the cosine has not ended before the last epoch
 
 
+def test_layer_decay_scales_the_learning_rate_per_block(folder, tmp_path):
+    """optim.layer_decay (timm's layer-wise decay through the model's group_matcher): the head keeps the
+    scheduled lr, each block below it a further factor, the patch embedding the smallest."""
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4", "aug=none",
+                        "optim.layer_decay=0.5", f"output_dir={tmp_path}"))
+    state = torch.load(tmp_path / "checkpoint-last.pt")
+    groups = state["optimizer"]["param_groups"]
+    scales = sorted({g["lr_scale"] for g in groups})
+    assert scales == pytest.approx([0.5 ** k for k in range(3, -1, -1)])  # embedding, 2 blocks, head
+    lr = read_metrics(tmp_path)[-1]["lr"]  # the schedule's, i.e. the head's
+    assert lr == max(group["lr"] for group in groups)
+    for group in groups:
+        assert group["lr"] == pytest.approx(lr * group["lr_scale"])
+
+
 def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_path):
     """A run killed after logging an epoch but before writing its checkpoint trains that epoch again:
     metrics.jsonl keeps one line per epoch."""

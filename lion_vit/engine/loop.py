@@ -31,6 +31,12 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
+def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's current lr: the largest over parameter groups (with optim.layer_decay the head's,
+    whose lr_scale is 1; the first group would be the patch embedding's, scaled down the most)."""
+    return max(group["lr"] for group in optimizer.param_groups)
+
+
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, criterion: Callable,
                     scheduler, epoch: int, device: torch.device, precision: Precision,
                     scaler: Optional[torch.amp.GradScaler] = None, mixup_fn: Optional[Callable] = None,
@@ -68,12 +74,12 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
         scheduler.step_update(num_updates=epoch * updates_per_epoch + step + 1)
         total_loss += loss_value * images.shape[0]
         seen += images.shape[0]
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{scheduled_lr(optimizer):.2e}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     total_loss, seen = all_reduce_sum([total_loss, seen], device)
-    return {"train_loss": total_loss / max(seen, 1), "lr": optimizer.param_groups[0]["lr"],
+    return {"train_loss": total_loss / max(seen, 1), "lr": scheduled_lr(optimizer),
             "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed}
 
 

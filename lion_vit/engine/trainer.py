@@ -110,6 +110,8 @@ _TRAINING_SETTINGS = (
     ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     ("optim.betas", lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)"),
     ("optim.eps", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.layer_decay", lambda v: v is None or (_is_number(v) and 0 < v <= 1),
+     "null (off) or a number in (0, 1], e.g. 0.75 for fine-tuning"),
     ("optim.min_lr", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     ("optim.warmup_lr", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     ("optim.warmup_epochs", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
@@ -448,7 +450,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     global_batch = cfg.batch_size * dist_info.world_size
     lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
     optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
-                                    betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+                                    betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                    layer_decay=OmegaConf.select(cfg, "optim.layer_decay"))
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.optim.sched, num_epochs=cfg.epochs,
                                        warmup_epochs=cfg.optim.warmup_epochs, warmup_lr=cfg.optim.warmup_lr,
                                        min_lr=cfg.optim.min_lr, step_on_epochs=False,
