@@ -423,6 +423,26 @@ def test_layer_decay_scales_the_learning_rate_per_block(folder, tmp_path):
         assert group["lr"] == pytest.approx(lr * group["lr_scale"])
 
 
+def test_resume_with_another_optimizer_is_named(trained, folder, tmp_path):
+    """Another optim.opt or optim.layer_decay cannot take the checkpoint's optimizer state (parameter
+    groups, buffers): one line naming the setting, nothing changed; an older checkpoint without the
+    settings in its config gets one line from the optimizer's own refusal."""
+    import shutil
+    run = shutil.copytree(trained, tmp_path / "run")
+    before = (run / "checkpoint-last.pt").read_bytes()
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4", "aug=none",
+            f"output_dir={run}", "resume=auto"]
+    assert_clean_error(run_train(*args, "optim.opt=sgd"), "trained with optim.opt=adamw, this run has optim.opt=sgd")
+    assert_clean_error(run_train(*args, "optim.layer_decay=0.5"),
+                       "trained with optim.layer_decay=null, this run has optim.layer_decay=0.5")
+    assert (run / "checkpoint-last.pt").read_bytes() == before
+    state = torch.load(run / "checkpoint-last.pt")
+    del state["config"]["optim"]["layer_decay"]  # as written before optim.layer_decay existed
+    torch.save(state, run / "checkpoint-last.pt")
+    assert_clean_error(run_train(*args, "optim.layer_decay=0.5"), "optimizer state does not fit",
+                       "resume with the same optimizer")
+
+
 def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_path):
     """A run killed after logging an epoch but before writing its checkpoint trains that epoch again:
     metrics.jsonl keeps one line per epoch."""

@@ -288,6 +288,28 @@ def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
                             f"a new output_dir")
 
 
+# optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
+OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
+
+
+def _check_same_optimizer(cfg: DictConfig, state: Dict[str, Any]) -> None:
+    """Another optimizer (or layer decay) cannot take the checkpoint's optimizer state: name the setting."""
+    trained = state.get("config", {}).get("optim", {})
+    for key in OPTIMIZER_STATE_SETTINGS:
+        value, current = trained.get(key), OmegaConf.select(cfg, f"optim.{key}")
+        if key in trained and value != current:
+            raise UserError(f"the checkpoint to resume was trained with optim.{key}={_as_override(value)}, this "
+                            f"run has optim.{key}={_as_override(current)}; {_RESUME_SAME_OPTIMIZER}")
+
+
+_RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "
+                          "(+model.kwargs.pretrained=true +model.kwargs.pretrained_cfg_overlay.file=<checkpoint>)")
+
+
+def _as_override(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
 def _check_same_classes(expected: list, found: list, what: str, fix: str) -> None:
     """Labels are class indices: a class missing from one split shifts every later label silently."""
     if list(expected) == list(found):
@@ -472,8 +494,13 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     start_epoch, best_acc1 = 0, -1.0
     if resume_state is not None:
         _check_same_architecture(cfg, resume_state)
+        _check_same_optimizer(cfg, resume_state)
         load_weights(model, resume_state["model"])
-        optimizer.load_state_dict(resume_state["optimizer"])
+        try:
+            optimizer.load_state_dict(resume_state["optimizer"])
+        except (ValueError, KeyError) as error:  # a checkpoint older than the checks above
+            raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
+                            f"({_first_line(error)}); {_RESUME_SAME_OPTIMIZER}") from None
         # The schedule is rebuilt from this command's settings, not loaded: its state is only those
         # settings in units of updates, stale once the number of processes, batch_size or epochs changed.
         scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * len(train_loader))
