@@ -100,7 +100,7 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
                          "imgs_per_s", "val_acc1_ema"}
     assert (tmp_path / "config.yaml").read_text().count("lion_s_tiny") == 1
     state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)  # tensors and plain data only
-    assert {"model", "ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
+    assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
 
 
@@ -376,7 +376,7 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
     resumed = torch.load(run / "checkpoint-last.pt")["model"]
     assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4",
                         "aug=none", f"output_dir={run}", "resume=auto", "ema.enabled=true"))
-    ema = torch.load(run / "checkpoint-last.pt")["ema"]
+    ema = torch.load(run / "checkpoint-last.pt")["model_ema"]
     assert ema.keys() == resumed.keys()
     # 6 updates at decay 0.99996 move the EMA by < 3e-4 of the way to the new weights
     worst = max((ema[name].float() - resumed[name].float()).abs().max().item() for name in resumed)
@@ -390,6 +390,24 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
     assert result["weights"] == "ema" and result["acc1"] == read_metrics(run)[-1]["val_acc1_ema"]
     assert_clean_error(run_train(*SMALL_LION, *evaluate, f"checkpoint={trained / 'checkpoint-last.pt'}",
                                  f"output_dir={tmp_path / 'no_ema'}"), "holds no EMA weights", "drop ema.eval_ema")
+
+    # stored under DeiT's name "model_ema", which timm's loaders prefer by default (use_ema=True)
+    import timm
+    import lion_vit  # noqa: F401
+    model = timm.create_model("lion_s_tiny", num_classes=3, patch_size=8, img_size=32, depth=2)
+    timm.models.load_checkpoint(model, run / "checkpoint-last.pt")
+    assert all(torch.equal(model.state_dict()[name], ema[name]) for name in ema)
+    timm.models.load_checkpoint(model, run / "checkpoint-last.pt", use_ema=False)
+    final = torch.load(run / "checkpoint-last.pt")["model"]
+    assert all(torch.equal(model.state_dict()[name], final[name]) for name in final)
+
+    # checkpoints of earlier versions kept it under "ema"
+    legacy = torch.load(run / "checkpoint-last.pt")
+    legacy["ema"] = legacy.pop("model_ema")
+    torch.save(legacy, tmp_path / "legacy.pt")
+    assert_ok(run_train(*SMALL_LION, *evaluate, f"checkpoint={tmp_path / 'legacy.pt'}",
+                        f"output_dir={tmp_path / 'eval_legacy'}"))
+    assert json.loads((tmp_path / "eval_legacy" / "eval.json").read_text()) == {**result, "checkpoint": str(tmp_path / "legacy.pt")}
 
 
 def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_path):

@@ -37,6 +37,13 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
     os.replace(tmp, path)
 
 
+def ema_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
+    """The EMA weights of a checkpoint, or None. Stored under "model_ema" (DeiT's name, which timm's
+    loaders take by default when present); "ema" in checkpoints of earlier versions."""
+    found = state.get("model_ema")
+    return found if found is not None else state.get("ema")
+
+
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Load a training checkpoint or raise UserError saying what is wrong with it.
 

@@ -396,10 +396,10 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
                         f"{num_classes}; evaluate on data with the classes it was trained on")
     model = build_model(with_arch, num_classes, cfg.img_size, initial_weights=False)
     use_ema = cfg.ema.eval_ema
-    if use_ema and state.get("ema") is None:
+    if use_ema and ckpt.ema_weights(state) is None:
         raise UserError(f"ema.eval_ema=true, but {cfg.checkpoint} holds no EMA weights (its run had "
                         f"ema.enabled=false); drop ema.eval_ema to evaluate its model weights")
-    load_weights(model, state["ema"] if use_ema else state["model"])
+    load_weights(model, ckpt.ema_weights(state) if use_ema else state["model"])
     model.to(device)
     loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
@@ -506,8 +506,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * len(train_loader))
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
-        if ema is not None and resume_state.get("ema") is not None:
-            load_weights(ema.module, resume_state["ema"])
+        if ema is not None and ckpt.ema_weights(resume_state) is not None:
+            load_weights(ema.module, ckpt.ema_weights(resume_state))
         elif ema is not None:  # EMA turned on for a run that trained without it: start from its weights
             ema.set(model)
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
@@ -551,7 +551,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             is_best = val["acc1"] > best_acc1
             best_acc1 = max(best_acc1, val["acc1"])
             if is_main:
-                state = {"model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
+                state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
                          "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
