@@ -12,6 +12,7 @@ Every setting is in configs/ (start at configs/config.yaml); bad input ends with
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,6 +30,10 @@ def main(cfg: DictConfig) -> float:
         # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
         # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
         cfg.output_dir = hydra_cfg.runtime.output_dir
+        # and in wandb, one group per sweep, a run per job named after both (unless set)
+        wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
+        wandb_cfg.group = wandb_cfg.group or sweep
+        wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
     try:
         metrics = train(cfg)
     except UserError as error:

@@ -134,6 +134,9 @@ def test_sweep_jobs_get_their_own_output_dirs(folder, tmp_path):
     assert first["epoch"] == second["epoch"] == 0  # job 1 trained; it did not resume from job 0's checkpoint
     assert len(read_metrics(tmp_path / "1")) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]  # Hydra's sweep record
+    # in wandb: one group per sweep, runs named after it and the job
+    assert [(c["config"]["logger"]["wandb"]["group"], c["config"]["logger"]["wandb"]["name"]) for c in (first, second)] \
+        == [(tmp_path.name, f"{tmp_path.name}/0"), (tmp_path.name, f"{tmp_path.name}/1")]
 
 
 def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):

@@ -357,6 +357,7 @@ class WandbLogger:
         wb = cfg.logger.wandb
         try:
             self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
+                                  group=OmegaConf.select(wb, "group"),
                                   mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
                                   config=OmegaConf.to_container(cfg, resolve=True),
                                   id=run_id, resume="allow" if run_id else None)
