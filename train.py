@@ -11,6 +11,7 @@ Every setting is in configs/ (start at configs/config.yaml); bad input ends with
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,21 @@ def main(cfg: DictConfig) -> float:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: say where the run stands instead of a traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted(cfg), file=sys.stderr)
+        sys.exit(130)
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
+
+
+def _interrupted(cfg: DictConfig) -> str:
+    if cfg.eval_only:
+        return "interrupted: nothing was written"
+    output_dir = Path(cfg.output_dir)
+    if not (output_dir / "checkpoint-last.pt").exists():
+        return f"interrupted before the first epoch's checkpoint; nothing to resume in {output_dir}"
+    return (f"interrupted: {output_dir} holds the checkpoint of the last finished epoch; continue with "
+            f"resume=auto output_dir={output_dir}")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,29 @@ def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
     assert [m["train_loss"] for m in read_metrics(straight)] == [m["train_loss"] for m in read_metrics(resumed)][-3:]
 
 
+def test_ctrl_c_says_how_to_continue(folder, tmp_path):
+    """Ctrl-C (SIGINT) ends the run with exit status 130 and one line saying where it stands, not a
+    KeyboardInterrupt traceback; resume=auto then continues it."""
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "epochs=50"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    deadline = time.time() + 240
+    metrics = tmp_path / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    time.sleep(0.3)  # into the next epoch
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert f"interrupted: {tmp_path} holds the checkpoint of the last finished epoch; continue with resume=auto" \
+        in stderr
+    done = len(read_metrics(tmp_path))
+    assert_ok(run_train(*args, f"epochs={done + 1}", "resume=auto"))
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(done + 1))
+
+
 def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
     results = {}
     for form, chunk in [("attention", "null"), ("rnn", "null"), ("chunk", "3")]:
