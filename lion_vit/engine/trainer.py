@@ -527,9 +527,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         train_model = DistributedDataParallel(train_model, device_ids=[device.index] if device.type == "cuda" else None)
 
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s (%.2fM params), %d train / %d val images, %d classes, lr %.2e, %d process(es), %s",
-             cfg.model.name, n_params / 1e6, len(train_set), len(val_set), num_classes, lr,
-             dist_info.world_size, device)
+    log.info("model %s (%.2fM params) at %d px, %d train / %d val images, %d classes, lr %.2e, global batch %d, "
+             "%d process(es), %s", cfg.model.name, n_params / 1e6, cfg.img_size, len(train_set), len(val_set),
+             num_classes, lr, global_batch, dist_info.world_size, device)
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
     show = cfg.progress and is_main
