@@ -280,6 +280,8 @@ def test_settings_out_of_range_are_named(override, needle):
     from lion_vit.errors import UserError
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
+        check_settings(compose("config", overrides=["optim.opt=AdamW"]))  # timm's spellings pass
+        check_settings(compose("config", overrides=["optim.opt=lookahead_lamb"]))
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)

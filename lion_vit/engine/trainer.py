@@ -82,6 +82,12 @@ def _is_pair(value: Any, test: Callable[[Any], bool]) -> bool:
     return isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(test(x) for x in value)
 
 
+def _is_timm_optimizer(value: Any) -> bool:
+    """A name timm's create_optimizer_v2 takes: any case, optionally with its lookahead_ prefix."""
+    name = str(value).lower()
+    return name.removeprefix("lookahead_") in list_optimizers()
+
+
 AMP_DTYPES = ("bfloat16", "float16")
 # timm's schedules that step per update (plateau needs a validation metric each epoch)
 SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
@@ -103,7 +109,7 @@ _SETTINGS = (
 )
 _TRAINING_SETTINGS = (
     ("epochs", lambda v: _is_int(v) and v > 0, "a positive integer"),
-    ("optim.opt", lambda v: v in list_optimizers(),
+    ("optim.opt", lambda v: _is_timm_optimizer(v),
      "a timm optimizer name such as adamw, sgd or lamb (timm.optim.list_optimizers())"),
     ("optim.sched", lambda v: v in SCHEDULES, " | ".join(SCHEDULES)),
     ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
