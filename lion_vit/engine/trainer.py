@@ -584,6 +584,7 @@ def _drop_metrics_after(path: Path, epoch: int) -> None:
     from a run killed after logging it and before its checkpoint was written, and is trained again."""
     if not path.exists():
         return
+
     def logged_epoch(line: str) -> float:
         try:
             return json.loads(line)["epoch"]
