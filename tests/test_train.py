@@ -489,6 +489,30 @@ def test_resume_with_another_optimizer_is_named(trained, folder, tmp_path):
                        "resume with the same optimizer")
 
 
+def test_gradient_accumulation_equals_the_larger_batch(folder, tmp_path):
+    """batch_size=4 grad_accum_steps=2 takes the optimizer steps of batch_size=8 (same images per step,
+    same lr scaling and schedule), up to float rounding; an epoch whose batches do not divide evenly ends
+    with a smaller step, and the schedule still ends on its last update."""
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=none", "epochs=2",
+            "model.drop_path_rate=0", "optim.warmup_epochs=1"]
+    sgd = ["optim.opt=momentum", "optim.lr=0.5", "optim.lr_base_batch=null"]  # unlike Adam, sees the gradient's scale
+    assert_ok(run_train(*args, *sgd, "batch_size=8", f"output_dir={tmp_path / 'big'}"))
+    assert_ok(run_train(*args, *sgd, "batch_size=4", "grad_accum_steps=2", f"output_dir={tmp_path / 'accum'}"))
+    big, accum = (torch.load(tmp_path / run / "checkpoint-last.pt")["model"] for run in ("big", "accum"))
+    for name in big:
+        torch.testing.assert_close(accum[name], big[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert [m["lr"] for m in read_metrics(tmp_path / "accum")] == \
+        pytest.approx([m["lr"] for m in read_metrics(tmp_path / "big")])
+    assert [m["train_loss"] for m in read_metrics(tmp_path / "accum")] == \
+        pytest.approx([m["train_loss"] for m in read_metrics(tmp_path / "big")], rel=1e-4)
+
+    # 24 images = 6 batches of 4 = steps of 4 + 2 batches per epoch; the cosine reaches min_lr at the last
+    assert_ok(run_train(*args, "batch_size=4", "grad_accum_steps=4", f"output_dir={tmp_path / 'uneven'}"))
+    assert read_metrics(tmp_path / "uneven")[-1]["lr"] == pytest.approx(1e-5)  # optim.min_lr
+    optimizer = torch.load(tmp_path / "uneven" / "checkpoint-last.pt")["optimizer"]
+    assert {s["step"].item() for s in optimizer["state"].values()} == {4}  # 2 steps x 2 epochs
+
+
 def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_path):
     """A run killed after logging an epoch but before writing its checkpoint trains that epoch again:
     metrics.jsonl keeps one line per epoch."""

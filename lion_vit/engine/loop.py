@@ -37,43 +37,63 @@ def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
     return max(group["lr"] for group in optimizer.param_groups)
 
 
+def updates_per_epoch(num_batches: int, grad_accum_steps: int) -> int:
+    """Optimizer steps in an epoch of num_batches batches: one per grad_accum_steps batches (the last
+    step of an epoch may take fewer)."""
+    return -(-num_batches // grad_accum_steps)
+
+
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, criterion: Callable,
                     scheduler, epoch: int, device: torch.device, precision: Precision,
                     scaler: Optional[torch.amp.GradScaler] = None, mixup_fn: Optional[Callable] = None,
-                    ema=None, clip_grad: Optional[float] = None, show_progress: bool = True) -> Dict[str, float]:
-    """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time."""
+                    ema=None, clip_grad: Optional[float] = None, show_progress: bool = True,
+                    grad_accum_steps: int = 1) -> Dict[str, float]:
+    """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time.
+
+    With grad_accum_steps > 1 the gradients of that many batches are averaged before each optimizer
+    step (as one batch that many times larger; DDP synchronises only the last of them).
+    """
     model.train()
-    updates_per_epoch = len(loader)
+    num_batches = len(loader)
+    updates = updates_per_epoch(num_batches, grad_accum_steps)
     total_loss, seen = 0.0, 0
     start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
     bar = tqdm(loader, desc=f"train {epoch}", disable=not show_progress, leave=False, dynamic_ncols=True)
     for step, (images, targets) in enumerate(bar):
+        update, micro_step = divmod(step, grad_accum_steps)
+        group = min(grad_accum_steps, num_batches - update * grad_accum_steps)  # batches in this update
+        steps_now = micro_step == group - 1
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         if mixup_fn is not None:
             images, targets = mixup_fn(images, targets)
-        with precision.autocast():
-            loss = criterion(model(images), targets)
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise NonFiniteLoss(f"loss is {loss_value} at epoch {epoch}, step {step}")
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if clip_grad:
+        no_sync = getattr(model, "no_sync", None)  # DDP: all-reduce only with the update's last batch
+        with contextlib.nullcontext() if steps_now or no_sync is None else no_sync():
+            with precision.autocast():
+                loss = criterion(model(images), targets)
+            loss_value = loss.item()
+            if not math.isfinite(loss_value):
+                raise NonFiniteLoss(f"loss is {loss_value} at epoch {epoch}, step {step}")
+            if group > 1:
+                loss = loss / group
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        total_loss += loss_value * images.shape[0]
+        seen += images.shape[0]
+        if not steps_now:
+            continue
+        if clip_grad:
+            if scaler is not None:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
-            loss.backward()
-            if clip_grad:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
             optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if ema is not None:
-            ema.update(model, step=epoch * updates_per_epoch + step)
-        scheduler.step_update(num_updates=epoch * updates_per_epoch + step + 1)
-        total_loss += loss_value * images.shape[0]
-        seen += images.shape[0]
+            ema.update(model, step=epoch * updates + update)
+        scheduler.step_update(num_updates=epoch * updates + update + 1)
         bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{scheduled_lr(optimizer):.2e}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -34,7 +34,7 @@ from ..ops import FORMS
 from . import checkpoint as ckpt
 from .allocator import keep_freed_memory
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
-from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch
+from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch, updates_per_epoch
 
 log = logging.getLogger("lion_vit")
 
@@ -98,6 +98,7 @@ SWITCHES = ("eval_only", "amp", "compile", "tf32", "cpu_keep_freed_memory", "pro
 _SETTINGS = (
     ("img_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
     ("batch_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("grad_accum_steps", lambda v: _is_int(v) and v > 0, "a positive integer (1: no accumulation)"),
     ("num_workers", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("amp_dtype", lambda v: v in AMP_DTYPES, " | ".join(AMP_DTYPES)),
@@ -476,7 +477,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
 
     model = build_model(cfg.model, num_classes, cfg.img_size, initial_weights=resume_state is None).to(device)
     ema = ModelEmaV3(model, decay=cfg.ema.decay) if cfg.ema.enabled else None
-    global_batch = cfg.batch_size * dist_info.world_size
+    accum = OmegaConf.select(cfg, "grad_accum_steps", default=1)
+    updates = updates_per_epoch(len(train_loader), accum)
+    global_batch = cfg.batch_size * dist_info.world_size * accum
     lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
     optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
@@ -484,7 +487,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.optim.sched, num_epochs=cfg.epochs,
                                        warmup_epochs=cfg.optim.warmup_epochs, warmup_lr=cfg.optim.warmup_lr,
                                        min_lr=cfg.optim.min_lr, step_on_epochs=False,
-                                       updates_per_epoch=len(train_loader))
+                                       updates_per_epoch=updates)
     precision = _precision(cfg, device)
     scaler = torch.amp.GradScaler(device.type) if precision.dtype == torch.float16 else None
     mixup_fn = None
@@ -510,7 +513,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                             f"({_first_line(error)}); {_RESUME_SAME_OPTIMIZER}") from None
         # The schedule is rebuilt from this command's settings, not loaded: its state is only those
         # settings in units of updates, stale once the number of processes, batch_size or epochs changed.
-        scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * len(train_loader))
+        scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * updates)
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
         if ema is not None and ckpt.ema_weights(resume_state) is not None:
@@ -545,7 +548,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             train_loader.sampler.set_epoch(epoch)
             try:
                 stats = train_one_epoch(train_model, train_loader, optimizer, criterion, scheduler, epoch, device,
-                                        precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show)
+                                        precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum)
             except NonFiniteLoss as error:
                 raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
                                 f"(lower optim.lr or set optim.clip_grad)") from None
