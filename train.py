@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError
 
@@ -51,7 +52,7 @@ def _interrupted(cfg: DictConfig) -> str:
     if cfg.eval_only:
         return "interrupted: nothing was written"
     output_dir = Path(cfg.output_dir)
-    if not (output_dir / "checkpoint-last.pt").exists():
+    if not (output_dir / LAST).exists():
         return f"interrupted before the first epoch's checkpoint; nothing to resume in {output_dir}"
     return (f"interrupted: {output_dir} holds the checkpoint of the last finished epoch; continue with "
             f"resume=auto output_dir={output_dir}")

@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """A bad setting or input (missing data, corrupt checkpoint, unknown model, ...)."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (its type for an empty message), for a one-line UserError."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

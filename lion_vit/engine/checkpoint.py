@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
@@ -28,7 +28,7 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as error:  # a full disk or quota: torch raises either
         tmp.unlink(missing_ok=True)
-        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
+        reason = getattr(error, "strerror", None) or first_line(error)
         kept = "; the checkpoint already there is kept" if path.exists() else ""
         raise UserError(f"could not write checkpoint {path} ({reason}){kept}; free space there or set another "
                         f"output_dir, then continue with resume=auto") from None

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import models as lion_models  # registers the LION models with timm
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..ops import FORMS
 from . import checkpoint as ckpt
 from .allocator import keep_freed_memory
@@ -232,13 +232,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         if source is None:
             raise
         # a missing, unreadable or mismatched file of initial weights (timm's loader)
-        raise UserError(f"cannot load the initial weights of {name} from {source}: {_first_line(error)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    """An error's first line (its type for an empty message), for a one-line UserError."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}") from None
 
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -284,33 +278,29 @@ def _trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
     return _architecture(state.get("config", {}).get("model", {}))
 
 
-def _check_same_architecture(cfg: DictConfig, state: Dict[str, Any]) -> None:
-    """Resuming continues the checkpoint's run: a different model setting is a mistake to name, not a
-    wall of missing keys."""
-    current = _architecture(OmegaConf.to_container(cfg.model, resolve=True))
-    for key, value in _trained_architecture(state).items():
-        if value != current.get(key):
-            raise UserError(f"the checkpoint to resume was trained with model.{key}={value}, this run has "
-                            f"model.{key}={current.get(key)}; resume with the same model settings or choose "
-                            f"a new output_dir")
-
-
 # optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
 OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
-
-
-def _check_same_optimizer(cfg: DictConfig, state: Dict[str, Any]) -> None:
-    """Another optimizer (or layer decay) cannot take the checkpoint's optimizer state: name the setting."""
-    trained = state.get("config", {}).get("optim", {})
-    for key in OPTIMIZER_STATE_SETTINGS:
-        value, current = trained.get(key), OmegaConf.select(cfg, f"optim.{key}")
-        if key in trained and value != current:
-            raise UserError(f"the checkpoint to resume was trained with optim.{key}={_as_override(value)}, this "
-                            f"run has optim.{key}={_as_override(current)}; {_RESUME_SAME_OPTIMIZER}")
-
-
 _RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "
                           "(+model.kwargs.pretrained=true +model.kwargs.pretrained_cfg_overlay.file=<checkpoint>)")
+
+
+def _check_resumable(cfg: DictConfig, state: Dict[str, Any]) -> None:
+    """Resuming continues the checkpoint's run: another architecture, or another optimizer (which cannot
+    take the saved optimizer state), is a mistake to name, not a wall of missing keys or a traceback."""
+    _require_same("model", _trained_architecture(state), _architecture(OmegaConf.to_container(cfg.model, resolve=True)),
+                  "resume with the same model settings or choose a new output_dir")
+    trained_optim = state.get("config", {}).get("optim", {})
+    _require_same("optim", {key: trained_optim[key] for key in OPTIMIZER_STATE_SETTINGS if key in trained_optim},
+                  {key: OmegaConf.select(cfg, f"optim.{key}") for key in OPTIMIZER_STATE_SETTINGS},
+                  _RESUME_SAME_OPTIMIZER)
+
+
+def _require_same(group: str, trained: Dict[str, Any], current: Dict[str, Any], fix: str) -> None:
+    """A UserError naming the first of the checkpoint's `group` settings that this run sets otherwise."""
+    for key, value in trained.items():
+        if value != current.get(key):
+            raise UserError(f"the checkpoint to resume was trained with {group}.{key}={_as_override(value)}, "
+                            f"this run has {group}.{key}={_as_override(current.get(key))}; {fix}")
 
 
 def _as_override(value: Any) -> str:
@@ -369,7 +359,7 @@ class WandbLogger:
                                   config=OmegaConf.to_container(cfg, resolve=True),
                                   id=run_id, resume="allow" if run_id else None)
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
-            raise UserError(f"wandb could not start in mode={wb.mode} ({_first_line(error)}); run `wandb login` or set "
+            raise UserError(f"wandb could not start in mode={wb.mode} ({first_line(error)}); run `wandb login` or set "
                             f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
 
     @property
@@ -503,23 +493,24 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
 
     start_epoch, best_acc1 = 0, -1.0
     if resume_state is not None:
-        _check_same_architecture(cfg, resume_state)
-        _check_same_optimizer(cfg, resume_state)
+        _check_resumable(cfg, resume_state)
         load_weights(model, resume_state["model"])
         try:
             optimizer.load_state_dict(resume_state["optimizer"])
         except (ValueError, KeyError) as error:  # a checkpoint older than the checks above
             raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
-                            f"({_first_line(error)}); {_RESUME_SAME_OPTIMIZER}") from None
+                            f"({first_line(error)}); {_RESUME_SAME_OPTIMIZER}") from None
         # The schedule is rebuilt from this command's settings, not loaded: its state is only those
         # settings in units of updates, stale once the number of processes, batch_size or epochs changed.
         scheduler.step_update(num_updates=(resume_state["epoch"] + 1) * updates)
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
-        if ema is not None and ckpt.ema_weights(resume_state) is not None:
-            load_weights(ema.module, ckpt.ema_weights(resume_state))
-        elif ema is not None:  # EMA turned on for a run that trained without it: start from its weights
-            ema.set(model)
+        if ema is not None:
+            trained_ema = ckpt.ema_weights(resume_state)
+            if trained_ema is not None:
+                load_weights(ema.module, trained_ema)
+            else:  # EMA turned on for a run that trained without it: start from its weights
+                ema.set(model)
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
         log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
         if is_main:
