@@ -197,3 +197,50 @@ def test_autocast_bf16_forward():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
     assert torch.isfinite(out).all() and rel_err(out.float(), reference) < 0.1
+
+
+TINY_NAMES = [n for n in LION_MODEL_NAMES if n.endswith("tiny")]
+FORMS = [("attention", None), ("rnn", None), ("chunk", 5)]
+
+
+def _one_block_model(name: str) -> torch.nn.Module:
+    """A tiny model of one block on a 2 x 3 patch grid: small graphs for torch.compile / export."""
+    return trained_like(timm.create_model(name, num_classes=5, depth=1, img_size=(32, 48)))
+
+
+# aot_eager traces the forward and backward graphs as inductor does, without generating code (seconds
+# instead of tens of seconds); one model runs through inductor, train.py's compile=true
+@pytest.mark.parametrize("name, backend", [(n, "aot_eager") for n in TINY_NAMES] + [("lion_s_natural_tiny", "inductor")])
+def test_compile_fullgraph_trains_like_eager(name, backend):
+    """torch.compile(fullgraph=True), so with no graph break, gives eager's outputs and gradients.
+    (LION-lit failed while its backward was traced, and the selective masks of the two-scan models
+    broke the graph on block bounds read from a tensor.)"""
+    torch._dynamo.reset()
+    model = _one_block_model(name)
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    reference = model(x)
+    reference.logsumexp(-1).sum().backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = torch.compile(model, fullgraph=True, backend=backend)(x)
+    out.logsumexp(-1).sum().backward()
+    assert rel_err(out, reference) <= 1e-5
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, expected[n]) <= 1e-4, n
+
+
+@pytest.mark.parametrize("name, grad", [(n, False) for n in TINY_NAMES] + [(n, True) for n in TINY_NAMES if "_s_" in n])
+def test_torch_export_every_form(name, grad):
+    """torch.export (what ONNX and deployment build on) traces every form and the exported program
+    gives eager's outputs, traced without autograd (and with it for the selective models). Before,
+    writes into out= buffers failed the rnn form exported without autograd, and every selective model,
+    when the program ran with autograd on; the two-scan selective model did not export at all."""
+    model = _one_block_model(name).eval()
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    for form, chunk in FORMS:
+        model.set_attn_form(form, chunk)
+        with torch.no_grad():
+            reference = model(x)
+        with torch.set_grad_enabled(grad):
+            exported = torch.export.export(model, (x,))
+        assert rel_err(exported.module()(x).detach(), reference) <= 1e-5, form  # run as users do: autograd on

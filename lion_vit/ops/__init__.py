@@ -16,7 +16,7 @@ from .chunk import chunk_unnormalized
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
 from .recurrent import recurrent_unnormalized
-from .rows import needs_grad, row_groups, take_rows
+from .rows import needs_grad, row_groups, take_rows, tracing
 from .scans import column_snake, row_snake, snake_orders
 
 FORMS: Dict[str, Callable[..., Tensor]] = {
@@ -65,7 +65,11 @@ class _Divide(torch.autograd.Function):
         out, normaliser = ctx.saved_tensors
         # written contiguous: the incoming gradient is usually a [B, L, H, D]-strided view (from the
         # heads' transpose), and the matmuls of the backward below would each copy it
-        grad_numerator = torch.div(grad, normaliser, out=torch.empty_like(out, memory_format=torch.contiguous_format))
+        if tracing():  # a traced out= loses the requested layout; the compiler fuses the copy instead
+            grad_numerator = torch.div(grad, normaliser).contiguous()
+        else:
+            grad_numerator = torch.div(grad, normaliser,
+                                       out=torch.empty_like(out, memory_format=torch.contiguous_format))
         return grad_numerator, -(grad_numerator * out).sum(-1, keepdim=True)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .rows import group_size
+from .rows import group_size, tracing
 
 # Above this length the cumulative sums are formed in float64: the exponent of an entry is a
 # difference of two sums of up to L terms, whose float32 rounding error (~eps * L * |a|) would
@@ -108,8 +108,10 @@ def _exact_exponent_exp(before: Tensor, at: Tensor, out: Optional[Tensor] = None
     expression is >= 0 on each side (the sums are monotone), so their minimum is the exponent
     everywhere, with no position test.
     """
-    lower = torch.sub(before[:, :, None], before[:, None, :], out=out)
     upper = at[:, None, :] - at[:, :, None]
+    if tracing():
+        return _exp_nonpositive(torch.minimum(before[:, :, None] - before[:, None, :], upper))
+    lower = torch.sub(before[:, :, None], before[:, None, :], out=out)
     return _exp_nonpositive(torch.minimum(lower, upper, out=lower))
 
 
@@ -165,20 +167,22 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     inclusive, exclusive = _selective_log_parts(log_decay, positions)
     *lead, length = inclusive.shape
     inclusive, exclusive = inclusive.reshape(-1, length), exclusive.reshape(-1, length)
-    mask = torch.empty(inclusive.shape[0], length, length, dtype=mask_dtype(log_decay.dtype),
-                       device=inclusive.device)
-    if mask.device.type == "cpu":  # (a GPU: a few kernels beat a loop over blocks)
+    # returned whole, not as a view of `slabs` (an autograd Function's output must not be a view to
+    # be written in place later, as a multi-scan layer does)
+    mask = torch.empty(*lead, length, length, dtype=mask_dtype(log_decay.dtype), device=inclusive.device)
+    slabs = mask.view(-1, length, length)
+    if mask.device.type == "cpu" and not tracing():  # (a GPU or a compiler: a few kernels beat a loop over blocks)
         bounds = _row_blocks(length, positions, CPU_MASK_BLOCK)
         if max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * CPU_MASK_BLOCK:  # else: grouped below
-            _fill_in_blocks(mask, exclusive, inclusive, bounds)
-            return mask.view(*lead, length, length)
-    in_place = mask.dtype == inclusive.dtype
-    for group in _slab_groups(mask.shape[0], length, inclusive.dtype, mask.device):
+            _fill_in_blocks(slabs, exclusive, inclusive, bounds)
+            return mask
+    in_place = mask.dtype == inclusive.dtype and not tracing()
+    for group in _slab_groups(slabs.shape[0], length, inclusive.dtype, mask.device):
         before, at = exclusive[group], inclusive[group]
-        values = _exact_exponent_exp(before, at, out=mask[group] if in_place else None)
+        values = _exact_exponent_exp(before, at, out=slabs[group] if in_place else None)
         if not in_place:
-            mask[group] = values
-    return mask.view(*lead, length, length)
+            slabs[group] = values
+    return mask
 
 
 class _SelectiveMask(torch.autograd.Function):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rows import needs_grad
+from .rows import needs_grad, tracing
 
 # Steps whose stacked [forward, backward] inputs are materialised at once.
 STEP_BLOCK = 256
@@ -35,7 +35,7 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
     del chunk_size
     batch, heads, length, dk = q.shape
     dv = v.shape[-1]
-    inplace = not needs_grad(q, k, v, log_decay)
+    inplace = not needs_grad(q, k, v, log_decay) and not tracing()
     decays = None
     if log_decay is not None:
         lam = torch.exp(log_decay).to(q.dtype).expand(batch, heads, length)

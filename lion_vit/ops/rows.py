@@ -44,3 +44,11 @@ def take_rows(t: Tensor, rows: Tuple[slice, slice]) -> Tensor:
 def needs_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd will record an op on these tensors."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing this code. Their graphs are planned and fused
+    by the compiler and may run with autograd on even when traced without it, so the eager paths'
+    writes into preallocated buffers (`out=`) and value-dependent Python (block bounds read from a
+    tensor) give way to plain tensor ops there."""
+    return torch.compiler.is_compiling()
