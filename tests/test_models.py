@@ -231,16 +231,21 @@ def test_compile_fullgraph_trains_like_eager(name, backend):
 
 @pytest.mark.parametrize("name, grad", [(n, False) for n in TINY_NAMES] + [(n, True) for n in TINY_NAMES if "_s_" in n])
 def test_torch_export_every_form(name, grad):
-    """torch.export (what ONNX and deployment build on) traces every form and the exported program
-    gives eager's outputs, traced without autograd (and with it for the selective models). Before,
-    writes into out= buffers failed the rnn form exported without autograd, and every selective model,
-    when the program ran with autograd on; the two-scan selective model did not export at all."""
+    """torch.export (what ONNX and deployment build on) traces every form with a dynamic batch size and
+    the exported program gives eager's outputs, traced without autograd (and with it for the selective
+    models). Before, writes into out= buffers failed the rnn form exported without autograd, and every
+    selective model, when the program ran with autograd on; the two-scan selective model did not export
+    at all; and the CPU's cache-sized row groups tied the chunk form and the selective masks to the
+    traced batch size."""
     model = _one_block_model(name).eval()
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    other_batch = torch.randn(3, 3, 32, 48, generator=torch.Generator().manual_seed(1))
+    batch = {"x": {0: torch.export.Dim("batch", min=1, max=64)}}
     for form, chunk in FORMS:
         model.set_attn_form(form, chunk)
         with torch.no_grad():
-            reference = model(x)
+            reference = model(other_batch)
         with torch.set_grad_enabled(grad):
-            exported = torch.export.export(model, (x,))
-        assert rel_err(exported.module()(x).detach(), reference) <= 1e-5, form  # run as users do: autograd on
+            exported = torch.export.export(model, (x,), dynamic_shapes=batch)
+        # run as users do, with autograd on, on a batch size other than the traced one
+        assert rel_err(exported.module()(other_batch).detach(), reference) <= 1e-5, form

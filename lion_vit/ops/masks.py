@@ -95,6 +95,9 @@ def _slab_groups(count: int, length: int, dtype: torch.dtype, device: torch.devi
     On a CPU each group is about CPU_GROUP_BYTES, so that every pass after the first finds the group
     in the last-level cache instead of memory; a GPU takes all slabs at once.
     """
+    if tracing():  # all at once: a traced graph must not depend on the batch size it was traced with
+        yield slice(None)
+        return
     per_group = group_size(count, length * length * torch.finfo(dtype).bits // 8, CPU_GROUP_BYTES, device)
     for start in range(0, count, per_group):
         yield slice(start, start + per_group)

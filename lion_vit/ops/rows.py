@@ -15,6 +15,15 @@ from torch import Tensor
 INFERENCE_GROUP_BYTES = 2 << 20
 
 
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing this code. Their graphs are planned and fused
+    by the compiler and may run with autograd on even when traced without it, so the eager paths'
+    writes into preallocated buffers (`out=`), value-dependent Python (block bounds read from a
+    tensor) and loops over cache-sized groups of the batch (which would tie the graph to the traced
+    batch size) give way to plain tensor ops there."""
+    return torch.compiler.is_compiling()
+
+
 def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.device) -> int:
     """How many of `count` items of item_bytes each one group takes: about budget_bytes on a CPU
     (at least one), all of them on a GPU, where every group costs a chain of kernel launches (the
@@ -25,6 +34,9 @@ def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.dev
 def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device) -> Iterator[Tuple[slice, slice]]:
     """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES on a
     CPU, for rows of row_bytes each; one group of all rows on a GPU."""
+    if tracing():  # one group: a traced graph must not depend on the batch size it was traced with
+        yield slice(None), slice(None)
+        return
     rows_per_group = group_size(batch * heads, row_bytes, INFERENCE_GROUP_BYTES, device)
     if rows_per_group >= heads:
         per_group = rows_per_group // heads
@@ -45,10 +57,3 @@ def needs_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd will record an op on these tensors."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
-
-def tracing() -> bool:
-    """Whether torch.compile or torch.export is tracing this code. Their graphs are planned and fused
-    by the compiler and may run with autograd on even when traced without it, so the eager paths'
-    writes into preallocated buffers (`out=`) and value-dependent Python (block bounds read from a
-    tensor) give way to plain tensor ops there."""
-    return torch.compiler.is_compiling()
