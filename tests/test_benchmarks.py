@@ -8,6 +8,7 @@ import re
 import runpy
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,9 @@ def test_steady_memory_leaves_out_first_call_costs():
     steady measurement, a second forward in the same fresh process, sees only the activations."""
     config = dict(model_name="deit_tiny_patch16_224", form=None, chunk_size=None, img_size=64, batch_size=1,
                   device="cpu", dtype="float32", repeats=0)
-    first = measure(dict(config, memory="first"), timeout_s=300)
-    steady = measure(dict(config, memory="steady"), timeout_s=300)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two fresh processes, side by side
+        first, steady = pool.map(lambda memory: measure(dict(config, memory=memory), timeout_s=300),
+                                 ("first", "steady"))
     assert first["status"] == steady["status"] == "ok"
     assert 0 <= steady["peak_mem_mb"] < 3 < first["peak_mem_mb"] - steady["peak_mem_mb"]
 
@@ -47,8 +49,15 @@ def test_unknown_memory_mode_raises():
 
 
 def test_resolution_and_chunk_scripts(tmp_path):
-    out = run_script("benchmark_resolution.py", "--runs", "deit_tiny_patch16_224", "lion_d_tiny:chunk:4",
-                     "--resolutions", "64", "--repeats", "1", "--out", str(tmp_path))
+    # the two scripts (each a fresh process per configuration, mostly start-up) run side by side
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        resolution = pool.submit(run_script, "benchmark_resolution.py", "--runs", "deit_tiny_patch16_224",
+                                 "lion_d_tiny:chunk:4", "--resolutions", "64", "--repeats", "1", "--out", str(tmp_path))
+        chunk = pool.submit(run_script, "benchmark_chunk.py", "--models", "lion_d_tiny", "--chunk-sizes", "4", "16",
+                            "--resolution", "64", "--baseline", "", "--reference-forms", "--repeats", "0",
+                            "--out", str(tmp_path))
+        out = resolution.result()
+        chunk.result()
     rows = read_rows(tmp_path / "resolution.csv")
     assert [(r["model"], r["form"], r["chunk_size"], r["status"]) for r in rows] == [
         ("deit_tiny_patch16_224", "", "", "ok"), ("lion_d_tiny", "chunk", "4", "ok")]
@@ -56,8 +65,6 @@ def test_resolution_and_chunk_scripts(tmp_path):
     assert float(rows[1]["time_x_baseline"]) == pytest.approx(float(rows[1]["time_s"]) / float(rows[0]["time_s"]))
     assert (tmp_path / "resolution.png").stat().st_size > 0 and "| 64 | lion_d_tiny (chunk C=4) | ok |" in out
 
-    run_script("benchmark_chunk.py", "--models", "lion_d_tiny", "--chunk-sizes", "4", "16", "--resolution", "64",
-               "--baseline", "", "--reference-forms", "--repeats", "0", "--out", str(tmp_path))
     rows = read_rows(tmp_path / "chunk.csv")
     assert [(r["chunk_size"], r["status"]) for r in rows] == [("4", "ok"), ("16", "ok")]
     assert (tmp_path / "chunk.png").stat().st_size > 0

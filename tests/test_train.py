@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -239,25 +240,29 @@ def test_val_classes_must_match(trained, folder, tmp_path):
 
 
 def test_bad_inputs_give_one_clear_line(folder, tmp_path):
-    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1"),
-                       "does not exist", "data.root")
-    assert_clean_error(run_train(*SMALL_LION, "model.name=lion_x_huge", "epochs=1"), "unknown model")
-    assert_clean_error(run_train(*SMALL_LION, "img_size=30", "epochs=1"), "not divisible")
-    assert_clean_error(run_train(*SMALL_LION, "model.attn_form=softmax", "epochs=1"), "attn_form")
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")
-    assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={corrupt}"), "corrupt")
-    assert_clean_error(run_train(*SMALL_LION, "eval_only=true", f"checkpoint={tmp_path / 'missing.pt'}"),
-                       "does not exist")
-    assert_clean_error(run_train(*SMALL_LION, "batch_size=0"), "batch_size=0", "positive integer")
-    assert_clean_error(run_train(*SMALL_LION, "optim.lr=-1"), "optim.lr=-1", "positive number")
-    assert_clean_error(run_train(*SMALL_LION, "model.name=resnet18"), "cannot build model resnet18",
-                       "unexpected keyword argument 'depth'", "start from model=lion or model=deit")
-    assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", "data.root=null", "epochs=1"),
-                       "data=imagefolder needs data.root")
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
-    assert_clean_error(run_train(*SMALL_LION, f"output_dir={a_file}"), "cannot create output_dir", "File exists")
+    cases = [
+        (("data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1"), ("does not exist", "data.root")),
+        (("model.name=lion_x_huge", "epochs=1"), ("unknown model",)),
+        (("img_size=30", "epochs=1"), ("not divisible",)),
+        (("model.attn_form=softmax", "epochs=1"), ("attn_form",)),
+        (("eval_only=true", f"checkpoint={corrupt}"), ("corrupt",)),
+        (("eval_only=true", f"checkpoint={tmp_path / 'missing.pt'}"), ("does not exist",)),
+        (("batch_size=0",), ("batch_size=0", "positive integer")),
+        (("optim.lr=-1",), ("optim.lr=-1", "positive number")),
+        (("model.name=resnet18",), ("cannot build model resnet18", "unexpected keyword argument 'depth'",
+                                    "start from model=lion or model=deit")),
+        (("data=imagefolder", "data.root=null", "epochs=1"), ("data=imagefolder needs data.root",)),
+        ((f"output_dir={a_file}",), ("cannot create output_dir", "File exists")),
+    ]
+    # independent processes, mostly Python start-up and imports: run side by side
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = list(pool.map(lambda case: run_train(*SMALL_LION, *case[0]), cases))
+    for (overrides, needles), proc in zip(cases, procs):
+        assert_clean_error(proc, *needles)
 
 
 @pytest.mark.parametrize("override, needle", [
