@@ -252,6 +252,47 @@ def test_selective_mask_in_slab_groups(group_bytes, monkeypatch):
             assert rel_err(got, ref) < 1e-9, f"grad of {name} ({'single' if single else 'multi'}-scan)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("slabs", [1, 2, 7], ids=["one_slab", "two_heads", "two_samples"])
+@pytest.mark.parametrize("decay", ["fixed", "selective", "selective_shared", "fixed_per_batch", "near0", "underflow"])
+def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
+    """On a CPU the masked product with autograd walks groups of (batch, head) slabs: one slab each,
+    two of a sample's three heads (then the third alone), two whole samples (then one): outputs and
+    gradients against the float64 oracle, for one scan and for two snake scans."""
+    import lion_vit.ops.attention as attention
+    height, width, prefix = 3, 4, 1
+    length = height * width + prefix
+    monkeypatch.setattr(attention, "CPU_TRAIN_GROUP_BYTES", slabs * length * length * torch.finfo(dtype).bits // 8)
+    groups_run = []
+    grouped_backward = attention._grouped_masked_backward
+    monkeypatch.setattr(attention, "_grouped_masked_backward",
+                        lambda *args: groups_run.append(len(args[-1])) or grouped_backward(*args))
+    q, k, v, lam = make_inputs(3, 3, length, 5, decay, torch.float64, seed=19)
+    other_lam = make_inputs(3, 3, length, 5, decay, torch.float64, seed=20)[3]
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(21))
+    orders = snake_orders(height, width, prefix)
+    tol = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 1e-4)}[dtype]
+    for lams in (lam, torch.stack([lam, other_lam])):
+        single = lams is lam
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, torch.log(lams))]
+        if single:
+            expected, out = naive_lion(*ref_leaves), lion_attention(*leaves)
+        else:
+            expected, out = naive_multiscan(*ref_leaves, orders), lion_attention_multiscan(*leaves, orders)
+        assert out.dtype == dtype and rel_err(out, expected) < tol[0]
+        ref_grads = torch.autograd.grad((expected * upstream).sum(), ref_leaves)
+        grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
+        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]  # d/d(log lam) = lam * d/d(lam)
+        for name, got, ref in zip("qkva", grads, ref_grads):
+            # (in float32 against a scale of at least 1: where every decay underflows, the true gradients
+            # of q and k are ~1e-17 and float32 leaves rounding noise of ~1e-7 in them, either path alike)
+            error = rel_err(got, ref) if dtype == torch.float64 else \
+                ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+            assert error < tol[1], f"grad of {name} ({'single' if single else 'multi'}-scan)"
+    assert len(groups_run) == 2 and min(groups_run) > 1  # both calls ran in groups
+
+
 @pytest.mark.parametrize("scan", ["token_order", "row_snake", "column_snake"])
 @pytest.mark.parametrize("block", [1, 3, 32, 1000])
 @pytest.mark.parametrize("decay", ["selective", "near0", "near1", "underflow"])

@@ -31,13 +31,14 @@ def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.dev
     return max(1, budget_bytes // item_bytes) if device.type == "cpu" else count
 
 
-def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device) -> Iterator[Tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering [B, H] in groups of about INFERENCE_GROUP_BYTES on a
-    CPU, for rows of row_bytes each; one group of all rows on a GPU."""
+def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device,
+               budget_bytes: int = INFERENCE_GROUP_BYTES) -> Iterator[Tuple[slice, slice]]:
+    """(batch slice, head slice) pairs covering [B, H] in groups of about budget_bytes on a CPU, for
+    rows of row_bytes each; one group of all rows on a GPU."""
     if tracing():  # one group: a traced graph must not depend on the batch size it was traced with
         yield slice(None), slice(None)
         return
-    rows_per_group = group_size(batch * heads, row_bytes, INFERENCE_GROUP_BYTES, device)
+    rows_per_group = group_size(batch * heads, row_bytes, budget_bytes, device)
     if rows_per_group >= heads:
         per_group = rows_per_group // heads
         for b in range(0, batch, per_group):
