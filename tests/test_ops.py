@@ -33,8 +33,9 @@ def make_inputs(batch, heads, length, dim, decay, dtype, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype), lam
 
 
-def rel_err(actual, expected):
-    scale = expected.double().abs().max().clamp_min(1e-3)  # exact zeros (e.g. grad of q at L=1)
+def rel_err(actual, expected, min_scale=1e-3):
+    """max |actual - expected| / max |expected|, the scale at least min_scale (for exact zeros, e.g. grad of q at L=1)."""
+    scale = expected.double().abs().max().clamp_min(min_scale)
     return ((actual.double() - expected.double()).abs().max() / scale).item()
 
 
@@ -287,8 +288,7 @@ def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
         for name, got, ref in zip("qkva", grads, ref_grads):
             # (in float32 against a scale of at least 1: where every decay underflows, the true gradients
             # of q and k are ~1e-17 and float32 leaves rounding noise of ~1e-7 in them, either path alike)
-            error = rel_err(got, ref) if dtype == torch.float64 else \
-                ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+            error = rel_err(got, ref, min_scale=1e-3 if dtype == torch.float64 else 1.0)
             assert error < tol[1], f"grad of {name} ({'single' if single else 'multi'}-scan)"
     assert len(groups_run) == 2 and min(groups_run) > 1  # both calls ran in groups
 
