@@ -644,6 +644,31 @@ def test_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LAST]  # no partial .tmp left behind
 
 
+def test_checkpoint_file_and_its_directory_are_fsynced_after_the_rename(tmp_path, monkeypatch):
+    """A rename is durable only once the directory is fsynced (else a power loss can bring back the
+    old entry, or none): the file's data first, then the directory after both renames."""
+    import stat
+    from lion_vit.engine import checkpoint as ckpt
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    last = tmp_path / ckpt.LAST
+    ckpt.save_atomic({"epoch": 0}, last)
+    events.clear()
+    ckpt.save_atomic({"epoch": 1}, last, keep_previous=tmp_path / ckpt.PREVIOUS)
+    assert events == [("fsync", "file"), ("replace", ckpt.PREVIOUS), ("replace", ckpt.LAST), ("fsync", "dir")]
+    assert torch.load(last)["epoch"] == 1 and torch.load(tmp_path / ckpt.PREVIOUS)["epoch"] == 0
+
+
 def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
             f"output_dir={tmp_path}"]

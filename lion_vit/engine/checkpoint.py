@@ -19,7 +19,8 @@ LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-b
 
 
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
-    """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`)."""
+    """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`),
+    and fsync the directory so that the renames survive a power loss too."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -35,6 +36,22 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
     if keep_previous is not None and path.exists():
         os.replace(path, keep_previous)
     os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Flush a directory's entries (renames) to disk. A no-op where directories cannot be opened
+    (Windows) or fsynced (some network filesystems): the file data is already on disk."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def ema_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
