@@ -9,7 +9,8 @@ whole timm model API (forward_features, forward_head, reset_classifier, group_ma
 set_grad_checkpointing, forward_intermediates / features_only) comes with it. Differences:
 mean pooling over patch tokens and no class token by default, learnable positional embeddings
 only for LION-lit (the decays give LION-d/-s their position signal), and any input size that
-the patch size divides works without rebuilding the model.
+the patch size divides works without rebuilding the model (timm's dynamic_img_size, always on;
+dynamic_img_pad=True pads any other size).
 """
 from __future__ import annotations
 
@@ -30,14 +31,18 @@ __all__ = ["LionViT", "LION_MODEL_NAMES", "create_model_at_size"]
 
 
 class DivisiblePatchEmbed(PatchEmbed):
-    """timm's PatchEmbed, but a size the patch does not divide is a ValueError that says why."""
+    """timm's PatchEmbed, but a size the patch does not divide is a ValueError that says why (unless
+    dynamic_img_pad=True, timm's zero padding of the input up to a multiple of the patch size)."""
 
-    def __init__(self, img_size: Any = 224, patch_size: Any = 16, **kwargs: Any) -> None:
-        _check_divisible(to_2tuple(img_size), to_2tuple(patch_size), "img_size")
-        super().__init__(img_size=img_size, patch_size=patch_size, **kwargs)
+    def __init__(self, img_size: Any = 224, patch_size: Any = 16, dynamic_img_pad: bool = False,
+                 **kwargs: Any) -> None:
+        if not dynamic_img_pad:
+            _check_divisible(to_2tuple(img_size), to_2tuple(patch_size), "img_size")
+        super().__init__(img_size=img_size, patch_size=patch_size, dynamic_img_pad=dynamic_img_pad, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
+        if not self.dynamic_img_pad:
+            _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
         return super().forward(x)
 
 
@@ -74,9 +79,13 @@ class LionViT(VisionTransformer):
             pos_embed: Optional[str] = None,
             patch_drop_rate: float = 0.0,
             weight_init: str = "",
+            dynamic_img_size: bool = True,
             **kwargs: Any,
     ) -> None:
         check_form(attn_form, chunk_size)
+        if not dynamic_img_size:
+            raise ValueError("dynamic_img_size=False is not supported: LION layers read the patch grid of each "
+                             "input, so every size the patch size divides works; leave dynamic_img_size unset")
         if patch_drop_rate:
             raise ValueError("patch_drop_rate is not supported: LION decays need the full patch grid")
         if pos_embed is None:

@@ -6,6 +6,7 @@ import copy
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 
 import lion_vit
 from lion_vit import LION_MODEL_NAMES, LionAttention
@@ -140,6 +141,26 @@ def test_bad_input_size_raises(size):
     model = timm.create_model("lion_d_tiny")
     with pytest.raises(ValueError, match="not divisible by the patch size"):
         model(torch.randn(1, 3, *size))
+
+
+def test_dynamic_img_size_and_pad_arguments():
+    """timm's ViT arguments for other input sizes: dynamic_img_size=True is what every LION model does
+    (accepted, not a duplicate-argument TypeError), False is refused with a reason, and
+    dynamic_img_pad=True zero-pads sizes the patch does not divide, in every form alike."""
+    x = torch.randn(2, 3, 40, 56)  # 2.5 x 3.5 patches: padded to a 3 x 4 grid
+    padded = F.pad(x, (0, 8, 0, 8))
+    for name in ("lion_lit_tiny", "lion_s_natural_tiny"):
+        model = trained_like(timm.create_model(name, dynamic_img_size=True, dynamic_img_pad=True, img_size=48,
+                                               depth=2, num_classes=3)).eval()
+        plain = timm.create_model(name, img_size=48, depth=2, num_classes=3).eval()
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            reference = plain(padded)  # the same weights on the zero-padded image
+            for form, chunk in [("attention", None), ("rnn", None), ("chunk", 5)]:
+                model.set_attn_form(form, chunk)
+                assert rel_err(model(x), reference) <= 1e-4, (name, form)
+    with pytest.raises(ValueError, match="dynamic_img_size=False is not supported"):
+        timm.create_model("lion_d_tiny", dynamic_img_size=False)
 
 
 def test_bad_img_size_form_and_chunk_raise():
