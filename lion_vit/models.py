@@ -7,10 +7,10 @@ token) and the two-scan "natural" LION-d / LION-s, at ViT-T/S/B widths.
 The backbone is timm's `VisionTransformer` with `LionAttention` as its attention layer, so the
 whole timm model API (forward_features, forward_head, reset_classifier, group_matcher,
 set_grad_checkpointing, forward_intermediates / features_only) comes with it. Differences:
-mean pooling over patch tokens and no class token by default, learnable positional embeddings
-only for LION-lit (the decays give LION-d/-s their position signal), and any input size that
-the patch size divides works without rebuilding the model (timm's dynamic_img_size, always on;
-dynamic_img_pad=True pads any other size).
+mean pooling over patch tokens and no class token by default (global_pool="token" adds one),
+learnable positional embeddings only for LION-lit (the decays give LION-d/-s their position
+signal), and any input size that the patch size divides works without rebuilding the model
+(timm's dynamic_img_size, always on; dynamic_img_pad=True pads any other size).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class LionViT(VisionTransformer):
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             global_pool: str = "avg",
-            class_token: bool = False,
+            class_token: Optional[bool] = None,
             pos_embed: Optional[str] = None,
             patch_drop_rate: float = 0.0,
             weight_init: str = "",
@@ -88,8 +88,16 @@ class LionViT(VisionTransformer):
                              "input, so every size the patch size divides works; leave dynamic_img_size unset")
         if patch_drop_rate:
             raise ValueError("patch_drop_rate is not supported: LION decays need the full patch grid")
+        if class_token is None:  # token pooling reads the class token: add one only for it
+            class_token = global_pool == "token"
+        if global_pool == "token" and not class_token:
+            raise ValueError("global_pool='token' pools the class token, but class_token=False; "
+                             "leave class_token unset, or pool with global_pool='avg'")
         if pos_embed is None:
             pos_embed = "learn" if decay == "lit" else "none"
+        if pos_embed not in ("", "none", "learn"):
+            raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
+                             "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
                                         attn_form=attn_form, chunk_size=chunk_size)
         super().__init__(

@@ -163,6 +163,19 @@ def test_dynamic_img_size_and_pad_arguments():
         timm.create_model("lion_d_tiny", dynamic_img_size=False)
 
 
+def test_token_pooling_brings_its_class_token_and_pos_embed_is_checked():
+    """Mean pooling and no class token by default; global_pool="token" (DeiT's pooling) adds the class
+    token it reads instead of failing timm's assertion; an unknown pos_embed is a ValueError."""
+    assert timm.create_model("lion_d_tiny", depth=1).num_prefix_tokens == 0
+    model = timm.create_model("lion_s_natural_tiny", global_pool="token", depth=1, num_classes=3)
+    assert model.num_prefix_tokens == 1 and model.cls_token is not None
+    assert model(torch.randn(2, 3, 32, 48)).shape == (2, 3)
+    with pytest.raises(ValueError, match="class token"):  # asked for token pooling and no class token: timm says why
+        timm.create_model("lion_d_tiny", global_pool="token", class_token=False)
+    with pytest.raises(ValueError, match="unknown pos_embed 'rope'"):
+        timm.create_model("lion_d_tiny", pos_embed="rope")
+
+
 def test_bad_img_size_form_and_chunk_raise():
     with pytest.raises(ValueError, match="not divisible"):
         timm.create_model("lion_d_tiny", img_size=200)
