@@ -293,6 +293,64 @@ def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
     assert len(groups_run) == 2 and min(groups_run) > 1  # both calls ran in groups
 
 
+@pytest.fixture
+def gpu_branches(monkeypatch):
+    """Run the ops' GPU eager branches on this CPU: whole tensors, no cache-sized groups of rows or
+    slabs and no row-block mask builder (`rows.cpu_tuned` false, as on a GPU); the CPU-only helpers
+    fail the test if anything still reaches them. (No GPU has run the current code yet.)"""
+    import sys
+    import lion_vit.ops.attention as attention
+    import lion_vit.ops.masks as masks
+    patched = [module for name, module in list(sys.modules.items())
+               if name.startswith("lion_vit.ops") and hasattr(module, "cpu_tuned")]
+    assert {m.__name__ for m in patched} >= {"lion_vit.ops.rows", "lion_vit.ops.masks", "lion_vit.ops.attention"}
+    for module in patched:
+        monkeypatch.setattr(module, "cpu_tuned", lambda device: False)
+
+    def cpu_only(*args, **kwargs):
+        raise AssertionError("a CPU-only path ran where a GPU takes whole tensors")
+    for module, name in [(masks, "_fill_in_blocks"), (attention, "_grouped_masked_forward"),
+                         (attention, "_grouped_masked_backward")]:
+        monkeypatch.setattr(module, name, cpu_only)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective", "near0", "underflow"])
+def test_gpu_eager_branches_match_naive(decay, dtype, gpu_branches):
+    """Outputs of every form (inference) and gradients of the attention and chunk forms, for one
+    scan and for two snake scans, against the float64 oracle along the branches a GPU takes."""
+    tol = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 1e-4)}[dtype]
+    height, width, prefix = 3, 5, 1
+    length = height * width + prefix
+    orders = snake_orders(height, width, prefix)
+    q, k, v, lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=22)
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
+    calls = [(lam, naive_lion, lion_attention, ())]
+    if lam is not None:
+        other_lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=24)[3]
+        calls.append((torch.stack([lam, other_lam]), naive_multiscan, lion_attention_multiscan, (orders,)))
+    for lams, oracle, op, extra in calls:
+        with_lam = lams is not None
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams) if t is not None]
+        expected = oracle(*ref_leaves, *([] if with_lam else [None]), *extra)
+        ref_grads = list(torch.autograd.grad((expected * upstream).sum(), ref_leaves))
+        if with_lam:
+            ref_grads[3] = ref_grads[3] * lams  # d/d(log lam) = lam * d/d(lam)
+        log_lams = None if lams is None else torch.log(lams).to(dtype)
+        for form, chunk in [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", length)]:
+            with torch.no_grad():
+                out = op(q.to(dtype), k.to(dtype), v.to(dtype), log_lams, *extra, form=form, chunk_size=chunk)
+            assert out.dtype == dtype and rel_err(out, expected) < tol[0], (form, chunk, op.__name__)
+            if form == "rnn":
+                continue
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + ([log_lams.requires_grad_()] if with_lam else [])
+            out = op(*leaves[:3], leaves[3] if with_lam else None, *extra, form=form, chunk_size=chunk)
+            grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
+            for name, got, ref in zip("qkva", grads, ref_grads):
+                error = rel_err(got, ref, min_scale=1e-3 if dtype == torch.float64 else 1.0)
+                assert error < tol[1], (f"grad of {name}", form, chunk, op.__name__)
+
+
 @pytest.mark.parametrize("scan", ["token_order", "row_snake", "column_snake"])
 @pytest.mark.parametrize("block", [1, 3, 32, 1000])
 @pytest.mark.parametrize("decay", ["selective", "near0", "near1", "underflow"])

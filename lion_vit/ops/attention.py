@@ -8,7 +8,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .masks import decay_mask, decay_mask_backward
-from .rows import needs_grad, row_groups, take_rows, tracing
+from .rows import cpu_tuned, needs_grad, row_groups, take_rows
 
 # On a CPU, in training, the masked product runs a group of (batch, head) slabs of about this many
 # bytes of L x L weights at a time, so that its elementwise passes between the matmuls (the mask
@@ -155,7 +155,7 @@ def _training_groups(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> List[Rows
     matmuls run in the masks' dtype (float32/64, no autocast), else one group of every slab (a GPU,
     torch.compile / torch.export, half precision)."""
     batch, heads, length, _ = q.shape
-    if q.device.type != "cpu" or tracing() or {q.dtype, k.dtype, v.dtype} != {mask.dtype} or _cpu_autocast():
+    if not cpu_tuned(q.device) or {q.dtype, k.dtype, v.dtype} != {mask.dtype} or _cpu_autocast():
         return [(slice(None), slice(None))]
     return list(row_groups(batch, heads, length * length * mask.element_size(), q.device, CPU_TRAIN_GROUP_BYTES))
 

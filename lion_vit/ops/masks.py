@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .rows import group_size, tracing
+from .rows import cpu_tuned, group_size, tracing
 
 # Above this length the cumulative sums are formed in float64: the exponent of an entry is a
 # difference of two sums of up to L terms, whose float32 rounding error (~eps * L * |a|) would
@@ -174,7 +174,7 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     # be written in place later, as a multi-scan layer does)
     mask = torch.empty(*lead, length, length, dtype=mask_dtype(log_decay.dtype), device=inclusive.device)
     slabs = mask.view(-1, length, length)
-    if mask.device.type == "cpu" and not tracing():  # (a GPU or a compiler: a few kernels beat a loop over blocks)
+    if cpu_tuned(mask.device):  # (a GPU or a compiler: a few kernels beat a loop over blocks)
         bounds = _row_blocks(length, positions, CPU_MASK_BLOCK)
         if max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * CPU_MASK_BLOCK:  # else: grouped below
             _fill_in_blocks(slabs, exclusive, inclusive, bounds)

@@ -24,11 +24,18 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def cpu_tuned(device: torch.device) -> bool:
+    """Whether the CPU's cache-sized groups and blocks apply: on a CPU, eagerly. A GPU takes whole
+    tensors (every group or block would cost a chain of kernel launches; the CPU budgets are not
+    measured there), and so does a compiler. The one switch between the two, so that tests can run
+    a GPU's eager branches on a CPU."""
+    return device.type == "cpu" and not tracing()
+
+
 def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.device) -> int:
-    """How many of `count` items of item_bytes each one group takes: about budget_bytes on a CPU
-    (at least one), all of them on a GPU, where every group costs a chain of kernel launches (the
-    CPU budgets are not yet measured there)."""
-    return max(1, budget_bytes // item_bytes) if device.type == "cpu" else count
+    """How many of `count` items of item_bytes each one group takes: about budget_bytes where
+    cpu_tuned (at least one), else all of them."""
+    return max(1, budget_bytes // item_bytes) if cpu_tuned(device) else count
 
 
 def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device,
