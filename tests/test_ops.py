@@ -193,6 +193,34 @@ def test_bad_form_or_chunk_raises(form, chunk):
         lion_attention(q, q, q, form=form, chunk_size=chunk)
 
 
+@pytest.mark.parametrize("form", ["attention", "rnn", "chunk"])
+def test_bad_shapes_and_decays_above_one_raise(form):
+    """One clear line instead of an error deep inside a form, or a wrong answer: per-token decays
+    above 1 break the log-space masks of the full and chunk forms (they used to return a result)."""
+    q, k, v, lam = make_inputs(1, 2, 10, 4, "selective", torch.float64)
+    log_lam = torch.log(lam)
+    cases = [
+        ((q, k[:, :, :9], v, None), r"expected q, k \[B, H, L, Dk\] and v .* got q \(1, 2, 10, 4\), k \(1, 2, 9, 4\)"),
+        ((q[0], k[0], v[0], None), r"expected q, k \[B, H, L, Dk\]"),
+        ((q, k, v, log_lam[..., :7]), r"must broadcast to \[B, H, L\] = \[1, 2, 10\] .* got \[1, 2, 7\]"),
+        ((q, k, v, log_lam[:, :1].expand(1, 3, 10)), r"got \[1, 3, 10\]"),
+        ((q, k, v, log_lam[None]), r"got \[1, 1, 2, 10\]"),
+        ((q, k, v, log_lam + 0.5), r"log decays must be <= 0 \(decays in \(0, 1\]\), got up to 0\.\d+"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            lion_attention(*args, form=form, chunk_size=3)
+    for ok in (log_lam[0, 0], log_lam[:, :, :1], torch.zeros(1)):  # [L], [B, H, 1], lam = 1 (LION-lit)
+        assert lion_attention(q, k, v, ok, form=form, chunk_size=3).shape == v.shape
+    orders = snake_orders(3, 3, 1)
+    with pytest.raises(ValueError, match="log_decays has 3 scans but orders has 2"):
+        lion_attention_multiscan(q, k, v, torch.stack([log_lam] * 3), orders, form=form, chunk_size=3)
+    with pytest.raises(ValueError, match="orders .* has L = 10 but q has 9 tokens"):
+        lion_attention_multiscan(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, orders, form=form, chunk_size=3)
+    with pytest.raises(ValueError, match="must be <= 0"):
+        lion_attention_multiscan(q, k, v, torch.stack([log_lam, -log_lam]), orders, form=form, chunk_size=3)
+
+
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
 def test_feature_map_gradients(name):
     """The feature maps (one has a hand-written backward) against finite differences."""

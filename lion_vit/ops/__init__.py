@@ -40,6 +40,33 @@ def check_form(form: str, chunk_size: Optional[int] = None) -> None:
         raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
 
 
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], num_scans: Optional[int] = None) -> None:
+    """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
+    decays, broadcast into a wrong result), and, on a CPU, for decays above 1: the full and chunk
+    forms' log-space masks assume log(lam) <= 0. (A GPU skips the value check, which would
+    synchronise every layer; so do torch.compile / torch.export.)"""
+    if tracing():
+        return
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if log_decays is None:
+        return
+    batch, heads, length = q.shape[:3]
+    scans = [log_decays] if num_scans is None else list(log_decays)
+    if num_scans is not None and len(scans) != num_scans:
+        raise ValueError(f"log_decays has {len(scans)} scans but orders has {num_scans}")
+    for log_decay in scans:
+        shape = tuple(log_decay.shape)
+        if (len(shape) > 3 or shape[-1] not in (1, length)
+                or any(size not in (1, full) for size, full in zip(shape[::-1][1:], (heads, batch)))):
+            raise ValueError(f"log decays must broadcast to [B, H, L] = [{batch}, {heads}, {length}] with a last "
+                             f"dimension of 1 (one decay per head) or L (one per token); got {list(shape)}")
+    if log_decays.device.type == "cpu" and bool((log_decays > 0).any()):
+        raise ValueError(f"log decays must be <= 0 (decays in (0, 1]), got up to {log_decays.max().item():.3g}; "
+                         "pass log(lam), e.g. F.logsigmoid(logits)")
+
+
 def _as_bhl(log_decay: Optional[Tensor]) -> Optional[Tensor]:
     """View a log decay broadcastable to [B, H, L] as a 3-d tensor."""
     if log_decay is None:
@@ -90,6 +117,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
     Returns [B, H, L, Dv].
     """
     check_form(form, chunk_size)
+    _check_inputs(q, k, v, log_decay)
     numerator, normaliser = FORMS[form](q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
     return _normalize(numerator, normaliser, v.dtype)
 
@@ -104,7 +132,10 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     decay). Each scan's mask is built in its own order; all scans run as one batched call.
     """
     check_form(form, chunk_size)
+    _check_inputs(q, k, v, log_decays, num_scans=orders.shape[0])
     num_scans, length = orders.shape
+    if length != q.shape[2]:
+        raise ValueError(f"orders [S, L] has L = {length} but q has {q.shape[2]} tokens")
     batch, heads = q.shape[:2]
     a = None
     if log_decays is not None:  # [S, B|1, H, L|1]
