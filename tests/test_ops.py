@@ -387,9 +387,14 @@ def test_selective_mask_in_row_blocks(decay, block, scan, monkeypatch):
     diagonal blocks, outer products off them): every entry against the oracle's running products, for
     blocks of one row, blocks that leave a short last one, and one block of the whole sequence; in
     token order and, for the two snake scans of a 3 x 13 grid after a class token, in token order
-    from decays in scan order (the column snake takes the whole-matrix path)."""
+    from decays in scan order (the column snake takes the whole-matrix path). A mask this small is
+    built whole unless CPU_MASK_BLOCK_MIN_ENTRIES says otherwise, as here."""
     import lion_vit.ops.masks as masks
     monkeypatch.setattr(masks, "CPU_MASK_BLOCK", block)
+    monkeypatch.setattr(masks, "CPU_MASK_BLOCK_MIN_ENTRIES", 0)
+    filled_in_blocks = []
+    fill_in_blocks = masks._fill_in_blocks
+    monkeypatch.setattr(masks, "_fill_in_blocks", lambda *args: filled_in_blocks.append(1) or fill_in_blocks(*args))
     *_, lam = make_inputs(2, 3, 40, 1, decay, torch.float64, seed=15)  # in scan order
     positions = None if scan == "token_order" else \
         torch.argsort(snake_orders(3, 13, 1)[int(scan == "column_snake")])
@@ -409,6 +414,8 @@ def test_selective_mask_in_row_blocks(decay, block, scan, monkeypatch):
         allowed = tol * expected + (1e-37 if dtype == torch.float32 else torch.finfo(dtype).tiny)
         assert ((mask.double() - expected).abs() <= allowed).all()
         assert torch.equal(mask.diagonal(dim1=-2, dim2=-1), torch.ones(2, 3, 40, dtype=dtype))
+    if scan == "token_order" or (scan == "row_snake" and block == 32):
+        assert filled_in_blocks  # (a row snake in blocks of 1 or 3 rows would cut a grid row: built whole)
 
 
 def test_selective_mask_gradient_long_fp32(monkeypatch):

@@ -31,6 +31,11 @@ CPU_GROUP_BYTES = 4 << 20
 # L = 197 and L = 600.
 CPU_MASK_BLOCK = 32
 
+# ... when it has at least this many entries: the blocks' fixed cost per op outweighs what they save
+# on smaller masks (batch-1 inference at 224 px: 6 x 197 x 197 entries per layer, 0.35 ms whole
+# against 1.1 ms in blocks; equal at 4 x 6 slabs; at 32 x 6 slabs 5 ms in blocks against 15 ms).
+CPU_MASK_BLOCK_MIN_ENTRIES = 1 << 20
+
 
 # Just above the log of float32's smallest normal number (-87.34): exp() below it gives a denormal
 # or 0, which a CPU's vectorised exp computes on a slow path, 5-14x slower than the normal range
@@ -174,7 +179,8 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     # be written in place later, as a multi-scan layer does)
     mask = torch.empty(*lead, length, length, dtype=mask_dtype(log_decay.dtype), device=inclusive.device)
     slabs = mask.view(-1, length, length)
-    if cpu_tuned(mask.device):  # (a GPU or a compiler: a few kernels beat a loop over blocks)
+    # (a GPU or a compiler: a few kernels beat a loop over blocks)
+    if cpu_tuned(mask.device) and slabs.numel() >= CPU_MASK_BLOCK_MIN_ENTRIES:
         bounds = _row_blocks(length, positions, CPU_MASK_BLOCK)
         if max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * CPU_MASK_BLOCK:  # else: grouped below
             _fill_in_blocks(slabs, exclusive, inclusive, bounds)
