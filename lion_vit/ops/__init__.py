@@ -40,22 +40,24 @@ def check_form(form: str, chunk_size: Optional[int] = None) -> None:
         raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], num_scans: Optional[int] = None) -> None:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None) -> None:
     """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
     decays, broadcast into a wrong result), and, on a CPU, for decays above 1: the full and chunk
     forms' log-space masks assume log(lam) <= 0. (A GPU skips the value check, which would
-    synchronise every layer; so do torch.compile / torch.export.)"""
+    synchronise every layer; so do torch.compile / torch.export.) orders: a multi-scan call's [S, L]."""
     if tracing():
         return
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, heads, length = q.shape[:3]
+    if orders is not None and orders.shape[-1] != length:
+        raise ValueError(f"orders [S, L] has L = {orders.shape[-1]} but q has {length} tokens")
     if log_decays is None:
         return
-    batch, heads, length = q.shape[:3]
-    scans = [log_decays] if num_scans is None else list(log_decays)
-    if num_scans is not None and len(scans) != num_scans:
-        raise ValueError(f"log_decays has {len(scans)} scans but orders has {num_scans}")
+    scans = [log_decays] if orders is None else list(log_decays)
+    if orders is not None and len(scans) != len(orders):
+        raise ValueError(f"log_decays has {len(scans)} scans but orders has {len(orders)}")
     for log_decay in scans:
         shape = tuple(log_decay.shape)
         if (len(shape) > 3 or shape[-1] not in (1, length)
@@ -132,10 +134,8 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     decay). Each scan's mask is built in its own order; all scans run as one batched call.
     """
     check_form(form, chunk_size)
-    _check_inputs(q, k, v, log_decays, num_scans=orders.shape[0])
+    _check_inputs(q, k, v, log_decays, orders)
     num_scans, length = orders.shape
-    if length != q.shape[2]:
-        raise ValueError(f"orders [S, L] has L = {length} but q has {q.shape[2]} tokens")
     batch, heads = q.shape[:2]
     a = None
     if log_decays is not None:  # [S, B|1, H, L|1]
