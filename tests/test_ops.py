@@ -39,6 +39,20 @@ def rel_err(actual, expected, min_scale=1e-3):
     return ((actual.double() - expected.double()).abs().max() / scale).item()
 
 
+def oracle_with_grads(q, k, v, lams, upstream, orders=None):
+    """The float64 oracle's output (naive_lion, or naive_multiscan with orders) and its gradients for
+    the upstream gradient: of q, k, v and, lams given, of the log decays (lam * d/d(lam))."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, lams) if t is not None]
+    if orders is None:
+        expected = naive_lion(*leaves[:3], leaves[3] if lams is not None else None)
+    else:
+        expected = naive_multiscan(*leaves, orders)
+    grads = list(torch.autograd.grad((expected * upstream).sum(), leaves))
+    if lams is not None:
+        grads[3] = grads[3] * lams
+    return expected.detach(), grads
+
+
 def _form_id(f):
     return f"{f[0]}" if f[1] is None else f"{f[0]}{f[1]}"
 
@@ -63,10 +77,7 @@ def test_forms_match_naive(form, decay, length, dtype):
 def test_gradients_match_naive(form, decay, length):
     q, k, v, lam = make_inputs(2, 2, length, 6, decay, torch.float64, seed=1)
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    lam_leaf = None if lam is None else lam.clone().requires_grad_()
-    ref_leaves = leaves + ([lam_leaf] if lam_leaf is not None else [])
-    ref_grads = torch.autograd.grad((naive_lion(*leaves, lam_leaf) * upstream).sum(), ref_leaves)
+    _, ref_grads = oracle_with_grads(q, k, v, lam, upstream)
 
     fast = [t.clone().requires_grad_() for t in (q, k, v)]
     log_leaf = None if lam is None else torch.log(lam).clone().requires_grad_()
@@ -75,8 +86,6 @@ def test_gradients_match_naive(form, decay, length):
     # allow_unused: at L = 1 no decay is ever crossed, and the rnn form never touches it
     grads = torch.autograd.grad((out * upstream).sum(), fast_leaves, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, fast_leaves)]
-    if lam is not None:  # d/d(log lam) = lam * d/d(lam)
-        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lam]
     for name, g, r in zip("qkva", grads, ref_grads):
         assert rel_err(g, r) < 1e-9, f"grad of {name}"
 
@@ -141,11 +150,9 @@ def assert_multiscan_gradients_match_naive(q, k, v, lams, orders, generator, **f
     """Gradients of q, k, v and the log decays from lion_attention_multiscan against autograd through
     the float64 oracle, for a random upstream gradient."""
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=generator)
-    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
-    ref_grads = torch.autograd.grad((naive_multiscan(*ref_leaves, orders) * upstream).sum(), ref_leaves)
+    _, ref_grads = oracle_with_grads(q, k, v, lams, upstream, orders)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams))]
     grads = torch.autograd.grad((lion_attention_multiscan(*leaves, orders, **form) * upstream).sum(), leaves)
-    ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]  # d/d(log lam) = lam * d/d(lam)
     for name, got, ref in zip("qkva", grads, ref_grads):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
 
@@ -303,16 +310,11 @@ def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
     tol = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 1e-4)}[dtype]
     for lams in (lam, torch.stack([lam, other_lam])):
         single = lams is lam
-        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams)]
+        expected, ref_grads = oracle_with_grads(q, k, v, lams, upstream, None if single else orders)
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, torch.log(lams))]
-        if single:
-            expected, out = naive_lion(*ref_leaves), lion_attention(*leaves)
-        else:
-            expected, out = naive_multiscan(*ref_leaves, orders), lion_attention_multiscan(*leaves, orders)
+        out = lion_attention(*leaves) if single else lion_attention_multiscan(*leaves, orders)
         assert out.dtype == dtype and rel_err(out, expected) < tol[0]
-        ref_grads = torch.autograd.grad((expected * upstream).sum(), ref_leaves)
         grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
-        ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lams]  # d/d(log lam) = lam * d/d(lam)
         for name, got, ref in zip("qkva", grads, ref_grads):
             # (in float32 against a scale of at least 1: where every decay underflows, the true gradients
             # of q and k are ~1e-17 and float32 leaves rounding noise of ~1e-7 in them, either path alike)
@@ -353,17 +355,13 @@ def test_gpu_eager_branches_match_naive(decay, dtype, gpu_branches):
     orders = snake_orders(height, width, prefix)
     q, k, v, lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=22)
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
-    calls = [(lam, naive_lion, lion_attention, ())]
+    calls = [(lam, lion_attention, ())]
     if lam is not None:
         other_lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=24)[3]
-        calls.append((torch.stack([lam, other_lam]), naive_multiscan, lion_attention_multiscan, (orders,)))
-    for lams, oracle, op, extra in calls:
+        calls.append((torch.stack([lam, other_lam]), lion_attention_multiscan, (orders,)))
+    for lams, op, extra in calls:
         with_lam = lams is not None
-        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lams) if t is not None]
-        expected = oracle(*ref_leaves, *([] if with_lam else [None]), *extra)
-        ref_grads = list(torch.autograd.grad((expected * upstream).sum(), ref_leaves))
-        if with_lam:
-            ref_grads[3] = ref_grads[3] * lams  # d/d(log lam) = lam * d/d(lam)
+        expected, ref_grads = oracle_with_grads(q, k, v, lams, upstream, *extra)
         log_lams = None if lams is None else torch.log(lams).to(dtype)
         for form, chunk in [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", length)]:
             with torch.no_grad():
