@@ -41,6 +41,7 @@ class DivisiblePatchEmbed(PatchEmbed):
         super().__init__(img_size=img_size, patch_size=patch_size, dynamic_img_pad=dynamic_img_pad, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_images(x, self.proj.in_channels)
         if not self.dynamic_img_pad:
             _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
         return super().forward(x)
@@ -56,6 +57,15 @@ def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = N
         if not any(key in str(error) for key in size_kwargs):
             raise
         return create_model(name, **kwargs)
+
+
+def _check_images(x: Tensor, channels: int) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"expected a batch of images [batch, {channels}, height, width], got shape {list(x.shape)}; "
+                         "add the batch dimension (x.unsqueeze(0) for one image)")
+    if x.shape[1] != channels:
+        raise ValueError(f"the model takes {channels}-channel images, got {x.shape[1]} channels (shape {list(x.shape)}); "
+                         f"convert the images or build the model with in_chans={x.shape[1]}")
 
 
 def _check_divisible(size: Tuple[int, int], patch: Tuple[int, int], what: str) -> None:

@@ -143,6 +143,17 @@ def test_bad_input_size_raises(size):
         model(torch.randn(1, 3, *size))
 
 
+@pytest.mark.parametrize("shape, message", [
+    ((3, 32, 32), r"^expected a batch of images \[batch, 3, height, width\], got shape \[3, 32, 32\]; add the batch"),
+    ((2, 1, 32, 32), r"^the model takes 3-channel images, got 1 channels .*in_chans=1$"),
+])
+def test_input_that_is_not_a_batch_of_model_images_raises(shape, message):
+    model = timm.create_model("lion_lit_tiny", depth=1)
+    with pytest.raises(ValueError, match=message):
+        model(torch.randn(*shape))
+    assert timm.create_model("lion_lit_tiny", depth=1, in_chans=1)(torch.randn(2, 1, 32, 32)).shape == (2, 1000)
+
+
 def test_dynamic_img_size_and_pad_arguments():
     """timm's ViT arguments for other input sizes: dynamic_img_size=True is what every LION model does
     (accepted, not a duplicate-argument TypeError), False is refused with a reason, and
