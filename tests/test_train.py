@@ -103,6 +103,7 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)  # tensors and plain data only
     assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
+    assert "optim.warmup_epochs=5 is not below epochs=1: the learning rate never leaves warm-up" in proc.stdout
 
 
 def test_one_epoch_deit_baseline(folder, tmp_path):

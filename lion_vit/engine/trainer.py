@@ -530,6 +530,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     log.info("model %s (%.2fM params) at %d px, %d train / %d val images, %d classes, lr %.2e, global batch %d, "
              "%d process(es), %s", cfg.model.name, n_params / 1e6, cfg.img_size, len(train_set), len(val_set),
              num_classes, lr, global_batch, dist_info.world_size, device)
+    if cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
+        log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
+                    "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "
+                    "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr)
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
     show = cfg.progress and is_main
