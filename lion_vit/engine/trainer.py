@@ -530,7 +530,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     log.info("model %s (%.2fM params) at %d px, %d train / %d val images, %d classes, lr %.2e, global batch %d, "
              "%d process(es), %s", cfg.model.name, n_params / 1e6, cfg.img_size, len(train_set), len(val_set),
              num_classes, lr, global_batch, dist_info.world_size, device)
-    if cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
+    if is_main and cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
         log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
                     "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "
                     "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr)
