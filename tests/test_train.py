@@ -175,8 +175,9 @@ def test_ctrl_c_says_how_to_continue(folder, tmp_path):
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
     deadline = time.time() + 240
-    metrics = tmp_path / "metrics.jsonl"
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+    # the first epoch's checkpoint (renamed into place after its metrics line and an fsync of each)
+    checkpoint = tmp_path / "checkpoint-last.pt"
+    while time.time() < deadline and not checkpoint.exists():
         time.sleep(0.02)
     time.sleep(0.3)  # into the next epoch
     proc.send_signal(signal.SIGINT)
