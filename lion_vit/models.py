@@ -52,11 +52,17 @@ def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = N
     argument (a CNN baseline such as resnet50) is built without it: it accepts any input size."""
     size_kwargs: Dict[str, Any] = dict(img_size=img_size, **({"patch_size": patch_size} if patch_size else {}))
     try:
-        return create_model(name, **kwargs, **size_kwargs)
+        model = create_model(name, **kwargs, **size_kwargs)
     except TypeError as error:
         if not any(key in str(error) for key in size_kwargs):
             raise
         return create_model(name, **kwargs)
+    # timm's ViTs (DeiT) built for a size their patch does not divide drop the last pixels of every
+    # image without a word; LION models refuse such a size, and so do baselines built here
+    patch_embed = getattr(model, "patch_embed", None)
+    if isinstance(getattr(patch_embed, "patch_size", None), tuple) and not getattr(patch_embed, "dynamic_img_pad", False):
+        _check_divisible((img_size, img_size), patch_embed.patch_size, "img_size")
+    return model
 
 
 def _check_images(x: Tensor, channels: int) -> None:

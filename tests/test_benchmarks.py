@@ -96,6 +96,16 @@ def test_baselines_without_an_input_size_argument_are_built_too():
         create_model_at_size("resnet18", 48, not_an_argument=1)
 
 
+def test_softmax_baseline_refuses_a_size_its_patch_does_not_divide():
+    """timm's DeiT built for 40 px with patch 16 silently drops the last 8 pixels of every image (a
+    2x2 grid); like the LION models, the baselines built here refuse that size instead."""
+    from lion_vit.models import create_model_at_size
+    with pytest.raises(ValueError, match="img_size 40x40 is not divisible by the patch size 16x16"):
+        create_model_at_size("deit_tiny_patch16_224", 40, depth=1, num_classes=3)
+    deit = create_model_at_size("deit_tiny_patch16_224", 40, 8, depth=1, num_classes=3)  # patch 8 divides it
+    assert deit.patch_embed.grid_size == (5, 5) and deit(torch.randn(1, 3, 40, 40)).shape == (1, 3)
+
+
 def test_paired_ratio_follows_a_drifting_machine():
     from lion_vit.benchmark import paired_ratio
     # the machine is fast only during the baseline's first step; every same-round pair says x1.1
@@ -153,6 +163,8 @@ def test_device_argument_says_when_cuda_is_missing(monkeypatch):
 @pytest.mark.parametrize("script, args, message", [
     ("benchmark_train.py", ["--models", "deit_tiny_patch16_224", "lion_q_tiny"], "unknown model 'lion_q_tiny'"),
     ("benchmark_train.py", ["--models", "lion_d_tiny", "--img-size", "40"], "not divisible by the patch size"),
+    # timm's DeiT itself would crop 40 px to 32 and be timed on that
+    ("benchmark_train.py", ["--models", "deit_tiny_patch16_224", "--img-size", "40"], "not divisible by the patch size"),
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
     ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),
