@@ -11,6 +11,10 @@ By default ("steady") the measured forward is the second one: the first also pay
 that do not grow with resolution (library code paged in, allocator pools, BLAS workspaces; about
 18 MB of RSS on CPU, a little more for models that call more kernels). "first" measures the first
 call instead, one-time costs included.
+
+With compile, the model goes through torch.compile and its first call, which compiles it, is timed
+on its own (compile_s) before anything is measured; "first" then means the first compiled call.
+Each CPU subprocess gets an empty Inductor cache, so compile_s is what a first run pays.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -158,16 +163,19 @@ MEMORY_MODES = ("steady", "first")
 
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
-                      memory: str = "steady") -> Dict[str, Any]:
+                      memory: str = "steady", compile: bool = False) -> Dict[str, Any]:
     """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process.
 
     memory: "steady" measures the peak of a second forward, "first" that of the first call.
+    compile: torch.compile the model; its compiling first call is timed as compile_s.
     """
     if memory not in MEMORY_MODES:
         raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
+    if compile:
+        model = torch.compile(model)
     x = torch.randn(batch_size, 3, img_size, img_size, device=dev,
                     dtype=torch.float64 if torch_dtype == torch.float64 else torch.float32)
     autocast = torch.autocast(dev.type, dtype=torch_dtype) if torch_dtype in (torch.bfloat16, torch.float16) \
@@ -179,7 +187,12 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    if memory == "steady":
+    compiled: Dict[str, Any] = {}
+    if compile:
+        start = time.perf_counter()
+        forward()
+        compiled["compile_s"] = time.perf_counter() - start
+    elif memory == "steady":
         forward()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,7 +211,8 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         forward()
         times.append(time.perf_counter() - start)
     times.sort()
-    return {"time_s": times[len(times) // 2] if times else first, "peak_mem_mb": None if peak is None else peak / 2**20}
+    return {"time_s": times[len(times) // 2] if times else first, "peak_mem_mb": None if peak is None else peak / 2**20,
+            **compiled}
 
 
 def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
@@ -216,11 +230,14 @@ def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, s
     code = ("import json, sys; from lion_vit.benchmark import measure_inference; "
             "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra_env)
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": STATUS_TIMEOUT, "time_s": None, "peak_mem_mb": None}
+    with tempfile.TemporaryDirectory(prefix="lion_vit_inductor_", ignore_cleanup_errors=True) as cache:
+        if config.get("compile"):  # nothing compiled by an earlier configuration or run is reused
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
+                                  timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            return {"status": STATUS_TIMEOUT, "time_s": None, "peak_mem_mb": None}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return {"status": STATUS_OK, **json.loads(line[len("RESULT "):])}
@@ -266,11 +283,11 @@ def measure_round_robin(configs: Sequence[Dict[str, Any]], rounds: int, timeout_
 def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, timeout_s: float,
                  progress_prefix: Callable[[Dict[str, Any]], str] = lambda row: "") -> None:
     """Measure the inference configuration each row describes (model, form, chunk_size, resolution,
-    batch_size, device, dtype, memory), round-robin over `rounds`, printing a line per measurement,
-    and add the result (status, time_s, peak_mem_mb) to the row."""
+    batch_size, device, dtype, memory, compile), round-robin over `rounds`, printing a line per
+    measurement, and add the result (status, time_s, peak_mem_mb; compile_s when compiled) to the row."""
     configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
                     batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
-                    memory=r["memory"]) for r in rows]
+                    memory=r["memory"], compile=r.get("compile", False)) for r in rows]
     results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
         progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
     for row, result in zip(rows, results):
@@ -309,7 +326,8 @@ def status_line(row: Dict[str, Any]) -> str:
     if row["status"] != STATUS_OK:
         return f"{label(row):40s} {row['status']:7s} {row.get('detail') or ''}".rstrip()
     peak = "n/a" if row["peak_mem_mb"] is None else f"+{row['peak_mem_mb']:9.1f} MB"
-    return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}"
+    compiled = f"  compile {row['compile_s']:.1f}s" if row.get("compile_s") is not None else ""
+    return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}{compiled}"
 
 
 def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
     not_lion = [m for m in args.models if not m.startswith("lion_")]
@@ -45,7 +47,7 @@ def main() -> None:
     for model in args.models:
         configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, batch_size=args.batch_size,
-                 device=args.device, dtype=args.dtype, memory=args.memory) for model, form, chunk in configs]
+                 device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile) for model, form, chunk in configs]
     measure_rows(rows, args.repeats, args.rounds, args.timeout)
     if args.baseline:
         for row in rows:
@@ -53,10 +55,12 @@ def main() -> None:
     write_table(rows, args.out, "chunk")
     chunk_rows = [r for r in rows if r["form"] == "chunk"]
     plot_lines(chunk_rows, "chunk_size", "chunk size (tokens)", args.out / "chunk.png",
-               f"chunk form at {args.resolution}px, batch {args.batch_size}, {args.device} {args.dtype}", log_x=True)
+               f"chunk form at {args.resolution}px, batch {args.batch_size}, {args.device} {args.dtype}"
+               f"{', compiled' if args.compile else ''}", log_x=True)
     for row in rows:
         row["run"] = label(row)
-    print(markdown_table(rows, ["run", "status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline"]))
+    print(markdown_table(rows, ["run", "status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline",
+                                *(["compile_s"] if args.compile else [])]))
 
 
 if __name__ == "__main__":

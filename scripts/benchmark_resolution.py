@@ -35,22 +35,24 @@ def main() -> None:
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
 
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,
-                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory)
+                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile)
             for resolution in args.resolutions for model, form, chunk in args.runs]
     measure_rows(rows, args.repeats, args.rounds, args.timeout, lambda row: f"{row['resolution']:5d}px ")
     for row in rows:
         add_baseline_ratios(row, next(r for r in rows if r["resolution"] == row["resolution"]))
     write_table(rows, args.out, "resolution")
     plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",
-               f"inference, batch {args.batch_size}, {args.device} {args.dtype}")
+               f"inference, batch {args.batch_size}, {args.device} {args.dtype}{', compiled' if args.compile else ''}")
     for row in rows:
         row["run"] = label(row)
     print(markdown_table(rows, ["resolution", "run", "status", "time_s", "peak_mem_mb", "time_x_baseline",
-                                "mem_x_baseline"]))
+                                "mem_x_baseline", *(["compile_s"] if args.compile else [])]))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,41 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert "lion_d_tiny:" in out and "aten::" in out
 
 
+def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
+    """--compile: the compiling first call is reported as compile_s, the measured forward after it
+    runs the compiled model (one configuration, no timing repeats: one compile)."""
+    out = run_script("benchmark_resolution.py", "--runs", "lion_d_tiny:chunk:4", "--resolutions", "32",
+                     "--repeats", "0", "--compile", "--out", str(tmp_path))
+    row, = read_rows(tmp_path / "resolution.csv")
+    assert row["status"] == "ok" and row["compile"] == "True"
+    assert float(row["compile_s"]) > 10 * float(row["time_s"]) > 0
+    assert "| compile_s |" in out and re.search(r"compile +\d+\.\ds", out)
+
+
+def test_each_compiled_configuration_starts_from_an_empty_inductor_cache(monkeypatch):
+    """A compile time read from a cache filled by an earlier configuration (or run) would be a fraction
+    of what a first run pays: each compiling subprocess gets its own, deleted afterwards."""
+    import lion_vit.benchmark as benchmark
+    caches = []
+
+    def fake_run(args, env, **kwargs):
+        caches.append(env.get("TORCHINDUCTOR_CACHE_DIR"))
+        assert caches[-1] is None or Path(caches[-1]).is_dir()
+        result = {"time_s": 0.5, "peak_mem_mb": 1.0, "compile_s": 9.0}
+        return subprocess.CompletedProcess(args, 0, stdout="RESULT " + json.dumps(result), stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    config = dict(model_name="lion_d_tiny", form="chunk", chunk_size=4, img_size=32, batch_size=1, device="cpu",
+                  dtype="float32", repeats=1, memory="steady")
+    assert measure(dict(config, compile=True), timeout_s=60) == {"status": "ok", "time_s": 0.5, "peak_mem_mb": 1.0,
+                                                                 "compile_s": 9.0}
+    memory_cache, timing_cache = caches
+    assert memory_cache != timing_cache and not Path(memory_cache).exists() and not Path(timing_cache).exists()
+    measure(dict(config, compile=False), timeout_s=60)
+    assert caches[2:] == [None, None]
+
+
 def test_baselines_without_an_input_size_argument_are_built_too():
     """A CNN baseline (resnet18) takes any input size and no img_size argument; ViTs get theirs."""
     from lion_vit.models import create_model_at_size
