@@ -14,7 +14,8 @@ call instead, one-time costs included.
 
 With compile, the model goes through torch.compile and its first call, which compiles it, is timed
 on its own (compile_s) before anything is measured; "first" then means the first compiled call.
-Each CPU subprocess gets an empty Inductor cache, so compile_s is what a first run pays.
+Each CPU subprocess gets an empty Inductor cache, so compile_s is what a first run pays; CUDA
+configurations share one process and its warm compiler caches, so there it is a lower bound.
 """
 from __future__ import annotations
 
@@ -175,6 +176,9 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     torch_dtype = getattr(torch, dtype)
     model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
     if compile:
+        # as in a fresh process: no graphs of earlier configurations (CUDA sweeps run in one process,
+        # where they would count towards Dynamo's recompile limit, beyond which it runs eagerly)
+        torch._dynamo.reset()
         model = torch.compile(model)
     x = torch.randn(batch_size, 3, img_size, img_size, device=dev,
                     dtype=torch.float64 if torch_dtype == torch.float64 else torch.float32)
