@@ -60,8 +60,9 @@ def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = N
     # timm's ViTs (DeiT) built for a size their patch does not divide drop the last pixels of every
     # image without a word; LION models refuse such a size, and so do baselines built here
     patch_embed = getattr(model, "patch_embed", None)
-    if isinstance(getattr(patch_embed, "patch_size", None), tuple) and not getattr(patch_embed, "dynamic_img_pad", False):
-        _check_divisible((img_size, img_size), patch_embed.patch_size, "img_size")
+    patch = getattr(patch_embed, "patch_size", None)
+    if isinstance(patch, tuple) and not getattr(patch_embed, "dynamic_img_pad", False):
+        _check_divisible((img_size, img_size), patch, "img_size")
     return model
 
 

@@ -47,7 +47,8 @@ def main() -> None:
     for model in args.models:
         configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, batch_size=args.batch_size,
-                 device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile) for model, form, chunk in configs]
+                 device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile)
+            for model, form, chunk in configs]
     measure_rows(rows, args.repeats, args.rounds, args.timeout)
     if args.baseline:
         for row in rows:

@@ -41,7 +41,8 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,
-                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile)
+                 batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
+                 compile=args.compile)
             for resolution in args.resolutions for model, form, chunk in args.runs]
     measure_rows(rows, args.repeats, args.rounds, args.timeout, lambda row: f"{row['resolution']:5d}px ")
     for row in rows:
