@@ -153,6 +153,8 @@ class LionViT(VisionTransformer):
         # x is [B, h, w, C] here (dynamic size): tell every LION layer the grid it is about to see.
         for attn in self.lion_attentions():
             attn.grid_size = (x.shape[1], x.shape[2])
+        if x.shape[0] == 0:  # timm's view(B, -1, C) of a dynamic-size batch cannot infer -1 from 0 elements
+            return super()._pos_embed(x.new_zeros(1, *x.shape[1:]))[:0]
         return super()._pos_embed(x)
 
 

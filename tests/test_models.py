@@ -253,6 +253,22 @@ def _one_block_model(name: str) -> torch.nn.Module:
     return trained_like(timm.create_model(name, num_classes=5, depth=1, img_size=(32, 48)))
 
 
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_empty_batch_gives_empty_logits_in_every_form(name):
+    """A batch of no images gives [0, num_classes] logits and a backward that runs, as timm's DeiT does
+    (timm's ViT with a dynamic image size failed reshaping 0 elements: LION models always use one)."""
+    model = _one_block_model(name)
+    for form, chunk in FORMS:
+        model.set_attn_form(form, chunk)
+        logits = model(torch.randn(0, 3, 32, 48))
+        assert logits.shape == (0, 5)
+        logits.sum().backward()
+        assert float(model.head.weight.grad.abs().sum()) == 0.0
+        with torch.no_grad():
+            assert model.eval()(torch.randn(0, 3, 32, 48)).shape == (0, 5)
+        model.train().zero_grad()
+
+
 # aot_eager traces the forward and backward graphs as inductor does, without generating code (seconds
 # instead of tens of seconds); one model runs through inductor, train.py's compile=true
 @pytest.mark.parametrize("name, backend", [(n, "aot_eager") for n in TINY_NAMES] + [("lion_s_natural_tiny", "inductor")])
