@@ -19,6 +19,7 @@ configurations share one process and its warm compiler caches, so there it is a 
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -37,7 +38,6 @@ STATUS_OK, STATUS_OOM, STATUS_TIMEOUT, STATUS_ERROR = "ok", "OOM", "timeout", "e
 
 def model_name(text: str) -> str:
     """argparse type: a model timm knows (the LION models registered), else a one-line usage error."""
-    import argparse
     import timm
     import lion_vit  # noqa: F401  (registers the LION models)
     if not timm.is_model(text):
@@ -49,7 +49,6 @@ def model_name(text: str) -> str:
 
 
 def _int_at_least(text: str, minimum: int, what: str) -> int:
-    import argparse
     try:
         value = int(text)
     except ValueError:
@@ -81,7 +80,6 @@ def _unwritable(folder: Path) -> Optional[str]:
 def output_folder(text: str) -> Path:
     """argparse type: a folder for the results, created now, so that a path that cannot be written
     fails before the measurements, not after them."""
-    import argparse
     reason = _unwritable(Path(text))
     if reason:
         raise argparse.ArgumentTypeError(f"{reason}; choose another folder")
@@ -90,7 +88,6 @@ def output_folder(text: str) -> Path:
 
 def output_file(text: str) -> Path:
     """argparse type: a results file whose folder is created (and checked) now."""
-    import argparse
     reason = _unwritable(Path(text).parent)
     if reason:
         raise argparse.ArgumentTypeError(f"{text!r}: its folder: {reason}; choose another path")
@@ -103,7 +100,6 @@ DEVICES = ("cpu", "cuda")
 def device_name(text: str) -> str:
     """argparse type: "cpu", or "cuda" where a CUDA device is available (else a one-line usage error
     up front, instead of a traceback or every configuration failing)."""
-    import argparse
     if text not in DEVICES:
         raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose one of {', '.join(DEVICES)}")
     if text == "cuda" and not torch.cuda.is_available():
@@ -112,9 +108,32 @@ def device_name(text: str) -> str:
     return text
 
 
+def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
+    """The measurement options of the inference benchmarks (benchmark_resolution.py, benchmark_chunk.py)."""
+    parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=non_negative_int, default=2, help="timed runs after one warm-up (median)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="measure every configuration this many times, round-robin, keeping the best time "
+                             "(machine drift then hits all configurations alike)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per CPU configuration")
+    parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
+                        help="peak memory of a second forward (steady) or of the first call, one-time costs "
+                             "such as library code paged in included (first)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
+    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
+
+
+def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
+    """The row fields that add_inference_arguments' options set (measure_rows reads them)."""
+    return dict(batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
+                compile=args.compile)
+
+
 def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
     """argparse type for model[:form[:chunk_size]] -> (model, form, chunk_size); forms apply to LION models."""
-    import argparse
     from .ops import FORMS
     name, *rest = text.split(":")
     model_name(name)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from lion_vit.benchmark import (MEMORY_MODES, add_baseline_ratios, device_name, label, markdown_table, measure_rows,
-                                model_name, non_negative_int, output_folder, plot_lines, positive_int, write_table)
+from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, inference_settings, label,
+                                markdown_table, measure_rows, model_name, plot_lines, positive_int, write_table)
 from lion_vit.ops import FORMS
 
 
@@ -25,19 +25,7 @@ def main() -> None:
                         help="'' to skip")
     parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORMS) - {"chunk"}), default=["rnn"],
                         help="other forms to measure too")
-    parser.add_argument("--batch-size", type=positive_int, default=1)
-    parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=non_negative_int, default=2)
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="measure every configuration this many times, round-robin, keeping the best time")
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
-                        help="peak memory of a second forward (steady) or of the first call, one-time costs "
-                             "such as library code paged in included (first)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
-    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
+    add_inference_arguments(parser)
     args = parser.parse_args()
     not_lion = [m for m in args.models if not m.startswith("lion_")]
     if not_lion:
@@ -46,8 +34,7 @@ def main() -> None:
     configs = [(args.baseline, None, None)] if args.baseline else []
     for model in args.models:
         configs += [(model, "chunk", c) for c in args.chunk_sizes] + [(model, f, None) for f in args.reference_forms]
-    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, batch_size=args.batch_size,
-                 device=args.device, dtype=args.dtype, memory=args.memory, compile=args.compile)
+    rows = [dict(model=model, form=form, chunk_size=chunk, resolution=args.resolution, **inference_settings(args))
             for model, form, chunk in configs]
     measure_rows(rows, args.repeats, args.rounds, args.timeout)
     if args.baseline:
