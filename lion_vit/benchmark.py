@@ -20,6 +20,7 @@ configurations share one process and its warm compiler caches, so there it is a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -130,6 +131,17 @@ def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The row fields that add_inference_arguments' options set (measure_rows reads them)."""
     return dict(batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
                 compile=args.compile)
+
+
+def describe_settings(args: argparse.Namespace) -> str:
+    """Those settings for a plot title, e.g. "batch 1, cpu float32, compiled"."""
+    return f"batch {args.batch_size}, {args.device} {args.dtype}" + (", compiled" if args.compile else "")
+
+
+def result_columns(args: argparse.Namespace) -> List[str]:
+    """The measured columns of an inference table (compile_s when compiled)."""
+    return ["status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline"] + \
+        (["compile_s"] if args.compile else [])
 
 
 def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
@@ -253,8 +265,11 @@ def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, s
     code = ("import json, sys; from lion_vit.benchmark import measure_inference; "
             "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra_env)
-    with tempfile.TemporaryDirectory(prefix="lion_vit_inductor_", ignore_cleanup_errors=True) as cache:
-        if config.get("compile"):  # nothing compiled by an earlier configuration or run is reused
+    # compiling: an Inductor cache of its own, so nothing compiled by an earlier configuration or run is reused
+    cache_dir = tempfile.TemporaryDirectory(prefix="lion_vit_inductor_", ignore_cleanup_errors=True) \
+        if config.get("compile") else contextlib.nullcontext()
+    with cache_dir as cache:
+        if cache:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache
         try:
             proc = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,

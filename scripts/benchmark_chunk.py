@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, inference_settings, label,
-                                markdown_table, measure_rows, model_name, plot_lines, positive_int, write_table)
+from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
+                                label, markdown_table, measure_rows, model_name, plot_lines, positive_int,
+                                result_columns, write_table)
 from lion_vit.ops import FORMS
 
 
@@ -43,12 +44,10 @@ def main() -> None:
     write_table(rows, args.out, "chunk")
     chunk_rows = [r for r in rows if r["form"] == "chunk"]
     plot_lines(chunk_rows, "chunk_size", "chunk size (tokens)", args.out / "chunk.png",
-               f"chunk form at {args.resolution}px, batch {args.batch_size}, {args.device} {args.dtype}"
-               f"{', compiled' if args.compile else ''}", log_x=True)
+               f"chunk form at {args.resolution}px, {describe_settings(args)}", log_x=True)
     for row in rows:
         row["run"] = label(row)
-    print(markdown_table(rows, ["run", "status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline",
-                                *(["compile_s"] if args.compile else [])]))
+    print(markdown_table(rows, ["run", *result_columns(args)]))
 
 
 if __name__ == "__main__":

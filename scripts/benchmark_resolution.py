@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, inference_settings, label,
-                                markdown_table, measure_rows, plot_lines, positive_int, run_spec, write_table)
+from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
+                                label, markdown_table, measure_rows, plot_lines, positive_int, result_columns,
+                                run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -35,11 +36,10 @@ def main() -> None:
         add_baseline_ratios(row, next(r for r in rows if r["resolution"] == row["resolution"]))
     write_table(rows, args.out, "resolution")
     plot_lines(rows, "resolution", "resolution (px, square)", args.out / "resolution.png",
-               f"inference, batch {args.batch_size}, {args.device} {args.dtype}{', compiled' if args.compile else ''}")
+               f"inference, {describe_settings(args)}")
     for row in rows:
         row["run"] = label(row)
-    print(markdown_table(rows, ["resolution", "run", "status", "time_s", "peak_mem_mb", "time_x_baseline",
-                                "mem_x_baseline", *(["compile_s"] if args.compile else [])]))
+    print(markdown_table(rows, ["resolution", "run", *result_columns(args)]))
 
 
 if __name__ == "__main__":
