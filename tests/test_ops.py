@@ -109,7 +109,8 @@ def test_long_sequence_fp32(form, decay):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
-@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4)], ids=_form_id)
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", None), ("chunk", 16)],
+                         ids=_form_id)
 def test_multiscan_matches_naive(form, decay, dtype):
     height, width, prefix = 3, 5, 1
     length = height * width + prefix
@@ -126,7 +127,7 @@ def test_multiscan_matches_naive(form, decay, dtype):
 
 @pytest.mark.parametrize("scale", ["moderate", "near0_and_near1", "underflow"])
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
-@pytest.mark.parametrize("form", [("attention", None), ("chunk", 4)], ids=_form_id)
+@pytest.mark.parametrize("form", [("attention", None), ("chunk", 4), ("chunk", None)], ids=_form_id)
 def test_multiscan_gradients_match_naive(form, decay, scale):
     """The hand-written backwards (masked attention, selective mask in scan order) against autograd
     through the float64 oracle; also with one scan's decays near 0 and the other's near 1 (each
@@ -155,6 +156,19 @@ def assert_multiscan_gradients_match_naive(q, k, v, lams, orders, generator, **f
     grads = torch.autograd.grad((lion_attention_multiscan(*leaves, orders, **form) * upstream).sum(), leaves)
     for name, got, ref in zip("qkva", grads, ref_grads):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", None)], ids=_form_id)
+def test_multiscan_without_decays_matches_naive(form, grad):
+    """No decays: every scan's mask is all ones, so a multi-scan layer is plain bidirectional linear
+    attention (the full form and a whole-sequence chunk take the exact Q (K^T V) path)."""
+    orders = snake_orders(3, 4, 1)
+    q, k, v, _ = make_inputs(2, 2, 13, 5, "lit", torch.float64, seed=19)
+    with torch.set_grad_enabled(grad):
+        out = lion_attention_multiscan(*(t.clone().requires_grad_(grad) for t in (q, k, v)), None, orders,
+                                       form=form[0], chunk_size=form[1])
+    assert rel_err(out, naive_multiscan(q, k, v, torch.ones(2, 1, 1, 1, dtype=torch.float64), orders)) < 1e-10
 
 
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
@@ -455,9 +469,10 @@ def test_chunk_inference_in_row_groups(decay, group_bytes, monkeypatch):
         return
     orders = snake_orders(3, 4, 1)
     lams = torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam.sqrt()])  # two scans, different decays
-    with torch.no_grad():
-        out = lion_attention_multiscan(q, k, v, torch.log(lams), orders, form="chunk", chunk_size=5)
-    assert rel_err(out, naive_multiscan(q, k, v, lams.expand(2, 3, 2, 13), orders)) < 1e-10
+    for chunk_size in (5, None):  # None: one chunk, the summed-mask product group by group
+        with torch.no_grad():
+            out = lion_attention_multiscan(q, k, v, torch.log(lams), orders, form="chunk", chunk_size=chunk_size)
+        assert rel_err(out, naive_multiscan(q, k, v, lams.expand(2, 3, 2, 13), orders)) < 1e-10
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])

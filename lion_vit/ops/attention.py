@@ -230,7 +230,8 @@ def decay_masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decays: Tenso
     """
     if needs_grad(q, k, v, log_decays):
         return _DecayMaskedAttention.apply(q, k, v, log_decays, positions)
-    mask, *others = _scan_masks(log_decays, q.shape[-2], positions)  # every scan's mask has one shape
-    for other in others:
-        mask.add_(other)
+    masks = _scan_masks(log_decays, q.shape[-2], positions)  # every scan's mask has one shape
+    mask = masks.pop(0)
+    while masks:  # each added mask is freed at once: the scores then meet only the summed mask
+        mask.add_(masks.pop())
     return _masked_forward(q, k, v, mask)[:2]
