@@ -279,6 +279,9 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     ("aug.mixup=-1", "aug.mixup"), ("aug.mixup_prob=2", "aug.mixup_prob"), ("aug.mixup_mode=elements", "aug.mixup_mode"),
     ("aug.smoothing=1.5", "aug.smoothing"), ("aug.reprob=2", "aug.reprob"), ("aug.scale=[1.0]", "aug.scale"),
     ("aug.scale=[0.9,0.1]", "aug.scale"), ("aug.repeated_aug=-1", "aug.repeated_aug"),
+    # timm asserts on an unknown policy or option, and skips an option without a number
+    ("aug.auto_augment=xyz", "aug.auto_augment"), ("aug.auto_augment=rand-m9-foo7", "aug.auto_augment"),
+    ("aug.auto_augment=rand-mfoo", "aug.auto_augment"), ("aug.auto_augment=augmix-m5-z2", "aug.auto_augment"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
@@ -289,6 +292,8 @@ def test_settings_out_of_range_are_named(override, needle):
         check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
         check_settings(compose("config", overrides=["optim.opt=AdamW"]))  # timm's spellings pass
         check_settings(compose("config", overrides=["optim.opt=lookahead_lamb"]))
+        for policy in ("rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd1-tweights", "augmix-m5-w3-d2", "original-mstd0.5", "3a"):
+            check_settings(compose("config", overrides=["aug=deit", f"aug.auto_augment={policy}"]))
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)

@@ -20,6 +20,7 @@ import timm
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from timm.data import Mixup
+from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
@@ -88,6 +89,29 @@ def _is_timm_optimizer(value: Any) -> bool:
     return name.removeprefix("lookahead_") in list_optimizers()
 
 
+_AUGMENT_OPTION = re.compile(r"[a-z]+\d[\d.]*")  # a letter key and its number: m9, mstd0.5, inc1
+
+
+def _is_timm_auto_augment(value: Any) -> bool:
+    """null / '' (off), or a policy timm builds with every option read: its parsers assert on an
+    unknown policy or option deep inside create_transform, and silently skip an option that has no
+    number (rand-mfoo would train with the default magnitude)."""
+    if value is None or value == "":
+        return True
+    if not isinstance(value, str):
+        return False
+    name, *options = value.split("-")
+    # RandAugment's t<choices> option names its op set instead of a number
+    if not all(_AUGMENT_OPTION.fullmatch(o) or (name == "rand" and o.startswith("t")) for o in options):
+        return False
+    parse = {"rand": rand_augment_transform, "augmix": augment_and_mix_transform}.get(name, auto_augment_transform)
+    try:
+        parse(value, {})
+    except (AssertionError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
 AMP_DTYPES = ("bfloat16", "float16")
 # timm's schedules that step per update (plateau needs a validation metric each epoch)
 SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
@@ -135,6 +159,9 @@ _TRAINING_SETTINGS = (
     ("aug.scale", lambda v: _is_pair(v, lambda x: _is_number(x) and 0 < x <= 1) and v[0] <= v[1],
      "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)"),
     ("aug.repeated_aug", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 or 1: off)"),
+    ("aug.auto_augment", _is_timm_auto_augment,
+     "null (off) or a timm policy whose options are each a key and a number: rand-m9-mstd0.5-inc1 (RandAugment, "
+     "DeiT's), augmix-m5-w3-d2, original, v0 or 3a"),
 )
 _ABSENT = object()
 
