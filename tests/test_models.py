@@ -43,13 +43,14 @@ def test_forms_agree(name, size):
     x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = model(x)
-        for form, chunk in [("rnn", None), ("chunk", 64), ("chunk", 37)]:
+        for form, chunk in [("rnn", None), ("chunk", 64), ("chunk", 37), ("chunk", None)]:  # None: one chunk
             model.set_attn_form(form, chunk)
             assert rel_err(model(x), reference) <= 1e-4, (form, chunk)
 
 
 @pytest.mark.parametrize("name", [n for n in LION_MODEL_NAMES if n.endswith("tiny")])
-@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 5)], ids=lambda f: f"{f[0]}{f[1] or ''}")
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 5), ("chunk", None)],
+                         ids=lambda f: f"{f[0]}{f[1] or ''}")
 def test_backward_reaches_every_parameter(name, form):
     model = trained_like(timm.create_model(name, num_classes=5, attn_form=form[0], chunk_size=form[1]))
     x = torch.randn(2, 3, 64, 48)
