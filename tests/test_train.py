@@ -292,11 +292,18 @@ def test_settings_out_of_range_are_named(override, needle):
         check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
         check_settings(compose("config", overrides=["optim.opt=AdamW"]))  # timm's spellings pass
         check_settings(compose("config", overrides=["optim.opt=lookahead_lamb"]))
-        for policy in ("rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd1-tweights", "augmix-m5-w3-d2", "original-mstd0.5", "3a"):
-            check_settings(compose("config", overrides=["aug=deit", f"aug.auto_augment={policy}"]))
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)
+
+
+def test_timm_auto_augment_policies_pass_the_setting_checks():
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for policy in ("rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd1-tweights", "augmix-m5-w3-d2", "original-mstd0.5", "3a",
+                       "null"):
+            check_settings(compose("config", overrides=["aug=deit", f"aug.auto_augment={policy}"]))
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))

@@ -146,11 +146,13 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
             a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
     inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
 
-    whole = form == "attention" or _one_chunk(form, chunk_size, length)
+    # one chunk covering the sequence is the full form
+    whole = form == "attention" or (form == "chunk" and (chunk_size is None or chunk_size >= length))
     if whole and a is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         return _normalize(*attention_unnormalized(q, k, v, None), v.dtype)
     if not needs_grad(q, k, v, a) and form != "attention":
-        return _normalize(*_multiscan_inference(q, k, v, a, orders, inverse, form, chunk_size), v.dtype)
+        return _normalize(*_multiscan_inference(q, k, v, a, orders, inverse, form, chunk_size, summed=whole),
+                          v.dtype)
     if whole:
         # Masks add up, so the full form needs one summed mask in token order and no permutation
         # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
@@ -168,23 +170,17 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     return _normalize(numerator, normaliser, v.dtype)
 
 
-def _one_chunk(form: str, chunk_size: Optional[int], length: int) -> bool:
-    """Whether the form is the chunk form with one chunk covering the sequence: the full form."""
-    return form == "chunk" and (chunk_size is None or chunk_size >= length)
-
-
 def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], orders: Tensor, inverse: Tensor,
-                         form: str, chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+                         form: str, chunk_size: Optional[int], summed: bool = False) -> Tuple[Tensor, Tensor]:
     """Without autograd: one scan at a time (for the chunk form, of one group of (batch, head) rows
     at a time), summed into token order in place, so that no scan-ordered copy of the whole q, k, v
-    for every scan is ever made: the rnn and chunk forms keep their memory at any resolution. A
-    chunk that covers the sequence runs the full form's single summed-mask product per group
-    instead of one product per scan: half the matmuls, and no permutations.
+    for every scan is ever made: the rnn and chunk forms keep their memory at any resolution.
+    summed (a chunk that covers the sequence, with decays): per group the full form's single
+    summed-mask product instead of one product per scan: half the matmuls, and no permutations.
 
     a: None or [S, B|1, H, L|1] log decays in scan order; inverse: [S, L], each token's scan position.
     """
     batch, heads, length, dv = v.shape
-    one_chunk = a is not None and _one_chunk(form, chunk_size, length)
     total = v.new_zeros(batch, heads, length, dv + 1, dtype=mask_dtype(v.dtype))  # [numerator, normaliser]
     # the rnn form walks the tokens one by one: more rows per step cost it nothing, more groups a loop each
     groups = row_groups(batch, heads, length * total.shape[-1] * total.element_size(), total.device) \
@@ -192,7 +188,7 @@ def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], o
     for rows in groups:
         group_total = take_rows(total, rows)
         group = [take_rows(t, rows) for t in (q, k, v)]
-        if one_chunk:
+        if summed:
             parts = decay_masked_unnormalized(*group, torch.stack([take_rows(scan, rows) for scan in a]), inverse)
             group_total[..., :dv].copy_(parts[0])
             group_total[..., dv:].copy_(parts[1])
