@@ -176,15 +176,19 @@ def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], o
     at a time), summed into token order in place, so that no scan-ordered copy of the whole q, k, v
     for every scan is ever made: the rnn and chunk forms keep their memory at any resolution.
     summed (a chunk that covers the sequence, with decays): per group the full form's single
-    summed-mask product instead of one product per scan: half the matmuls, and no permutations.
+    summed-mask product instead of one product per scan: half the matmuls, and no permutations;
+    when one group holds every row, that product's result is returned as is, with no buffer.
 
     a: None or [S, B|1, H, L|1] log decays in scan order; inverse: [S, L], each token's scan position.
     """
     batch, heads, length, dv = v.shape
-    total = v.new_zeros(batch, heads, length, dv + 1, dtype=mask_dtype(v.dtype))  # [numerator, normaliser]
+    work_dtype = mask_dtype(v.dtype)
     # the rnn form walks the tokens one by one: more rows per step cost it nothing, more groups a loop each
-    groups = row_groups(batch, heads, length * total.shape[-1] * total.element_size(), total.device) \
+    groups = list(row_groups(batch, heads, length * (dv + 1) * torch.finfo(work_dtype).bits // 8, v.device)) \
         if form == "chunk" else [(slice(None), slice(None))]
+    if summed and len(groups) == 1:  # all rows at once: the full form itself, with no buffer to copy into
+        return decay_masked_unnormalized(q, k, v, a, inverse)
+    total = v.new_zeros(batch, heads, length, dv + 1, dtype=work_dtype)  # [numerator, normaliser]
     for rows in groups:
         group_total = take_rows(total, rows)
         group = [take_rows(t, rows) for t in (q, k, v)]
