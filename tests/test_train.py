@@ -658,6 +658,25 @@ def test_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LAST]  # no partial .tmp left behind
 
 
+def test_ctrl_c_while_saving_finishes_the_checkpoint_then_interrupts(tmp_path, monkeypatch):
+    """A Ctrl-C that lands inside torch.save (which would turn it into a RuntimeError and lose the
+    write) is held until the checkpoint is complete and renamed into place, then raised."""
+    from lion_vit.engine import checkpoint as ckpt
+    last = tmp_path / ckpt.LAST
+    ckpt.save_atomic({"epoch": 0}, last)
+    real_save = torch.save
+
+    def save_interrupted(state, f):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the write starts
+        real_save(state, f)
+    monkeypatch.setattr(ckpt.torch, "save", save_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_atomic({"epoch": 1, "w": torch.arange(10_000)}, last, keep_previous=tmp_path / ckpt.PREVIOUS)
+    assert torch.load(last)["epoch"] == 1 and torch.load(tmp_path / ckpt.PREVIOUS)["epoch"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LAST, ckpt.PREVIOUS]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
+
+
 def test_checkpoint_file_and_its_directory_are_fsynced_after_the_rename(tmp_path, monkeypatch):
     """A rename is durable only once the directory is fsynced (else a power loss can bring back the
     old entry, or none): the file's data first, then the directory after both renames."""

@@ -6,6 +6,8 @@ import logging
 import os
 import pickle
 import re
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
@@ -21,6 +23,11 @@ LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-b
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
     """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`),
     and fsync the directory so that the renames survive a power loss too."""
+    with interrupts_deferred():
+        _save_atomic(state, path, keep_previous)
+
+
+def _save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -37,6 +44,29 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
         os.replace(path, keep_previous)
     os.replace(tmp, path)
     _fsync_directory(path.parent)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) until the block ends, then raise it as KeyboardInterrupt.
+
+    A KeyboardInterrupt raised inside torch.save's writer surfaces as a RuntimeError ("unexpected
+    pos") and loses the checkpoint being written; held back, the write (and whatever else the block
+    keeps together, such as an epoch's metrics line and checkpoints) finishes first. Only Python's
+    default handler in the main thread is replaced; a nested block leaves the outer one in charge.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _fsync_directory(directory: Path) -> None:

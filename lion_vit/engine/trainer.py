@@ -588,12 +588,14 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                          "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
                          "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
                          "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
-                # metrics first: a run killed in between re-trains this epoch and drops its line on resume
-                with open(output_dir / METRICS, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
-                if is_best:
-                    ckpt.save_atomic(state, output_dir / ckpt.BEST)
+                # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
+                # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
+                with ckpt.interrupts_deferred():
+                    with open(output_dir / METRICS, "a") as f:
+                        f.write(json.dumps(metrics) + "\n")
+                    ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
+                    if is_best:
+                        ckpt.save_atomic(state, output_dir / ckpt.BEST)
                 log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
                          "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
                          metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
