@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from lion_vit.engine import interrupts
 from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError
@@ -38,13 +39,17 @@ def main(cfg: DictConfig) -> float:
         wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
     try:
         metrics = train(cfg)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: say where the run stands instead of a traceback
-        if os.environ.get("RANK", "0") == "0":
-            print(_interrupted(cfg), file=sys.stderr)
-        sys.exit(130)
+    except (KeyboardInterrupt, Exception) as error:
+        # Ctrl-C: say where the run stands instead of a traceback, also when, with several processes, a
+        # peer that stopped a step earlier made this one's collective fail
+        if isinstance(error, KeyboardInterrupt) or interrupts.requested():
+            if os.environ.get("RANK", "0") == "0":
+                print(_interrupted(cfg), file=sys.stderr)
+            sys.exit(130)
+        if isinstance(error, UserError):
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        raise
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
 

@@ -1,6 +1,7 @@
 """Build datasets, timm transforms and (distributed / repeated-augmentation) loaders from config."""
 from __future__ import annotations
 
+import signal
 from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
@@ -72,7 +73,15 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
     else:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=train, persistent_workers=False)
+                      pin_memory=pin_memory, drop_last=train, persistent_workers=False,
+                      worker_init_fn=_leave_ctrl_c_to_the_main_process)
+
+
+def _leave_ctrl_c_to_the_main_process(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches the workers too; one that exits on it makes the loader raise
+    "DataLoader worker exited unexpectedly" in place of the main process's KeyboardInterrupt. The main
+    process stops, and then shuts its workers down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class SeededRepeatAugSampler(RepeatAugSampler):

@@ -6,8 +6,6 @@ import logging
 import os
 import pickle
 import re
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
@@ -15,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError, first_line
+from .interrupts import deferred
 
 log = logging.getLogger(__name__)
 LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
@@ -23,7 +22,7 @@ LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-b
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
     """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`),
     and fsync the directory so that the renames survive a power loss too."""
-    with interrupts_deferred():
+    with deferred():  # a Ctrl-C meanwhile waits until the file is in place
         _save_atomic(state, path, keep_previous)
 
 
@@ -44,29 +43,6 @@ def _save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path
         os.replace(path, keep_previous)
     os.replace(tmp, path)
     _fsync_directory(path.parent)
-
-
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) until the block ends, then raise it as KeyboardInterrupt.
-
-    A KeyboardInterrupt raised inside torch.save's writer surfaces as a RuntimeError ("unexpected
-    pos") and loses the checkpoint being written; held back, the write (and whatever else the block
-    keeps together, such as an epoch's metrics line and checkpoints) finishes first. Only Python's
-    default handler in the main thread is replaced; a nested block leaves the outer one in charge.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .distributed import all_reduce_sum
+from .interrupts import raise_if_requested
 
 
 class NonFiniteLoss(RuntimeError):
@@ -61,6 +62,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
     optimizer.zero_grad(set_to_none=True)
     bar = tqdm(loader, desc=f"train {epoch}", disable=not show_progress, leave=False, dynamic_ncols=True)
     for step, (images, targets) in enumerate(bar):
+        raise_if_requested()
         update, micro_step = divmod(step, grad_accum_steps)
         group = min(grad_accum_steps, num_batches - update * grad_accum_steps)  # batches in this update
         steps_now = micro_step == group - 1
@@ -111,6 +113,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
     for images, targets in tqdm(loader, desc="eval", disable=not show_progress, leave=False, dynamic_ncols=True):
+        raise_if_requested()
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with precision.autocast():
             logits = model(images)

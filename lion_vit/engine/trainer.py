@@ -33,6 +33,7 @@ from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
 from ..ops import FORMS
 from . import checkpoint as ckpt
+from . import interrupts
 from .allocator import keep_freed_memory
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch, updates_per_epoch
@@ -428,7 +429,9 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     model.to(device)
     loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
-    stats = evaluate(model, loader, device, _precision(cfg, device), show_progress=cfg.progress and dist_info.is_main)
+    with interrupts.stop_between_steps(announce=dist_info.is_main):
+        stats = evaluate(model, loader, device, _precision(cfg, device),
+                         show_progress=cfg.progress and dist_info.is_main)
     result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"],
               "attn_form": cfg.model.attn_form, "chunk_size": cfg.model.chunk_size, "img_size": cfg.img_size,
               "num_images": stats["num_images"], "model": with_arch.name, "checkpoint": str(cfg.checkpoint),
@@ -565,42 +568,44 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     metrics: Dict[str, Any] = {}
     show = cfg.progress and is_main
     try:
-        for epoch in range(start_epoch, cfg.epochs):
-            seed_everything(epoch_seed(cfg.seed, epoch, dist_info.rank))
-            train_loader.sampler.set_epoch(epoch)
-            try:
-                stats = train_one_epoch(train_model, train_loader, optimizer, criterion, scheduler, epoch, device,
-                                        precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum)
-            except NonFiniteLoss as error:
-                raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
-                                f"(lower optim.lr or set optim.clip_grad)") from None
-            val = evaluate(model, val_loader, device, precision, show)
-            metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
-                       "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
-                       "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
-            if ema is not None:
-                metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show)["acc1"]
-            is_best = val["acc1"] > best_acc1
-            best_acc1 = max(best_acc1, val["acc1"])
-            if is_main:
-                state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
-                         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
-                         "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
-                         "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
-                # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
-                # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
-                with ckpt.interrupts_deferred():
-                    with open(output_dir / METRICS, "a") as f:
-                        f.write(json.dumps(metrics) + "\n")
-                    ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
-                    if is_best:
-                        ckpt.save_atomic(state, output_dir / ckpt.BEST)
-                log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
-                         "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
-                         metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
-                         metrics["imgs_per_s"])
-                logger.log(metrics, step=epoch)
+        # the first Ctrl-C stops the run before its next step: see interrupts.py
+        with interrupts.stop_between_steps(announce=is_main):
+            for epoch in range(start_epoch, cfg.epochs):
+                seed_everything(epoch_seed(cfg.seed, epoch, dist_info.rank))
+                train_loader.sampler.set_epoch(epoch)
+                try:
+                    stats = train_one_epoch(train_model, train_loader, optimizer, criterion, scheduler, epoch, device,
+                                            precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum)
+                except NonFiniteLoss as error:
+                    raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
+                                    f"(lower optim.lr or set optim.clip_grad)") from None
+                val = evaluate(model, val_loader, device, precision, show)
+                metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
+                           "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
+                           "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
+                if ema is not None:
+                    metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show)["acc1"]
+                is_best = val["acc1"] > best_acc1
+                best_acc1 = max(best_acc1, val["acc1"])
+                if is_main:
+                    state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
+                             "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
+                             "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
+                    # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
+                    # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
+                    with interrupts.deferred():
+                        with open(output_dir / METRICS, "a") as f:
+                            f.write(json.dumps(metrics) + "\n")
+                        ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
+                        if is_best:
+                            ckpt.save_atomic(state, output_dir / ckpt.BEST)
+                    log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
+                             "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
+                             metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
+                             metrics["imgs_per_s"])
+                    logger.log(metrics, step=epoch)
     finally:
         logger.finish()
     return metrics
