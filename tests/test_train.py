@@ -244,6 +244,37 @@ def test_first_ctrl_c_stops_before_the_next_step_and_a_second_at_once():
         interrupts.raise_if_requested()
 
 
+def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
+    """One rank of a two-process gloo group taking up to 5 steps; only rank 1 sees a Ctrl-C, in step 2."""
+    import torch.distributed as dist
+    from lion_vit.engine import interrupts
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    steps = 0
+    try:
+        with interrupts.stop_between_steps(announce=False):
+            for step in range(5):
+                interrupts.raise_if_requested(agree_on=torch.device("cpu"))
+                if rank == 1 and step == 2:
+                    os.kill(os.getpid(), signal.SIGINT)
+                steps += 1
+    except KeyboardInterrupt:
+        (out / f"rank{rank}").write_text(str(steps))
+    dist.destroy_process_group()
+
+
+def test_distributed_ranks_stop_before_the_same_step(tmp_path):
+    """A rank that stopped alone would leave its peers waiting in the next collective (DDP's gradient
+    all-reduce) for good: the ranks agree, so one rank's Ctrl-C stops every rank before the same step."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(_count_steps_until_stopped, args=(port, tmp_path), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
+
+
 def test_deferred_ctrl_c_goes_to_the_handler_it_was_meant_for():
     from lion_vit.engine import interrupts
     with interrupts.stop_between_steps(announce=False):

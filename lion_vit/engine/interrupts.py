@@ -7,7 +7,8 @@ DataLoader starting its workers, every epoch) prints it as "Exception ignored" a
 on; a DataLoader iterator being built is left half-made (its __del__ then fails); inside torch's
 C++ code it comes out as another error (torch.save: RuntimeError "unexpected pos", and the
 checkpoint is lost). So while training, a first Ctrl-C is only noted, and the loops stop before
-their next step (`raise_if_requested`); a second one raises at once, for a step that hangs.
+their next step (`raise_if_requested`; all ranks of a distributed run before the same one); a second
+one raises at once, for a step that hangs.
 """
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from .distributed import all_reduce_sum
 
 _requested = False  # a Ctrl-C arrived in the last stop_between_steps block
 _noting = False  # in such a block, with its handler installed
@@ -61,10 +67,21 @@ def requested() -> bool:
     return _requested
 
 
-def raise_if_requested() -> None:
+def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     """Between steps: raise KeyboardInterrupt if a Ctrl-C was noted in the enclosing
-    stop_between_steps block (outside one, Python's handler has raised it already)."""
-    if _noting and _requested:
+    stop_between_steps block (outside one, Python's handler has raised it already).
+
+    In a distributed run the ranks must stop before the same step, or one waits in a collective for a
+    peer that has gone: with `agree_on` (the device of the process group's tensors), every rank calls
+    this before every training step and they decide together (one tiny all-reduce); without it
+    (evaluation, whose shards may differ by a batch), a distributed run goes on to the next agreed step.
+    """
+    stop = _noting and _requested
+    if dist.is_available() and dist.is_initialized():
+        if agree_on is None:
+            return
+        stop = all_reduce_sum([float(stop)], agree_on)[0] > 0
+    if stop:
         raise KeyboardInterrupt
 
 

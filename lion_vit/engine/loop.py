@@ -62,7 +62,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
     optimizer.zero_grad(set_to_none=True)
     bar = tqdm(loader, desc=f"train {epoch}", disable=not show_progress, leave=False, dynamic_ncols=True)
     for step, (images, targets) in enumerate(bar):
-        raise_if_requested()
+        raise_if_requested(agree_on=device)  # every rank takes every step: they stop before the same one
         update, micro_step = divmod(step, grad_accum_steps)
         group = min(grad_accum_steps, num_batches - update * grad_accum_steps)  # batches in this update
         steps_now = micro_step == group - 1
