@@ -40,8 +40,8 @@ def main(cfg: DictConfig) -> float:
     try:
         metrics = train(cfg)
     except (KeyboardInterrupt, Exception) as error:
-        # Ctrl-C: say where the run stands instead of a traceback, also when, with several processes, a
-        # peer that stopped a step earlier made this one's collective fail
+        # Ctrl-C: say where the run stands instead of a traceback, also when a second Ctrl-C, raised at once
+        # wherever the run was, came out as another error (inside torch's C++ code, a DataLoader worker)
         if isinstance(error, KeyboardInterrupt) or interrupts.requested():
             if os.environ.get("RANK", "0") == "0":
                 print(_interrupted(cfg), file=sys.stderr)

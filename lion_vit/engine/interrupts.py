@@ -62,8 +62,8 @@ def stop_between_steps(announce: bool = True) -> Iterator[None]:
 
 
 def requested() -> bool:
-    """Whether a Ctrl-C arrived in the last `stop_between_steps` block (an error after it is its doing,
-    such as a collective whose peer stopped a step earlier)."""
+    """Whether a Ctrl-C arrived in the last `stop_between_steps` block: an error after it is its doing
+    (a second Ctrl-C raises at once, wherever the run is, and may come out as another error)."""
     return _requested
 
 
