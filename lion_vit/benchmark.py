@@ -114,7 +114,9 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=non_negative_int, default=2, help="timed runs after one warm-up (median)")
+    parser.add_argument("--repeats", type=non_negative_int, default=2,
+                        help="timed runs after one warm-up (median; an even count averages the middle two); "
+                             "0: time the memory measurement's one forward")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="measure every configuration this many times, round-robin, keeping the best time "
                              "(machine drift then hits all configurations alike)")
@@ -240,14 +242,13 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     first = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else \
         (_status_kb("VmHWM") * 1024 - base if base is not None else None)
-    times = []
+    times: List[float] = []
     for _ in range(repeats):
         start = time.perf_counter()
         forward()
         times.append(time.perf_counter() - start)
-    times.sort()
-    return {"time_s": times[len(times) // 2] if times else first, "peak_mem_mb": None if peak is None else peak / 2**20,
-            **compiled}
+    return {"time_s": statistics.median(times) if times else first,
+            "peak_mem_mb": None if peak is None else peak / 2**20, **compiled}
 
 
 def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:

@@ -10,6 +10,10 @@ resolution for reference. Writes <out>/chunk.{csv,json,png}.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
                                 label, markdown_table, measure_rows, model_name, plot_lines, positive_int,

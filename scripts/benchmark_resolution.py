@@ -10,6 +10,10 @@ time and memory as a ratio to the first model (the baseline) at the same resolut
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
                                 label, markdown_table, measure_rows, plot_lines, positive_int, result_columns,

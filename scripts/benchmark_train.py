@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 import lion_vit  # noqa: F401  (registers the LION models)
 from lion_vit.benchmark import (device_name, markdown_table, model_name, output_folder, paired_ratio, positive_int,

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import timm
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 import lion_vit
 from lion_vit.benchmark import device_name, output_file, positive_int
