@@ -1,7 +1,9 @@
 """train.py end to end on CPU with tiny generated data: one epoch, torchrun, resume, eval, errors."""
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -906,6 +908,47 @@ def test_quickstart_short(tmp_path):
     assert len(metrics) == 3 and metrics[-1]["val_acc1"] > 30  # well above 10% chance already
 
 
+def test_progress_off_a_terminal_is_a_log_line_every_log_interval_steps(tmp_path):
+    """Under SLURM or a pipe (stderr not a terminal) tqdm's redraws would pile up in the log file: progress is
+    instead a line every log_interval steps, on stdout and in train.log, and the epoch's line ends the epoch."""
+    proc = run_train("epochs=1", f"output_dir={tmp_path}", "log_interval=5")  # digits: 22 steps per epoch
+    assert_ok(proc)
+    steps = re.findall(r"INFO train 1 \[\s*(\d+)/22\]  loss \d\.\d{4}  lr \S+  \d+\.\d{3} s/step  \S+ left\n",
+                       proc.stdout)
+    assert steps == ["5", "10", "15", "20"], proc.stdout[-2000:]
+    assert re.search(r"INFO eval \[5/6\]", proc.stdout) and "INFO epoch 1/1" in proc.stdout
+    assert "\r" not in proc.stdout + proc.stderr and "it/s" not in proc.stderr
+    assert (tmp_path / "train.log").read_text().count(" INFO train 1 [") == 4
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar(monkeypatch, caplog):
+    from lion_vit.engine.loop import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with caplog.at_level(logging.INFO, logger="lion_vit"):
+        progress = Progress(range(12), "train 3", show=True, log_interval=5)
+        postfixes = []
+        for step, _ in enumerate(progress):
+            progress.report(step, loss="0.1234")
+            postfixes.append(progress.bar.postfix)  # drawn at tqdm's next refresh
+        assert "train 3:   0%|" in sys.stderr.getvalue() and postfixes[-1] == "loss=0.1234"
+        assert not caplog.records, "a terminal gets the bar, not log lines"
+        monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+        progress = Progress(range(12), "eval", show=True, log_interval=5)
+        for step, _ in enumerate(progress):
+            progress.report(step)
+        for show, interval in ((False, 5), (True, 0)):  # progress=false; log_interval=0
+            quiet = Progress(range(12), "eval", show=show, log_interval=interval)
+            for step, _ in enumerate(quiet):
+                quiet.report(step)
+    assert [r.getMessage()[:11] for r in caplog.records] == ["eval [ 5/12", "eval [10/12"]
+    assert sys.stderr.getvalue() == ""
+
+
 def test_nonfinite_loss_stops_training():
     from lion_vit.engine.loop import NonFiniteLoss, Precision, train_one_epoch
 
@@ -920,7 +963,7 @@ def test_nonfinite_loss_stops_training():
     model = Exploding()
     loader = [(torch.randn(2, 3, 2, 2), torch.tensor([0, 1]))]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NonFiniteLoss, match="epoch 4, step 0"):
+    with pytest.raises(NonFiniteLoss, match="epoch 5, step 1"):  # counted from 1, as the log's "epoch 5/300"
         train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), None, 4, torch.device("cpu"),
                         Precision(torch.device("cpu")), show_progress=False)
     assert torch.equal(model.w.detach(), torch.ones(1)), "no step is taken on a non-finite loss"

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 from timm.utils import accuracy
@@ -14,6 +16,8 @@ from tqdm import tqdm
 
 from .distributed import all_reduce_sum
 from .interrupts import raise_if_requested
+
+log = logging.getLogger("lion_vit")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -32,6 +36,33 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
+class Progress:
+    """Progress of the main process through a loader: tqdm's bar on a terminal. Where stderr is not a
+    terminal (a SLURM log, nohup, a pipe) a bar's redraws, several a second, would pile up in the file,
+    so it logs a line every `log_interval` steps instead, as timm's train.py does (0: none)."""
+
+    def __init__(self, loader, desc: str, show: bool, log_interval: int) -> None:
+        self.total, self.desc, self.log_interval = len(loader), desc, log_interval
+        self.bar = tqdm(loader, desc=desc, leave=False, dynamic_ncols=True) if show and sys.stderr.isatty() else None
+        self.lines = show and self.bar is None and log_interval > 0
+        self.loader, self.start = loader, time.perf_counter()
+
+    def __iter__(self) -> Iterator:
+        return iter(self.bar if self.bar is not None else self.loader)
+
+    def report(self, step: int, **values: str) -> None:
+        """After batch `step` (from 0): values (already formatted) go to the bar, or to every
+        log_interval-th line with the mean time per step and the time left (the last step is the epoch's line)."""
+        done = step + 1
+        if self.bar is not None:
+            self.bar.set_postfix(values, refresh=False)
+        elif self.lines and done % self.log_interval == 0 and done < self.total:
+            per_step = (time.perf_counter() - self.start) / done
+            shown = "".join(f"  {name} {value}" for name, value in values.items())
+            log.info("%s [%*d/%d]%s  %.3f s/step  %s left", self.desc, len(str(self.total)), done, self.total, shown,
+                     per_step, tqdm.format_interval(per_step * (self.total - done)))
+
+
 def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
     """The schedule's current lr: the largest over parameter groups (with optim.layer_decay the head's,
     whose lr_scale is 1; the first group would be the patch embedding's, scaled down the most)."""
@@ -48,7 +79,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
                     scheduler, epoch: int, device: torch.device, precision: Precision,
                     scaler: Optional[torch.amp.GradScaler] = None, mixup_fn: Optional[Callable] = None,
                     ema=None, clip_grad: Optional[float] = None, show_progress: bool = True,
-                    grad_accum_steps: int = 1) -> Dict[str, float]:
+                    grad_accum_steps: int = 1, log_interval: int = 50) -> Dict[str, float]:
     """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time.
 
     With grad_accum_steps > 1 the gradients of that many batches are averaged before each optimizer
@@ -60,8 +91,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
     total_loss, seen = 0.0, 0
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    bar = tqdm(loader, desc=f"train {epoch}", disable=not show_progress, leave=False, dynamic_ncols=True)
-    for step, (images, targets) in enumerate(bar):
+    progress = Progress(loader, f"train {epoch + 1}", show_progress, log_interval)  # "epoch 1/300" in the log
+    for step, (images, targets) in enumerate(progress):
         raise_if_requested(agree_on=device)  # every rank takes every step: they stop before the same one
         update, micro_step = divmod(step, grad_accum_steps)
         group = min(grad_accum_steps, num_batches - update * grad_accum_steps)  # batches in this update
@@ -75,28 +106,27 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
                 loss = criterion(model(images), targets)
             loss_value = loss.item()
             if not math.isfinite(loss_value):
-                raise NonFiniteLoss(f"loss is {loss_value} at epoch {epoch}, step {step}")
+                raise NonFiniteLoss(f"loss is {loss_value} at epoch {epoch + 1}, step {step + 1}")  # as the log counts
             if group > 1:
                 loss = loss / group
             (loss if scaler is None else scaler.scale(loss)).backward()
         total_loss += loss_value * images.shape[0]
         seen += images.shape[0]
-        if not steps_now:
-            continue
-        if clip_grad:
+        if steps_now:  # the update's last batch: optimizer step
+            if clip_grad:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
             if scaler is not None:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.update(model, step=epoch * updates + update)
-        scheduler.step_update(num_updates=epoch * updates + update + 1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{scheduled_lr(optimizer):.2e}")
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(model, step=epoch * updates + update)
+            scheduler.step_update(num_updates=epoch * updates + update + 1)
+        progress.report(step, loss=f"{loss_value:.4f}", lr=f"{scheduled_lr(optimizer):.2e}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -107,12 +137,13 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
-             show_progress: bool = True) -> Dict[str, float]:
+             show_progress: bool = True, log_interval: int = 50) -> Dict[str, float]:
     """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
-    for images, targets in tqdm(loader, desc="eval", disable=not show_progress, leave=False, dynamic_ncols=True):
+    progress = Progress(loader, "eval", show_progress, log_interval)
+    for step, (images, targets) in enumerate(progress):
         raise_if_requested()
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with precision.autocast():
@@ -123,6 +154,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
         correct1 += top1.item() * targets.shape[0] / 100.0
         correct5 += top5.item() * targets.shape[0] / 100.0
         count += targets.shape[0]
+        progress.report(step)
     loss_sum, correct1, correct5, count = all_reduce_sum([loss_sum, correct1, correct5, count], device)
     count = max(count, 1)
     return {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,

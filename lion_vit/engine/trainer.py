@@ -126,6 +126,7 @@ _SETTINGS = (
     ("grad_accum_steps", lambda v: _is_int(v) and v > 0, "a positive integer (1: no accumulation)"),
     ("num_workers", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     ("seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    ("log_interval", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0: no progress lines)"),
     ("amp_dtype", lambda v: v in AMP_DTYPES, " | ".join(AMP_DTYPES)),
     ("logger.wandb.mode", lambda v: v in WANDB_MODES, " | ".join(WANDB_MODES)),
     ("model.name", lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small"),
@@ -431,7 +432,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
                           rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, _precision(cfg, device),
-                         show_progress=cfg.progress and dist_info.is_main)
+                         show_progress=cfg.progress and dist_info.is_main, log_interval=cfg.log_interval)
     result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"],
               "attn_form": cfg.model.attn_form, "chunk_size": cfg.model.chunk_size, "img_size": cfg.img_size,
               "num_images": stats["num_images"], "model": with_arch.name, "checkpoint": str(cfg.checkpoint),
@@ -575,16 +576,18 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 train_loader.sampler.set_epoch(epoch)
                 try:
                     stats = train_one_epoch(train_model, train_loader, optimizer, criterion, scheduler, epoch, device,
-                                            precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum)
+                                            precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum,
+                                            cfg.log_interval)
                 except NonFiniteLoss as error:
                     raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
                                     f"(lower optim.lr or set optim.clip_grad)") from None
-                val = evaluate(model, val_loader, device, precision, show)
+                val = evaluate(model, val_loader, device, precision, show, cfg.log_interval)
                 metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
                            "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
                 if ema is not None:
-                    metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show)["acc1"]
+                    metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
+                                                       cfg.log_interval)["acc1"]
                 is_best = val["acc1"] > best_acc1
                 best_acc1 = max(best_acc1, val["acc1"])
                 if is_main:
