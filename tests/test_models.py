@@ -271,24 +271,33 @@ def test_empty_batch_gives_empty_logits_in_every_form(name):
 
 
 # aot_eager traces the forward and backward graphs as inductor does, without generating code (seconds
-# instead of tens of seconds); one model runs through inductor, train.py's compile=true
-@pytest.mark.parametrize("name, backend", [(n, "aot_eager") for n in TINY_NAMES] + [("lion_s_natural_tiny", "inductor")])
-def test_compile_fullgraph_trains_like_eager(name, backend):
-    """torch.compile(fullgraph=True), so with no graph break, gives eager's outputs and gradients.
+# instead of tens of seconds); one model runs through inductor (train.py's compile=true) in the training
+# form and in the chunk form (benchmark --compile)
+@pytest.mark.parametrize("name, backend, form", [(n, "aot_eager", f) for n in TINY_NAMES for f in FORMS] +
+                         [("lion_s_natural_tiny", "inductor", FORMS[0]), ("lion_s_natural_tiny", "inductor", FORMS[2])],
+                         ids=lambda value: value[0] if isinstance(value, tuple) else None)
+def test_compile_fullgraph_trains_like_eager(name, backend, form):
+    """torch.compile(fullgraph=True), so with no graph break, gives eager's outputs and gradients, and
+    eager's outputs without autograd (the inference paths: in-place sums, row groups), in every form.
     (LION-lit failed while its backward was traced, and the selective masks of the two-scan models
     broke the graph on block bounds read from a tensor.)"""
     torch._dynamo.reset()
     model = _one_block_model(name)
+    model.set_attn_form(*form)
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     reference = model(x)
     reference.logsumexp(-1).sum().backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    out = torch.compile(model, fullgraph=True, backend=backend)(x)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    out = compiled(x)
     out.logsumexp(-1).sum().backward()
     assert rel_err(out, reference) <= 1e-5
     for n, p in model.named_parameters():
         assert rel_err(p.grad, expected[n]) <= 1e-4, n
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) <= 1e-5
 
 
 @pytest.mark.parametrize("name, grad", [(n, False) for n in TINY_NAMES] + [(n, True) for n in TINY_NAMES if "_s_" in n])
