@@ -213,6 +213,35 @@ def test_ctrl_c_in_a_terminal_with_loader_workers_stops_cleanly(folder, tmp_path
     assert f"interrupted: {tmp_path} holds the checkpoint of the last finished epoch" in stderr
 
 
+def test_ctrl_c_during_an_epochs_evaluation_keeps_the_epoch(folder, tmp_path):
+    """A Ctrl-C while an epoch is evaluated (its model, then its EMA) lets the evaluation finish and
+    the epoch's checkpoint be written, then stops before the next training step: the epoch's training
+    is not thrown away for the sake of a few seconds of evaluation. train.py runs as a terminal starts
+    it, with the first evaluation sending the Ctrl-C."""
+    interrupt_in_first_eval = (
+        "import os, runpy, signal, sys\n"
+        "import lion_vit.engine.trainer as trainer\n"
+        "evaluate, calls = trainer.evaluate, []\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    if not calls:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    calls.append(1)\n"
+        "    print('evaluation', len(calls), file=sys.stderr)\n"
+        "    return evaluate(*args, **kwargs)\n"
+        "trainer.evaluate = interrupted\n"
+        "sys.argv = ['train.py', *sys.argv[1:]]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", interrupt_in_first_eval, *SMALL_LION, "data=imagefolder",
+                           f"data.root={folder}", "batch_size=4", "aug=none", "ema.enabled=true", "epochs=5",
+                           f"output_dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "evaluation 2" in proc.stderr and "evaluation 3" not in proc.stderr  # model and EMA, then stopped
+    assert f"interrupted: {tmp_path} holds the checkpoint of the last finished epoch" in proc.stderr
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0]
+    assert torch.load(tmp_path / "checkpoint-last.pt")["epoch"] == 0
+
+
 def test_first_ctrl_c_stops_before_the_next_step_and_a_second_at_once():
     """While training, a Ctrl-C raised wherever the main thread is can be lost or turned into another
     error; the first one is only noted, and the loop stops before its next step."""
@@ -294,15 +323,20 @@ def test_deferred_ctrl_c_goes_to_the_handler_it_was_meant_for():
 
 
 def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
+    """One Hydra sweep (-m, as the README shows) over the forms: each job writes <output_dir>/<job>/eval.json."""
+    forms = ["attention", "rnn", "chunk"]
+    assert_ok(run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+                        f"checkpoint={trained / 'checkpoint-last.pt'}", f"model.attn_form={','.join(forms)}",
+                        "model.chunk_size=3", f"output_dir={tmp_path}"))
     results = {}
-    for form, chunk in [("attention", "null"), ("rnn", "null"), ("chunk", "3")]:
-        out = tmp_path / form
-        assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
-                            f"checkpoint={trained / 'checkpoint-last.pt'}", f"model.attn_form={form}",
-                            f"model.chunk_size={chunk}", f"output_dir={out}"))
-        results[form] = json.loads((out / "eval.json").read_text())
-        assert set(results[form]) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "img_size", "num_images"}
-        assert results[form]["attn_form"] == form and results[form]["num_images"] == 12
+    for job in range(len(forms)):
+        result = json.loads((tmp_path / str(job) / "eval.json").read_text())
+        assert set(result) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "img_size", "num_images",
+                               "model", "checkpoint", "weights"}
+        assert result["num_images"] == 12
+        results[result["attn_form"]] = result
+    assert sorted(results) == sorted(forms)
+    assert [results[form]["chunk_size"] for form in forms] == [None, None, 3]  # only the chunk form has one
     assert results["attention"]["acc1"] == results["rnn"]["acc1"] == results["chunk"]["acc1"]
     assert abs(results["attention"]["loss"] - results["rnn"]["loss"]) < 1e-4
     assert abs(results["attention"]["loss"] - results["chunk"]["loss"]) < 1e-4

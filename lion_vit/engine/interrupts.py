@@ -74,7 +74,8 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     In a distributed run the ranks must stop before the same step, or one waits in a collective for a
     peer that has gone: with `agree_on` (the device of the process group's tensors), every rank calls
     this before every training step and they decide together (one tiny all-reduce); without it
-    (evaluation, whose shards may differ by a batch), a distributed run goes on to the next agreed step.
+    (eval_only's evaluation, whose shards may differ by a batch), a distributed run goes on to the next
+    agreed step. (An epoch's evaluation in training does not call this: the epoch's checkpoint comes first.)
     """
     stop = _noting and _requested
     if dist.is_available() and dist.is_initialized():

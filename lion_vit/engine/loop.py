@@ -137,14 +137,18 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
-             show_progress: bool = True, log_interval: int = 50) -> Dict[str, float]:
-    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks."""
+             show_progress: bool = True, log_interval: int = 50, interruptible: bool = True) -> Dict[str, float]:
+    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks.
+
+    interruptible=False (an epoch's evaluation in training): a first Ctrl-C lets it finish, so that the
+    epoch just trained gets its checkpoint, and training stops before its next step instead."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
     progress = Progress(loader, "eval", show_progress, log_interval)
     for step, (images, targets) in enumerate(progress):
-        raise_if_requested()
+        if interruptible:
+            raise_if_requested()
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with precision.autocast():
             logits = model(images)

@@ -433,8 +433,9 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, _precision(cfg, device),
                          show_progress=cfg.progress and dist_info.is_main, log_interval=cfg.log_interval)
-    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"],
-              "attn_form": cfg.model.attn_form, "chunk_size": cfg.model.chunk_size, "img_size": cfg.img_size,
+    form = cfg.model.attn_form  # a chunk size set for a sweep over forms means nothing to the others
+    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], "attn_form": form,
+              "chunk_size": cfg.model.chunk_size if form == "chunk" else None, "img_size": cfg.img_size,
               "num_images": stats["num_images"], "model": with_arch.name, "checkpoint": str(cfg.checkpoint),
               "weights": "ema" if use_ema else "model"}
     if dist_info.is_main:
@@ -581,13 +582,16 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 except NonFiniteLoss as error:
                     raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
                                     f"(lower optim.lr or set optim.clip_grad)") from None
-                val = evaluate(model, val_loader, device, precision, show, cfg.log_interval)
+                # a Ctrl-C from here on stops the run after this epoch's checkpoint, not before it: the
+                # evaluation takes a small part of an epoch, whose training would be lost (as in torchrun
+                # runs, whose ranks stop only before an agreed training step)
+                val = evaluate(model, val_loader, device, precision, show, cfg.log_interval, interruptible=False)
                 metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
                            "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
                 if ema is not None:
                     metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
-                                                       cfg.log_interval)["acc1"]
+                                                       cfg.log_interval, interruptible=False)["acc1"]
                 is_best = val["acc1"] > best_acc1
                 best_acc1 = max(best_acc1, val["acc1"])
                 if is_main:
