@@ -59,16 +59,20 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
         block_decays = [None] * (stop - start) if decays is None else decays[:, :, :, start:stop].unbind(3)
         queries, keys = block(q, start, stop), block(k, start, stop)
         diagonals.append((queries[0] * keys[0]).sum(-1))  # q_i . k_i of these scan positions, [B, H, n]
-        steps = zip(queries.unbind(3), keys.unbind(3), values.unbind(3), block_decays)
-        for t, (q_t, k_t, v_t, decay_t) in enumerate(steps, start):
+        # a step's operands shaped for it here, a block at a time: each step then costs three torch calls
+        # (decay, update, read), which at thousands of steps per layer are most of the form's time
+        step_outputs = out[start:stop].unbind(0) if inplace else [None] * (stop - start)
+        steps = zip(queries.unsqueeze(-2).unbind(3), keys.unsqueeze(-1).unbind(3), values.unsqueeze(-2).unbind(3),
+                    block_decays, step_outputs)
+        for t, (q_t, k_t, v_t, decay_t, out_t) in enumerate(steps, start):
             if t > 0 and decay_t is not None:
                 state = state.mul_(decay_t) if inplace else state * decay_t
-            k_t, v_t = k_t.unsqueeze(-1), v_t.unsqueeze(-2)
-            state = state.addcmul_(k_t, v_t) if inplace else torch.addcmul(state, k_t, v_t)
             if inplace:
-                torch.matmul(q_t.unsqueeze(-2), state, out=out[t])
+                state.addcmul_(k_t, v_t)
+                torch.matmul(q_t, state, out=out_t)
             else:
-                outputs.append(q_t.unsqueeze(-2) @ state)  # [2, B, H, 1, Dv+1]
+                state = torch.addcmul(state, k_t, v_t)
+                outputs.append(q_t @ state)  # [2, B, H, 1, Dv+1]
     del state
     if not inplace:
         out = torch.stack(outputs)
