@@ -141,8 +141,9 @@ def describe_settings(args: argparse.Namespace) -> str:
 
 
 def result_columns(args: argparse.Namespace) -> List[str]:
-    """The measured columns of an inference table (compile_s when compiled)."""
-    return ["status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline"] + \
+    """The measured columns of an inference table (compile_s when compiled); chunks: the chunk form's
+    chunks per sequence (1: one product over the whole sequence, which cost less)."""
+    return ["chunks", "status", "time_s", "peak_mem_mb", "time_x_baseline", "mem_x_baseline"] + \
         (["compile_s"] if args.compile else [])
 
 
@@ -198,7 +199,8 @@ MEMORY_MODES = ("steady", "first")
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
                       memory: str = "steady", compile: bool = False) -> Dict[str, Any]:
-    """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process.
+    """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process
+    (and, for a LION model's chunk form, its chunks per sequence).
 
     memory: "steady" measures the peak of a second forward, "first" that of the first call.
     compile: torch.compile the model; its compiling first call is timed as compile_s.
@@ -208,6 +210,8 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
+    # a LION model's chunk form: chunks per sequence (1 where one product over the whole sequence costs less)
+    chunks = model.chunks_per_sequence((img_size, img_size)) if hasattr(model, "chunks_per_sequence") else None
     if compile:
         # as in a fresh process: no graphs of earlier configurations (CUDA sweeps run in one process,
         # where they would count towards Dynamo's recompile limit, beyond which it runs eagerly)
@@ -248,7 +252,8 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         forward()
         times.append(time.perf_counter() - start)
     return {"time_s": statistics.median(times) if times else first,
-            "peak_mem_mb": None if peak is None else peak / 2**20, **compiled}
+            "peak_mem_mb": None if peak is None else peak / 2**20, **compiled,
+            **({"chunks": chunks} if chunks else {})}
 
 
 def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
@@ -360,13 +365,19 @@ def label(row: Dict[str, Any]) -> str:
     return f"{row['model']} ({form})"
 
 
+def chunks_text(chunks: Optional[int]) -> str:
+    """'1 chunk', '13 chunks'; '' for None (not the chunk form)."""
+    return f"{chunks} chunk{'s' if chunks > 1 else ''}" if chunks else ""
+
+
 def status_line(row: Dict[str, Any]) -> str:
     """One progress line for a measured row; a failed configuration says why (its error's last line)."""
     if row["status"] != STATUS_OK:
         return f"{label(row):40s} {row['status']:7s} {row.get('detail') or ''}".rstrip()
     peak = "n/a" if row["peak_mem_mb"] is None else f"+{row['peak_mem_mb']:9.1f} MB"
     compiled = f"  compile {row['compile_s']:.1f}s" if row.get("compile_s") is not None else ""
-    return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}{compiled}"
+    chunks = f"  {chunks_text(row['chunks'])}" if row.get("chunks") else ""
+    return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}{compiled}{chunks}"
 
 
 def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:

@@ -16,6 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from .ops.masks import mask_dtype
 from .ops import check_form, get_feature_map, lion_attention, lion_attention_multiscan, snake_orders
+from .ops.chunk import chunk_count, whole_product_is_cheaper
 
 DECAYS = ("lit", "fixed", "selective")
 
@@ -128,6 +129,15 @@ class LionAttention(nn.Module):
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None) -> None:
         check_form(attn_form, chunk_size)
         self.attn_form, self.chunk_size = attn_form, chunk_size
+
+    def chunks_per_sequence(self, num_tokens: int) -> int:
+        """How many chunks the chunk form cuts a sequence of num_tokens into: 1 where it runs one
+        product over the whole sequence (one chunk, or where chunks would cost more multiply-adds,
+        ops.whole_product_is_cheaper)."""
+        if whole_product_is_cheaper(num_tokens, self.chunk_size, self.head_dim, self.head_dim, self.num_scans,
+                                    decayed=self.decay != "lit"):
+            return 1
+        return chunk_count(num_tokens, self.chunk_size)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay}, scans={self.num_scans}, "

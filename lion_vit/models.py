@@ -138,6 +138,16 @@ class LionViT(VisionTransformer):
             attn.set_attn_form(attn_form, chunk_size)
         return self
 
+    def chunks_per_sequence(self, img_size: Tuple[int, int]) -> Optional[int]:
+        """In the chunk form, how many chunks every layer cuts the tokens of an image of img_size (H, W)
+        into: 1 where it runs one product over the whole sequence, which costs less there; None in the
+        other forms."""
+        attn = next(self.lion_attentions())
+        if attn.attn_form != "chunk":
+            return None
+        height, width = self.patch_embed.dynamic_feat_size(img_size)
+        return attn.chunks_per_sequence(height * width + self.num_prefix_tokens)
+
     @property
     def attn_form(self) -> Tuple[str, Optional[int]]:
         attn = next(self.lion_attentions())

@@ -55,7 +55,7 @@ def test_resolution_and_chunk_scripts(tmp_path):
         resolution = pool.submit(run_script, "benchmark_resolution.py", "--runs", "deit_tiny_patch16_224",
                                  "lion_d_tiny:chunk:4", "--resolutions", "64", "--repeats", "1", "--out", str(tmp_path))
         chunk = pool.submit(run_script, "benchmark_chunk.py", "--models", "lion_d_tiny", "--chunk-sizes", "4", "16",
-                            "--resolution", "64", "--baseline", "", "--reference-forms", "--repeats", "0",
+                            "--resolution", "256", "--baseline", "", "--reference-forms", "--repeats", "0",
                             "--out", str(tmp_path))
         out = resolution.result()
         chunk.result()
@@ -64,11 +64,14 @@ def test_resolution_and_chunk_scripts(tmp_path):
         ("deit_tiny_patch16_224", "", "", "ok"), ("lion_d_tiny", "chunk", "4", "ok")]
     assert all(r["memory"] == "steady" and float(r["time_s"]) > 0 and float(r["peak_mem_mb"]) >= 0 for r in rows)
     assert float(rows[1]["time_x_baseline"]) == pytest.approx(float(rows[1]["time_s"]) / float(rows[0]["time_s"]))
-    assert (tmp_path / "resolution.png").stat().st_size > 0 and "| 64 | lion_d_tiny (chunk C=4) | ok |" in out
+    # 16 tokens: one product over the whole sequence costs less than chunks of 4 (the chunks column says 1)
+    assert [r["chunks"] for r in rows] == ["", "1"]
+    assert (tmp_path / "resolution.png").stat().st_size > 0 and "| 64 | lion_d_tiny (chunk C=4) | 1 | ok |" in out
 
-    rows = read_rows(tmp_path / "chunk.csv")
-    assert [(r["chunk_size"], r["status"]) for r in rows] == [("4", "ok"), ("16", "ok")]
+    rows = read_rows(tmp_path / "chunk.csv")  # 256 tokens: chunks pay
+    assert [(r["chunk_size"], r["chunks"], r["status"]) for r in rows] == [("4", "64", "ok"), ("16", "16", "ok")]
     assert (tmp_path / "chunk.png").stat().st_size > 0
+    assert "64 chunks" in chunk.result() and "16 chunks" in chunk.result()
 
 
 def test_train_script_ratios_and_profile(tmp_path):
@@ -272,13 +275,21 @@ def test_failed_configuration_is_recorded_with_its_reason(tmp_path):
 
 
 def test_check_equivalence_script(tmp_path):
-    """The README's form-agreement figures come from this script: it must report every form and size."""
+    """The README's form-agreement figures come from this script: it must report every form and size, and
+    how many chunks the chunk form ran: at 2 x 3 patches one product over the whole sequence (chunks of 5
+    would cost more), exactly the attention form's; at 17 x 17 patches (289 tokens) 58 chunks of 5."""
     out = run_script("check_equivalence.py", "--models", "lion_d_tiny", "lion_s_natural_tiny", "--sizes", "32x48",
-                     "--chunks", "5", "--json", str(tmp_path / "eq.json"))
+                     "272x272", "--chunks", "5", "--json", str(tmp_path / "eq.json"))
     rows = json.loads((tmp_path / "eq.json").read_text())
-    assert [(r["model"], r["form"], r["chunk_size"]) for r in rows] == [
-        (m, f, c) for m in ("lion_d_tiny", "lion_s_natural_tiny") for f, c in (("rnn", None), ("chunk", 5))]
-    assert all(r["size"] == "32x48" and 0 < r["rel_err"] < 1e-5 for r in rows) and out.splitlines()[-1].startswith("worst: ")
+    assert [(r["model"], r["size"], r["form"], r["chunk_size"]) for r in rows] == [
+        (m, s, f, c) for m in ("lion_d_tiny", "lion_s_natural_tiny") for s in ("32x48", "272x272")
+        for f, c in (("rnn", None), ("chunk", 5))]
+    for r in rows:
+        if r["form"] == "chunk" and r["size"] == "32x48":
+            assert r["chunks"] == 1 and r["rel_err"] == 0, r
+        else:
+            assert r["chunks"] == (58 if r["form"] == "chunk" else None) and 0 < r["rel_err"] < 1e-5, r
+    assert "1 chunk " in out and "58 chunks" in out and out.splitlines()[-1].startswith("worst: ")
 
 
 def test_round_robin_keeps_each_configurations_best_time(monkeypatch):

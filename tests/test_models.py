@@ -13,6 +13,9 @@ from lion_vit import LION_MODEL_NAMES, LionAttention
 from lion_vit.testing import randomize_decays as trained_like
 from naive import naive_lion
 
+# the chunk form runs its chunks even where one product over these short sequences would cost less
+pytestmark = pytest.mark.usefixtures("chunks_always")
+
 PARAMS_M = {"tiny": (5.0, 6.5), "small": (21.0, 23.0), "base": (85.0, 88.0)}
 SIZES = [(224, 224), (160, 288)]
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .attention import attention_unnormalized, decay_masked_unnormalized
-from .chunk import chunk_unnormalized
+from .chunk import chunk_unnormalized, whole_product_is_cheaper
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
 from .recurrent import recurrent_unnormalized
@@ -27,7 +27,7 @@ FORMS: Dict[str, Callable[..., Tensor]] = {
 
 __all__ = [
     "FORMS", "FEATURE_MAPS", "lion_attention", "lion_attention_multiscan", "check_form",
-    "decay_mask", "get_feature_map", "row_snake", "column_snake", "snake_orders",
+    "decay_mask", "get_feature_map", "row_snake", "column_snake", "snake_orders", "whole_product_is_cheaper",
 ]
 
 
@@ -115,11 +115,16 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
     q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
     LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
     form: "attention" | "rnn" | "chunk"; chunk_size: for "chunk", at most this many tokens per chunk
-    (ceil(L / chunk_size) equal chunks; None = one chunk of L).
+    (ceil(L / chunk_size) equal chunks; None = one chunk of L). Where one product over the whole
+    sequence takes fewer multiply-adds than the chunks (always without decays, where it is Q (K^T V);
+    with decays for short sequences, see whole_product_is_cheaper), the chunk form runs that instead.
     Returns [B, H, L, Dv].
     """
     check_form(form, chunk_size)
     _check_inputs(q, k, v, log_decay)
+    if form == "chunk" and whole_product_is_cheaper(q.shape[-2], chunk_size, q.shape[-1], v.shape[-1],
+                                                    decayed=log_decay is not None):
+        form = "attention"
     numerator, normaliser = FORMS[form](q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
     return _normalize(numerator, normaliser, v.dtype)
 
@@ -131,9 +136,10 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
 
     orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...]
     where entry s is broadcastable to [B, H, L] and given in token order (last dim 1 for a fixed
-    decay). Each scan's mask is built in its own order. The full form, and the chunk form with one
-    chunk covering the sequence, run one masked product with the scans' masks summed; the rnn form
-    and smaller chunks run each scan in its order and sum the results.
+    decay). Each scan's mask is built in its own order. The full form runs one masked product with
+    the scans' masks summed, and so does the chunk form where that takes fewer multiply-adds than
+    chunking every scan (one chunk, or short sequences: whole_product_is_cheaper); the rnn form and
+    the chunk form otherwise run each scan in its order and sum the results.
     """
     check_form(form, chunk_size)
     _check_inputs(q, k, v, log_decays, orders)
@@ -146,8 +152,11 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
             a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
     inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
 
-    # one chunk covering the sequence is the full form
-    whole = form == "attention" or (form == "chunk" and (chunk_size is None or chunk_size >= length))
+    # one product with the summed mask: one chunk covering the sequence is the full form, and so are
+    # smaller chunks where they would cost more
+    whole = form == "attention" or (form == "chunk" and (
+        chunk_size is None or chunk_size >= length
+        or whole_product_is_cheaper(length, chunk_size, q.shape[-1], v.shape[-1], num_scans, decayed=a is not None)))
     if whole and a is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         return _normalize(*attention_unnormalized(q, k, v, None), v.dtype)
     if not needs_grad(q, k, v, a) and form != "attention":
@@ -175,8 +184,8 @@ def _multiscan_inference(q: Tensor, k: Tensor, v: Tensor, a: Optional[Tensor], o
     """Without autograd: one scan at a time (for the chunk form, of one group of (batch, head) rows
     at a time), summed into token order in place, so that no scan-ordered copy of the whole q, k, v
     for every scan is ever made: the rnn and chunk forms keep their memory at any resolution.
-    summed (a chunk that covers the sequence, with decays): per group the full form's single
-    summed-mask product instead of one product per scan: half the matmuls, and no permutations;
+    summed (the chunk form with decays, where one product over the whole sequence is cheaper): per
+    group the full form's single summed-mask product instead of chunks in every scan, and no permutations;
     when one group holds every row, that product's result is returned as is, with no buffer.
 
     a: None or [S, B|1, H, L|1] log decays in scan order; inverse: [S, L], each token's scan position.

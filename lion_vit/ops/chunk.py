@@ -78,6 +78,35 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     return torch.stack(states, dim=2)
 
 
+def chunk_count(length: int, chunk_size: Optional[int]) -> int:
+    """N = ceil(L / chunk_size) chunks (None: one), each of ceil(L / N) <= chunk_size tokens."""
+    return 1 if chunk_size is None else -(-length // chunk_size)
+
+
+def whole_product_is_cheaper(length: int, chunk_size: Optional[int], key_dim: int, value_dim: int,
+                             num_scans: int = 1, decayed: bool = True) -> bool:
+    """Whether one product over the whole sequence takes fewer multiply-adds than the chunk form with
+    this chunk_size (lion_attention's chunk form then runs that product: the same function).
+
+    Per (batch, head) row of L tokens, chunks of C = ceil(L / N) tokens and V1 = [V, 1] (Dv1 = Dv + 1):
+      chunks, each scan:  L C (Dk + Dv1) for the scores inside the chunks and their product with V1,
+                          plus 4 L Dk Dv1 for the states passed both ways (K^T V1 in, Q out, each way);
+      whole, all scans:   L^2 (Dk + Dv1), the scans' masks summed into one; without decays
+                          2 L Dk Dv1 (Q (K^T V1)), which no chunking beats, even one chunk.
+    With decays the whole product is cheaper when L < S (C + 4 Dk Dv1 / (Dk + Dv1)): at head width 64
+    and chunk_size 64, below about 180 tokens for one scan and 360 for two (224 px at patch 16: 196).
+    Its L x L weights then hold fewer than S (C + 2 Dk + 2) entries per query, the order of the chunk
+    form's own temporaries. One chunk (no states to pass) is that product for one scan (False), and
+    costs S of them for S scans (True).
+    """
+    if not decayed:
+        return True
+    num_chunks = chunk_count(length, chunk_size)
+    size, dv1 = -(-length // num_chunks), value_dim + 1
+    states = 4 * key_dim * dv1 if num_chunks > 1 else 0
+    return length * (key_dim + dv1) < num_scans * (size * (key_dim + dv1) + states)
+
+
 def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
                        chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see module docstring).
@@ -86,7 +115,7 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     """
     batch, heads, length, _ = q.shape
     # N = ceil(L / chunk_size) chunks of equal size C <= chunk_size, as few padded tokens (< N) as N allows
-    num_chunks = 1 if chunk_size is None else -(-length // chunk_size)
+    num_chunks = chunk_count(length, chunk_size)
     size = -(-length // num_chunks)
     padded = num_chunks * size
     out = v.new_empty(batch, heads, padded, v.shape[-1] + 1)  # [numerator, normaliser], whole chunks
