@@ -2,6 +2,8 @@
 
 Deliberately plain and independent of lion_vit.ops: it multiplies decays directly (running
 products in float64) instead of exponentiating differences of log-space cumulative sums, so a bug in the fast forms' helpers cannot make a test agree with itself.
+
+rel_err and oracle_with_grads compare a fast form's outputs and gradients with it.
 """
 from __future__ import annotations
 
@@ -54,3 +56,23 @@ def naive_multiscan(q: Tensor, k: Tensor, v: Tensor, lams: Tensor, orders: Tenso
                 mask_tok[..., order[p], order[r]] = mask_scan[..., p, r]
         total = total + scores * mask_tok
     return (total / total.sum(-1, keepdim=True)) @ v
+
+
+def rel_err(actual, expected, min_scale=1e-3):
+    """max |actual - expected| / max |expected|, the scale at least min_scale (for exact zeros, e.g. grad of q at L=1)."""
+    scale = expected.double().abs().max().clamp_min(min_scale)
+    return ((actual.double() - expected.double()).abs().max() / scale).item()
+
+
+def oracle_with_grads(q, k, v, lams, upstream, orders=None):
+    """The float64 oracle's output (naive_lion, or naive_multiscan with orders) and its gradients for
+    the upstream gradient: of q, k, v and, lams given, of the log decays (lam * d/d(lam))."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, lams) if t is not None]
+    if orders is None:
+        expected = naive_lion(*leaves[:3], leaves[3] if lams is not None else None)
+    else:
+        expected = naive_multiscan(*leaves, orders)
+    grads = list(torch.autograd.grad((expected * upstream).sum(), leaves))
+    if lams is not None:
+        grads[3] = grads[3] * lams
+    return expected.detach(), grads

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
-from naive import naive_lion, naive_mask, naive_multiscan
+from naive import naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
 
 # the chunk form runs its chunks even where one product over these short sequences would cost less
 pytestmark = pytest.mark.usefixtures("chunks_always")
@@ -34,26 +34,6 @@ def make_inputs(batch, heads, length, dim, decay, dtype, seed=0):
         "fixed_per_batch": torch.rand(batch, heads, 1, generator=g, dtype=torch.float64) * 0.5 + 0.45,
     }[decay]
     return q.to(dtype), k.to(dtype), v.to(dtype), lam
-
-
-def rel_err(actual, expected, min_scale=1e-3):
-    """max |actual - expected| / max |expected|, the scale at least min_scale (for exact zeros, e.g. grad of q at L=1)."""
-    scale = expected.double().abs().max().clamp_min(min_scale)
-    return ((actual.double() - expected.double()).abs().max() / scale).item()
-
-
-def oracle_with_grads(q, k, v, lams, upstream, orders=None):
-    """The float64 oracle's output (naive_lion, or naive_multiscan with orders) and its gradients for
-    the upstream gradient: of q, k, v and, lams given, of the log decays (lam * d/d(lam))."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, lams) if t is not None]
-    if orders is None:
-        expected = naive_lion(*leaves[:3], leaves[3] if lams is not None else None)
-    else:
-        expected = naive_multiscan(*leaves, orders)
-    grads = list(torch.autograd.grad((expected * upstream).sum(), leaves))
-    if lams is not None:
-        grads[3] = grads[3] * lams
-    return expected.detach(), grads
 
 
 def _form_id(f):

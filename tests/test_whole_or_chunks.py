@@ -13,7 +13,7 @@ import torch
 import lion_vit.ops as ops
 from lion_vit.ops import lion_attention, lion_attention_multiscan, snake_orders, whole_product_is_cheaper
 from lion_vit.testing import randomize_decays
-from naive import naive_lion, naive_multiscan
+from naive import oracle_with_grads, rel_err
 
 
 @pytest.mark.parametrize("length, chunk_size, scans, decayed, whole", [
@@ -53,10 +53,6 @@ def _inputs(length, dim, seed):
     return q, k, torch.randn(2, 2, length, dim, generator=g, dtype=torch.float64), g
 
 
-def _rel_err(actual, expected):
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
-
-
 # head width 4 (Dv + 1 = 5): chunks of 4 pay from L > S (4 + 80 / 9) = 12.9 S tokens
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("length, chunked", [(12, False), (40, True)])
@@ -65,16 +61,11 @@ def test_one_scan_runs_the_cheaper_product(decay, length, chunked, grad, chunk_c
     q, k, v, g = _inputs(length, 4, seed=0)
     lam = {"lit": None, "fixed": torch.rand(1, 2, 1, generator=g, dtype=torch.float64) * 0.5 + 0.45,
            "selective": torch.rand(2, 2, length, generator=g, dtype=torch.float64) * 0.9 + 0.05}[decay]
-    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-    out = lion_attention(*leaves, None if lam is None else torch.log(lam), form="chunk", chunk_size=4)
+    log_lam = None if lam is None else torch.log(lam)
+    leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, log_lam) if t is not None]
+    out = lion_attention(*leaves[:3], leaves[3] if len(leaves) > 3 else None, form="chunk", chunk_size=4)
     assert bool(chunk_calls) is (chunked and decay != "lit")  # without decays Q (K^T V) wins at any length
-    assert _rel_err(out, naive_lion(q, k, v, lam)) < 1e-10
-    if grad:
-        upstream = torch.randn(v.shape, generator=g, dtype=torch.float64)
-        reference = [t.clone().requires_grad_() for t in (q, k, v)]
-        expected = torch.autograd.grad((naive_lion(*reference, lam) * upstream).sum(), reference)
-        for name, got, ref in zip("qkv", torch.autograd.grad((out * upstream).sum(), leaves), expected):
-            assert _rel_err(got, ref) < 1e-9, f"grad of {name}"
+    _assert_matches_oracle(out, leaves, grad, g, q, k, v, lam)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -89,14 +80,19 @@ def test_two_scans_run_the_cheaper_product(decay, grid, chunked, grad, chunk_cal
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, torch.log(lams))]
     out = lion_attention_multiscan(*leaves, orders, form="chunk", chunk_size=4)
     assert bool(chunk_calls) is chunked
-    assert _rel_err(out, naive_multiscan(q, k, v, lams, orders)) < 1e-10
+    _assert_matches_oracle(out, leaves, grad, g, q, k, v, lams, orders)
+
+
+def _assert_matches_oracle(out, leaves, grad, generator, q, k, v, lams, orders=None):
+    """The output against the float64 oracle and, with grad, the gradients of q, k, v and the log decays
+    (for leaves that require them) for a random upstream gradient."""
+    upstream = torch.randn(v.shape, generator=generator, dtype=torch.float64)
+    expected, expected_grads = oracle_with_grads(q, k, v, lams, upstream, orders)
+    assert rel_err(out, expected) < 1e-10
     if grad:
-        upstream = torch.randn(v.shape, generator=g, dtype=torch.float64)
-        reference = [t.clone().requires_grad_() for t in (q, k, v, lams)]
-        expected = list(torch.autograd.grad((naive_multiscan(*reference, orders) * upstream).sum(), reference))
-        expected[3] = expected[3] * lams  # d/d(log lam)
-        for name, got, ref in zip("qkva", torch.autograd.grad((out * upstream).sum(), leaves), expected):
-            assert _rel_err(got, ref) < 1e-9, f"grad of {name}"
+        grads = torch.autograd.grad((out * upstream).sum(), [t for t in leaves if t.requires_grad])
+        for name, got, ref in zip("qkva", grads, expected_grads):
+            assert rel_err(got, ref) < 1e-9, f"grad of {name}"
 
 
 @pytest.mark.parametrize("name", ["lion_d_natural_tiny", "lion_s_natural_tiny"])
@@ -115,4 +111,4 @@ def test_natural_model_at_224_px_runs_its_chunk_form_as_the_attention_form(name,
             if chunks == 1:
                 assert not chunk_calls and torch.equal(out, reference)
             else:
-                assert chunk_calls and _rel_err(out, reference) < 1e-5
+                assert chunk_calls and rel_err(out, reference) < 1e-5
