@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export WANDB_MODE ?= disabled
 
-.PHONY: install test quickstart bench
+.PHONY: install test quickstart bench gpu-wheels gpu-check
 
 install:  ## install lion-vit (editable) with its test dependencies
 	$(PYTHON) -m pip install -q -e ".[test]"
@@ -17,3 +17,9 @@ bench: install  ## the three benchmarks with their default small CPU settings (1
 	$(PYTHON) scripts/benchmark_train.py
 	$(PYTHON) scripts/benchmark_resolution.py
 	$(PYTHON) scripts/benchmark_chunk.py
+
+gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check installs on a GPU machine without network, into .whl/
+	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6"
+
+gpu-check:  ## on a CUDA machine: Triton tests, equivalence, train and inference benchmarks -> docs/benchmarks/gpu/
+	bash scripts/gpu_check.sh $(GPU_OUT)

@@ -126,13 +126,21 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
                              "such as library code paged in included (first)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
+    add_backend_argument(parser)
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
+
+
+def add_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """--attn-backend for the LION models (lion_vit.ops.dispatch: auto is triton on CUDA when installed)."""
+    from .ops import BACKENDS
+    parser.add_argument("--attn-backend", default="auto", choices=BACKENDS,
+                        help="LION kernels: auto (triton on CUDA with flash-linear-attention, else torch), torch, triton")
 
 
 def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The row fields that add_inference_arguments' options set (measure_rows reads them)."""
     return dict(batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
-                compile=args.compile)
+                compile=args.compile, attn_backend=args.attn_backend)
 
 
 def describe_settings(args: argparse.Namespace) -> str:
@@ -149,7 +157,7 @@ def result_columns(args: argparse.Namespace) -> List[str]:
 
 def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
     """argparse type for model[:form[:chunk_size]] -> (model, form, chunk_size); forms apply to LION models."""
-    from .ops import FORMS
+    from .ops import FORM_CHOICES
     name, *rest = text.split(":")
     model_name(name)
     if not name.startswith("lion_"):
@@ -157,9 +165,9 @@ def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
             raise argparse.ArgumentTypeError(f"{text!r}: only LION models take a form; write {name!r} alone")
         return name, None, None
     form = rest[0] if rest else "attention"
-    if form not in FORMS or len(rest) > 2:
+    if form not in FORM_CHOICES or len(rest) > 2:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {name}:FORM[:CHUNK_SIZE] with FORM one of "
-                                         f"{sorted(FORMS)}")
+                                         f"{sorted(FORM_CHOICES)}")
     chunk = positive_int(rest[1]) if len(rest) == 2 else None
     if chunk is not None and form != "chunk":
         raise argparse.ArgumentTypeError(f"{text!r}: a chunk size goes with the chunk form ({name}:chunk:{chunk})")
@@ -184,11 +192,11 @@ def _reset_peak_rss() -> bool:
 
 
 def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
-          device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+          device: torch.device, dtype: torch.dtype, attn_backend: str = "auto") -> torch.nn.Module:
     from lion_vit.models import create_model_at_size  # (importing lion_vit registers the LION models)
     kwargs: Dict[str, Any] = {}
     if model_name.startswith("lion_"):
-        kwargs.update(attn_form=form or "attention", chunk_size=chunk_size)
+        kwargs.update(attn_form=form or "attention", chunk_size=chunk_size, attn_backend=attn_backend)
     model = create_model_at_size(model_name, img_size, **kwargs).eval().to(device)
     return model.to(dtype) if dtype == torch.float64 else model
 
@@ -198,18 +206,19 @@ MEMORY_MODES = ("steady", "first")
 
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
-                      memory: str = "steady", compile: bool = False) -> Dict[str, Any]:
+                      memory: str = "steady", compile: bool = False, attn_backend: str = "auto") -> Dict[str, Any]:
     """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process
     (and, for a LION model's chunk form, its chunks per sequence).
 
     memory: "steady" measures the peak of a second forward, "first" that of the first call.
     compile: torch.compile the model; its compiling first call is timed as compile_s.
+    attn_backend: the LION models' (lion_vit.ops.dispatch).
     """
     if memory not in MEMORY_MODES:
         raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")
     dev = torch.device(device)
     torch_dtype = getattr(torch, dtype)
-    model = build(model_name, form, chunk_size, img_size, dev, torch_dtype)
+    model = build(model_name, form, chunk_size, img_size, dev, torch_dtype, attn_backend)
     # a LION model's chunk form: chunks per sequence (1 where one product over the whole sequence costs less)
     chunks = model.chunks_per_sequence((img_size, img_size)) if hasattr(model, "chunks_per_sequence") else None
     if compile:
@@ -331,7 +340,8 @@ def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, time
     measurement, and add the result (status, time_s, peak_mem_mb; compile_s when compiled) to the row."""
     configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
                     batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
-                    memory=r["memory"], compile=r.get("compile", False)) for r in rows]
+                    memory=r["memory"], compile=r.get("compile", False),
+                    attn_backend=r.get("attn_backend", "auto")) for r in rows]
     results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
         progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
     for row, result in zip(rows, results):

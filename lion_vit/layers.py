@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .ops.masks import mask_dtype
-from .ops import check_form, get_feature_map, lion_attention, lion_attention_multiscan, snake_orders
-from .ops.chunk import chunk_count, whole_product_is_cheaper
+from .ops import Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan, plan
+from .ops import snake_orders
 
 DECAYS = ("lit", "fixed", "selective")
 
@@ -75,6 +75,7 @@ class LionAttention(nn.Module):
             feature_map: str = "silu_norm",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
+            attn_backend: str = "auto",
             **_: object,  # other timm Attention arguments (scale_norm, device, ...) are not used
     ) -> None:
         super().__init__()
@@ -89,6 +90,7 @@ class LionAttention(nn.Module):
         if attn_drop:
             raise ValueError("attn_drop is not supported: the rnn and chunk forms never form attention weights")
         check_form(attn_form, chunk_size)
+        check_backend(attn_backend)
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.decay = decay
@@ -97,6 +99,7 @@ class LionAttention(nn.Module):
         self.query_map, self.key_map = get_feature_map(feature_map)
         self.attn_form = attn_form
         self.chunk_size = chunk_size
+        self.attn_backend = attn_backend
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
         self.grid_size: Optional[Tuple[int, int]] = None
         self.num_prefix_tokens = 0
@@ -126,22 +129,27 @@ class LionAttention(nn.Module):
             nn.init.normal_(self.decay_proj.weight, std=0.02)
             self.decay_proj.bias.copy_(logit)
 
-    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None) -> None:
+    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None, backend: Optional[str] = None) -> None:
+        """Switch the form (and chunk size; backend too unless None). Same weights, same function."""
         check_form(attn_form, chunk_size)
+        if backend is not None:
+            check_backend(backend)
+            self.attn_backend = backend
         self.attn_form, self.chunk_size = attn_form, chunk_size
 
-    def chunks_per_sequence(self, num_tokens: int) -> int:
-        """How many chunks the chunk form cuts a sequence of num_tokens into: 1 where it runs one
-        product over the whole sequence (one chunk, or where chunks would cost more multiply-adds,
-        ops.whole_product_is_cheaper)."""
-        if whole_product_is_cheaper(num_tokens, self.chunk_size, self.head_dim, self.head_dim, self.num_scans,
-                                    decayed=self.decay != "lit"):
-            return 1
-        return chunk_count(num_tokens, self.chunk_size)
+    def attn_plan(self, num_tokens: int, device: Optional[torch.device] = None,
+                  dtype: Optional[torch.dtype] = None) -> Plan:
+        """What this layer runs for num_tokens tokens on device / dtype (default: its weights'):
+        form, backend, and whether the chunk form runs chunks or one product (ops.dispatch.plan)."""
+        weight = self.qkv.weight
+        return plan(self.attn_form, self.chunk_size, num_tokens, self.head_dim, self.head_dim,
+                    num_scans=self.num_scans, decayed=self.decay != "lit", device=device or weight.device,
+                    dtype=dtype or weight.dtype, backend=self.attn_backend)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay}, scans={self.num_scans}, "
-                f"feature_map={self.feature_map_name}, attn_form={self.attn_form}, chunk_size={self.chunk_size}")
+                f"feature_map={self.feature_map_name}, attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
+                f"attn_backend={self.attn_backend}")
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
         """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
@@ -183,10 +191,11 @@ class LionAttention(nn.Module):
         log_decay = self.log_decay(x)
         if self.num_scans == 1:
             log_decay = None if log_decay is None else log_decay[0]
-            y = lion_attention(q, k, v, log_decay, form=self.attn_form, chunk_size=self.chunk_size)
+            y = lion_attention(q, k, v, log_decay, form=self.attn_form, chunk_size=self.chunk_size,
+                               backend=self.attn_backend)
         else:
             orders = self.scan_orders(length, x.device)
             y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form,
-                                         chunk_size=self.chunk_size)
+                                         chunk_size=self.chunk_size, backend=self.attn_backend)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.proj_drop(self.proj(y))

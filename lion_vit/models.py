@@ -25,7 +25,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoin
 from torch import Tensor
 
 from .layers import LionAttention
-from .ops import check_form
+from .ops import Plan, check_backend, check_form
 
 __all__ = ["LionViT", "LION_MODEL_NAMES", "create_model_at_size"]
 
@@ -91,6 +91,7 @@ class LionViT(VisionTransformer):
             feature_map: str = "silu_norm",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
+            attn_backend: str = "auto",
             global_pool: str = "avg",
             class_token: Optional[bool] = None,
             pos_embed: Optional[str] = None,
@@ -100,6 +101,7 @@ class LionViT(VisionTransformer):
             **kwargs: Any,
     ) -> None:
         check_form(attn_form, chunk_size)
+        check_backend(attn_backend)
         if not dynamic_img_size:
             raise ValueError("dynamic_img_size=False is not supported: LION layers read the patch grid of each "
                              "input, so every size the patch size divides works; leave dynamic_img_size unset")
@@ -116,7 +118,7 @@ class LionViT(VisionTransformer):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
-                                        attn_form=attn_form, chunk_size=chunk_size)
+                                        attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend)
         super().__init__(
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
             dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
@@ -131,22 +133,30 @@ class LionViT(VisionTransformer):
     def lion_attentions(self):
         return (m for m in self.modules() if isinstance(m, LionAttention))
 
-    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None) -> "LionViT":
-        """Switch every block to "attention", "rnn" or "chunk" (same weights, same function)."""
+    def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None,
+                      backend: Optional[str] = None) -> "LionViT":
+        """Switch every block to "attention", "rnn", "chunk" or "auto" (same weights, same function), and
+        to backend "auto", "torch" or "triton" unless backend is None."""
         check_form(attn_form, chunk_size)
+        if backend is not None:
+            check_backend(backend)
         for attn in self.lion_attentions():
-            attn.set_attn_form(attn_form, chunk_size)
+            attn.set_attn_form(attn_form, chunk_size, backend)
         return self
+
+    def attn_plan(self, img_size: Tuple[int, int], device: Optional[torch.device] = None,
+                  dtype: Optional[torch.dtype] = None) -> Plan:
+        """What every LION layer runs for an image of img_size (H, W) on device / dtype (default: the
+        weights'): form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it."""
+        height, width = self.patch_embed.dynamic_feat_size(img_size)
+        return next(self.lion_attentions()).attn_plan(height * width + self.num_prefix_tokens, device, dtype)
 
     def chunks_per_sequence(self, img_size: Tuple[int, int]) -> Optional[int]:
         """In the chunk form, how many chunks every layer cuts the tokens of an image of img_size (H, W)
         into: 1 where it runs one product over the whole sequence, which costs less there; None in the
         other forms."""
-        attn = next(self.lion_attentions())
-        if attn.attn_form != "chunk":
-            return None
-        height, width = self.patch_embed.dynamic_feat_size(img_size)
-        return attn.chunks_per_sequence(height * width + self.num_prefix_tokens)
+        run = self.attn_plan(img_size)
+        return run.chunks if run.form == "chunk" else None
 
     @property
     def attn_form(self) -> Tuple[str, Optional[int]]:

@@ -23,10 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import (device_name, markdown_table, model_name, output_folder, paired_ratio, positive_int,
-                                write_table)
+from lion_vit.benchmark import (add_backend_argument, device_name, markdown_table, model_name, output_folder,
+                                paired_ratio, positive_int, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
+from lion_vit.ops import FORM_CHOICES
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
                   "lion_d_natural_small", "lion_s_natural_small"]
@@ -43,6 +44,9 @@ def main() -> None:
                         help="timed rounds (one step per model each) after one warm-up; the best step and the "
                              "median per-round ratio are reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--attn-form", default="auto", choices=FORM_CHOICES,
+                        help="the LION models' form (auto: attention, or the triton chunk kernels for long sequences)")
+    add_backend_argument(parser)
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
                              "or glibc's 'default' (large tensors page-faulted in again every step)")
@@ -62,9 +66,12 @@ def main() -> None:
     setups = {}
     for name in args.models:
         try:
-            model = create_model_at_size(name, args.img_size).to(device).train()
+            lion = dict(attn_form=args.attn_form, attn_backend=args.attn_backend) if name.startswith("lion_") else {}
+            model = create_model_at_size(name, args.img_size, **lion).to(device).train()
         except (ValueError, AssertionError) as error:  # e.g. a size the patch does not divide
             parser.error(f"{name} at --img-size {args.img_size}: {error}")
+        if lion:
+            print(f"{name}: {model.attn_plan((args.img_size, args.img_size), device)}", flush=True)
         step_model = torch.compile(model) if args.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         setups[name] = (step_model, optimizer)

@@ -1,4 +1,4 @@
-"""Test oracle written straight from the paper's formula (Eq. 13-14, DESIGN.md section 1).
+"""Test oracle written straight from the paper's formula (Eq. 13-14, docs/design.md section 1).
 
 Deliberately plain and independent of lion_vit.ops: it multiplies decays directly (running
 products in float64) instead of exponentiating differences of log-space cumulative sums, so a bug in the fast forms' helpers cannot make a test agree with itself.

@@ -168,7 +168,7 @@ def test_run_spec_parses(text, expected):
 
 @pytest.mark.parametrize("text, message", [
     ("lion_x_small", "unknown model 'lion_x_small'"),
-    ("lion_d_small:flash", "FORM one of ['attention', 'chunk', 'rnn']"),
+    ("lion_d_small:flash", "FORM one of ['attention', 'auto', 'chunk', 'rnn']"),
     ("lion_d_small:chunk:0", "expected a positive integer, got '0'"),
     ("lion_d_small:chunk:abc", "expected a positive integer, got 'abc'"),
     ("lion_d_small:rnn:16", "a chunk size goes with the chunk form"),

@@ -101,13 +101,13 @@ def test_natural_model_at_224_px_runs_its_chunk_form_as_the_attention_form(name,
     of the attention form: the chunk form runs that product (the same logits, to the bit); at 448 px
     (784 tokens) it runs chunks, and agrees to float rounding."""
     model = randomize_decays(timm.create_model(name, num_classes=5)).eval()
-    attn = next(model.lion_attentions())
     with torch.no_grad():
         for size, chunks in ((224, 1), (448, 13)):
             x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(size))
             reference = model.set_attn_form("attention")(x)
             out = model.set_attn_form("chunk", 64)(x)
-            assert attn.chunks_per_sequence((size // 16) ** 2) == chunks
+            assert model.chunks_per_sequence((size, size)) == chunks
+            assert model.attn_plan((size, size)).whole is (chunks == 1)
             if chunks == 1:
                 assert not chunk_calls and torch.equal(out, reference)
             else:

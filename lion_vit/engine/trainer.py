@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import models as lion_models  # registers the LION models with timm
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
-from ..ops import FORMS
+from ..ops import BACKENDS, FORM_CHOICES
 from . import checkpoint as ckpt
 from . import interrupts
 from .allocator import keep_freed_memory
@@ -238,16 +238,20 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"img_size {img_size} is not divisible by model.patch_size {patch}; "
                         f"use a multiple of {patch}")
     is_lion = name in lion_models.LION_MODEL_NAMES
-    if model_cfg.attn_form not in FORMS:
-        raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {sorted(FORMS)}")
-    if not is_lion and (model_cfg.attn_form != "attention" or model_cfg.chunk_size):
-        raise UserError(f"model.attn_form / model.chunk_size apply to LION models only, not {name}")
+    if model_cfg.attn_form not in FORM_CHOICES:
+        raise UserError(f"unknown model.attn_form {model_cfg.attn_form!r}; choose one of {sorted(FORM_CHOICES)}")
+    backend = model_cfg.get("attn_backend", "auto")
+    if backend not in BACKENDS:
+        raise UserError(f"unknown model.attn_backend {backend!r}; choose one of {list(BACKENDS)}")
+    if not is_lion and (model_cfg.attn_form not in ("auto", "attention") or model_cfg.chunk_size or backend != "auto"):
+        raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "
+                        f"not {name}")
     model_kwargs = OmegaConf.to_container(model_cfg.kwargs, resolve=True)
     if not initial_weights:
         model_kwargs = _without_initial_weights(model_kwargs)
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
     if is_lion:
-        kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size)
+        kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size, attn_backend=backend)
     try:
         return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
     except (ValueError, TypeError) as error:
@@ -562,6 +566,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     log.info("model %s (%.2fM params) at %d px, %d train / %d val images, %d classes, lr %.2e, global batch %d, "
              "%d process(es), %s", cfg.model.name, n_params / 1e6, cfg.img_size, len(train_set), len(val_set),
              num_classes, lr, global_batch, dist_info.world_size, device)
+    if hasattr(model, "attn_plan"):  # what every LION layer runs (lion_vit.ops.dispatch)
+        log.info("attention: %s", model.attn_plan((cfg.img_size, cfg.img_size)))
     if is_main and cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
         log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
                     "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "

@@ -1,7 +1,8 @@
-"""LION math as pure functions on tensors (no parameters). See DESIGN.md section 1.
+"""LION math as pure functions on tensors (no parameters). See docs/design.md section 1.
 
-`lion_attention` computes  Y = Scale(Q K^T * M) V  in one of three equivalent forms; every form
-returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M), divided here in float32.
+`lion_attention` computes  Y = Scale(Q K^T * M) V  in one of three equivalent forms, on the backend
+that dispatch.plan picks; every form returns the numerator (Q K^T * M) V and the normaliser
+rowsum(Q K^T * M), divided here in float32.
 """
 from __future__ import annotations
 
@@ -13,31 +14,32 @@ from torch.autograd.function import once_differentiable
 
 from .attention import attention_unnormalized, decay_masked_unnormalized
 from .chunk import chunk_unnormalized, whole_product_is_cheaper
+from .dispatch import BACKENDS, FORM_CHOICES, Plan, check_backend, check_form, plan
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
 from .recurrent import recurrent_unnormalized
 from .rows import needs_grad, row_groups, take_rows, tracing
 from .scans import column_snake, row_snake, snake_orders
 
-FORMS: Dict[str, Callable[..., Tensor]] = {
+# (numerator, normaliser) of each form, per backend; the triton forms are imported on first use
+FORMS: Dict[str, Callable[..., Tuple[Tensor, Tensor]]] = {
     "attention": attention_unnormalized,
     "rnn": recurrent_unnormalized,
     "chunk": chunk_unnormalized,
 }
 
+
+def _form(form: str, backend: str) -> Callable[..., Tuple[Tensor, Tensor]]:
+    if backend == "triton":
+        from . import triton
+        return {"rnn": triton.recurrent_unnormalized, "chunk": triton.chunk_unnormalized}[form]
+    return FORMS[form]
+
 __all__ = [
-    "FORMS", "FEATURE_MAPS", "lion_attention", "lion_attention_multiscan", "check_form",
+    "FORMS", "FORM_CHOICES", "BACKENDS", "FEATURE_MAPS", "Plan", "plan", "lion_attention", "lion_attention_multiscan",
+    "check_form", "check_backend",
     "decay_mask", "get_feature_map", "row_snake", "column_snake", "snake_orders", "whole_product_is_cheaper",
 ]
-
-
-def check_form(form: str, chunk_size: Optional[int] = None) -> None:
-    """Raise ValueError for an unknown form or a chunk size that is not a positive integer."""
-    if form not in FORMS:
-        raise ValueError(f"unknown attn_form {form!r}; choose one of {sorted(FORMS)}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None) -> None:
@@ -109,42 +111,41 @@ def _normalize(numerator: Tensor, normaliser: Tensor, dtype: torch.dtype) -> Ten
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
-                   form: str = "attention", chunk_size: Optional[int] = None) -> Tensor:
+                   form: str = "attention", chunk_size: Optional[int] = None, backend: str = "auto") -> Tensor:
     """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
 
     q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
     LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
-    form: "attention" | "rnn" | "chunk"; chunk_size: for "chunk", at most this many tokens per chunk
-    (ceil(L / chunk_size) equal chunks; None = one chunk of L). Where one product over the whole
-    sequence takes fewer multiply-adds than the chunks (always without decays, where it is Q (K^T V);
-    with decays for short sequences, see whole_product_is_cheaper), the chunk form runs that instead.
-    Returns [B, H, L, Dv].
+    form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
+    this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
+    backend: "auto" | "torch" | "triton". What runs for these (one product where it is cheaper than
+    chunks, which backend) is dispatch.plan's choice. Returns [B, H, L, Dv].
     """
-    check_form(form, chunk_size)
     _check_inputs(q, k, v, log_decay)
-    if form == "chunk" and whole_product_is_cheaper(q.shape[-2], chunk_size, q.shape[-1], v.shape[-1],
-                                                    decayed=log_decay is not None):
-        form = "attention"
-    numerator, normaliser = FORMS[form](q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
+    run = plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1], decayed=log_decay is not None,
+               device=q.device, dtype=q.dtype, backend=backend)
+    form = "attention" if run.whole else run.form
+    numerator, normaliser = _form(form, run.backend)(q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
     return _normalize(numerator, normaliser, v.dtype)
 
 
 def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                              orders: Tensor, *, form: str = "attention",
-                             chunk_size: Optional[int] = None) -> Tensor:
+                             chunk_size: Optional[int] = None, backend: str = "auto") -> Tensor:
     """Multi-scan LION:  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).
 
     orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...]
     where entry s is broadcastable to [B, H, L] and given in token order (last dim 1 for a fixed
     decay). Each scan's mask is built in its own order. The full form runs one masked product with
-    the scans' masks summed, and so does the chunk form where that takes fewer multiply-adds than
-    chunking every scan (one chunk, or short sequences: whole_product_is_cheaper); the rnn form and
-    the chunk form otherwise run each scan in its order and sum the results.
+    the scans' masks summed, and so does the chunk form where dispatch.plan finds that cheaper than
+    chunking every scan; the rnn form and the chunk form otherwise run each scan in its order (on the
+    triton backend all scans in one call, stacked on the batch axis) and sum the results.
     """
-    check_form(form, chunk_size)
     _check_inputs(q, k, v, log_decays, orders)
     num_scans, length = orders.shape
     batch, heads = q.shape[:2]
+    run = plan(form, chunk_size, length, q.shape[-1], v.shape[-1], num_scans=num_scans,
+               decayed=log_decays is not None, device=q.device, dtype=q.dtype, backend=backend)
     a = None
     if log_decays is not None:  # [S, B|1, H, L|1]
         a = torch.stack([_as_bhl(d).expand(-1, heads, -1) for d in log_decays.unbind(0)])
@@ -152,17 +153,12 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
             a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
     inverse = torch.argsort(orders, dim=-1)  # token index -> scan position
 
-    # one product with the summed mask: one chunk covering the sequence is the full form, and so are
-    # smaller chunks where they would cost more
-    whole = form == "attention" or (form == "chunk" and (
-        chunk_size is None or chunk_size >= length
-        or whole_product_is_cheaper(length, chunk_size, q.shape[-1], v.shape[-1], num_scans, decayed=a is not None)))
-    if whole and a is None:  # every scan's mask is all ones: the S equal terms cancel in the division
+    if run.whole and a is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         return _normalize(*attention_unnormalized(q, k, v, None), v.dtype)
-    if not needs_grad(q, k, v, a) and form != "attention":
-        return _normalize(*_multiscan_inference(q, k, v, a, orders, inverse, form, chunk_size, summed=whole),
-                          v.dtype)
-    if whole:
+    if run.backend == "torch" and not needs_grad(q, k, v, a) and run.form != "attention":
+        return _normalize(*_multiscan_inference(q, k, v, a, orders, inverse, run.form, chunk_size,
+                                                summed=run.whole), v.dtype)
+    if run.whole:
         # Masks add up, so the full form needs one summed mask in token order and no permutation
         # of q, k, v:  sum_s (A * M_s) = A * sum_s M_s.
         return _normalize(*decay_masked_unnormalized(q, k, v, a, inverse), v.dtype)
@@ -172,7 +168,7 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
 
     if a is not None:
         a = a.expand(num_scans, batch, heads, a.shape[-1]).flatten(0, 1)
-    parts = FORMS[form](to_scans(q), to_scans(k), to_scans(v), a, chunk_size=chunk_size)
+    parts = _form(run.form, run.backend)(to_scans(q), to_scans(k), to_scans(v), a, chunk_size=chunk_size)
     # back to token order and summed over scans: [S * B, H, L, D] -> [B, H, L, D]
     numerator, normaliser = (sum(t.unflatten(0, (num_scans, batch))[s].index_select(2, inverse[s])
                                  for s in range(num_scans)) for t in parts)

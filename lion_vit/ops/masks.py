@@ -1,4 +1,4 @@
-"""Log-space builders for the bidirectional LION mask (paper Eq. 14, DESIGN.md section 1).
+"""Log-space builders for the bidirectional LION mask (paper Eq. 14, docs/design.md section 1).
 
     M_ij = prod_{k=j}^{i-1} lam_k   (i > j)      1 (i == j)      prod_{k=i+1}^{j} lam_k   (i < j)
 

@@ -1,4 +1,4 @@
-"""Bidirectional RNN form of LION (paper Eq. 79-80, DESIGN.md section 1).
+"""Bidirectional RNN form of LION (paper Eq. 79-80, docs/design.md section 1).
 
     forward:  S_i = lam_{i-1} S_{i-1} + k_i [v_i, 1]^T      y^F_i = q_i^T S_i
     backward: the same recurrence on the reversed sequence

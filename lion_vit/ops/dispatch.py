@@ -1,0 +1,121 @@
+"""The one place that decides what runs: (form, backend, device, dtype, sequence length) -> a Plan.
+
+Every form computes the same function (docs/design.md section 1); the plan only picks the cheapest
+exact way to get it:
+- backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64),
+  "torch" otherwise; "torch" is the portable PyTorch forms (cache-blocked on a CPU); "triton" the
+  GPU kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
+- form "auto" is the attention form, except on the triton backend for decayed sequences of at least
+  AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
+- the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
+  chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import triton as triton_backend
+from .chunk import chunk_count, whole_product_is_cheaper
+
+FORM_NAMES = ("attention", "rnn", "chunk")
+FORM_CHOICES = ("auto",) + FORM_NAMES
+BACKENDS = ("auto", "torch", "triton")
+
+# Form "auto" on the triton backend runs the chunk kernels from this many tokens on (896 px at
+# patch 16 has 3,136), the compilable attention form below. A guess until `make gpu-check` has
+# timed both forms on a GPU.
+AUTO_CHUNK_MIN_TOKENS = 1024
+
+# The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
+TRITON_CHUNK = 64
+
+_INSTALL_HINT = 'pip install "lion-vit[gpu]" (flash-linear-attention)'
+_warned_no_kernels = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a LION layer runs for one sequence length.
+
+    form: the form that runs (attention | rnn | chunk); backend: torch | triton; whole: the chunk form
+    runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
+    the chunk form).
+    """
+
+    form: str
+    backend: str
+    whole: bool = False
+    chunks: int = 1
+
+    def __str__(self) -> str:
+        if self.form == "rnn":
+            what = "fused recurrent kernels" if self.backend == "triton" else "recurrence loop"
+        elif self.form == "chunk" and not self.whole:
+            what = f"{self.chunks} chunks" + (" (FLA kernels)" if self.backend == "triton" else "")
+        else:
+            what = "one masked product" if self.form == "attention" or self.whole else ""
+        return f"{self.form} form, {self.backend} backend: {what}"
+
+
+def check_form(form: str, chunk_size: Optional[int] = None) -> None:
+    """Raise ValueError for an unknown form or a chunk size that is not a positive integer."""
+    if form not in FORM_CHOICES:
+        raise ValueError(f"unknown attn_form {form!r}; choose one of {sorted(FORM_CHOICES)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
+
+
+def check_backend(backend: str) -> None:
+    """Raise ValueError for an unknown backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attn_backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"torch" or "triton" for a call on this device and dtype (see the module docstring).
+
+    "triton" asked for without flash-linear-attention, or for float64, is a ValueError; "auto" on CUDA
+    without it warns once how to get the kernels.
+    """
+    global _warned_no_kernels
+    check_backend(backend)
+    if backend == "triton":
+        if not triton_backend.available():
+            raise ValueError(f"attn_backend='triton' needs flash-linear-attention: {_INSTALL_HINT}")
+        if dtype == torch.float64:
+            raise ValueError("attn_backend='triton' has no float64 kernels; use attn_backend='torch' for float64")
+        return "triton"
+    if backend == "auto" and device.type == "cuda" and dtype != torch.float64:
+        if triton_backend.available():
+            return "triton"
+        if not _warned_no_kernels:
+            _warned_no_kernels = True
+            warnings.warn(f"LION layers run their portable PyTorch forms on CUDA; for the GPU kernels: "
+                          f"{_INSTALL_HINT}", stacklevel=3)
+    return "torch"
+
+
+def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_dim: int, *,
+         num_scans: int = 1, decayed: bool = True, device: torch.device = torch.device("cpu"),
+         dtype: torch.dtype = torch.float32, backend: str = "auto") -> Plan:
+    """What runs for a call of `form` on sequences of `length` tokens (see the module docstring)."""
+    check_form(form, chunk_size)
+    backend = resolve_backend(backend, device, dtype)
+    if form == "auto":
+        form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
+    if form == "attention":
+        return Plan("attention", "torch", whole=True)
+    if form == "rnn":
+        return Plan("rnn", backend)
+    if backend == "triton":
+        chunk_size = TRITON_CHUNK
+    whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
+        length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
+    if whole:  # a product of torch matmuls either way
+        return Plan("chunk", "torch", whole=True)
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size))

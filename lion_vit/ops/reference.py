@@ -1,0 +1,55 @@
+"""The paper's formula, plainly: the oracle every fast path is tested against (docs/design.md section 1).
+
+    Y = Scale(Q K^T * M) V,   Scale(A)_ij = A_ij / sum_p A_ip,
+    M_ij = exp(sum of a_k over the path from key j (inclusive) to query i (exclusive))
+
+built as a whole L x L matrix in float64 (any input dtype; the result is float64), with the
+multi-scan average  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).  O(L^2) time and memory: for
+checks, not for models. tests/naive.py checks it against running products of the decays.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def reference_mask(log_decay: Tensor, length: int) -> Tensor:
+    """M [..., L, L] in float64 from log decays broadcastable to [..., L] (last dim 1: one per head).
+
+    With c_i = a_0 + ... + a_i:  M_ij = exp(c_{i-1} - c_{j-1}) for i > j and exp(c_j - c_i) for i < j;
+    only entries <= 0 are exponentiated, so nothing overflows.
+    """
+    a = log_decay.double().expand(*log_decay.shape[:-1], length)
+    inclusive = a.cumsum(-1)
+    exclusive = inclusive - a
+    rows, cols = inclusive[..., :, None], inclusive[..., None, :]
+    lower = exclusive[..., :, None] - exclusive[..., None, :]  # i > j: a_j + ... + a_{i-1}
+    upper = cols - rows  # i < j: a_{i+1} + ... + a_j
+    i = torch.arange(length, device=a.device)
+    below = (i[:, None] > i[None, :])
+    exponent = torch.where(below, lower, torch.where(i[:, None] < i[None, :], upper, torch.zeros_like(upper)))
+    return torch.exp(exponent)
+
+
+def lion_reference(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None) -> Tensor:
+    """Y [B, H, L, Dv] in float64; q, k [B, H, L, Dk], v [B, H, L, Dv], log_decay None (all-ones mask)
+    or broadcastable to [B, H, L]."""
+    scores = q.double() @ k.double().transpose(-1, -2)
+    if log_decay is not None:
+        scores = scores * reference_mask(log_decay, q.shape[-2])
+    return scores / scores.sum(-1, keepdim=True) @ v.double()
+
+
+def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Tensor) -> Tensor:
+    """Multi-scan Y in float64: log_decays[s] broadcastable to [B, H, L] in token order, orders [S, L]
+    (scan position -> token). Each scan's mask is built along its order and read back in token order."""
+    scores = q.double() @ k.double().transpose(-1, -2)
+    total = torch.zeros_like(scores)
+    for log_decay, order in zip(log_decays, orders):
+        log_decay = log_decay.double().expand(*q.shape[:3])[..., order]  # into scan order
+        position = torch.argsort(order)  # token -> scan position
+        mask = reference_mask(log_decay, q.shape[-2])[..., position[:, None], position[None, :]]
+        total = total + scores * mask
+    return total / total.sum(-1, keepdim=True) @ v.double()

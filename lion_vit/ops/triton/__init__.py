@@ -1,0 +1,10 @@
+"""GPU kernels for the chunk and rnn forms (docs/design.md, "The Triton backend").
+
+LION is two causal scalar-gated linear attentions, one over the sequence and one over its mirror,
+with the decays shifted by one token and the diagonal counted once; flash-linear-attention's Triton
+kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written backwards. Nothing here
+is imported until a call picks the triton backend.
+"""
+from .fla import available, chunk_unnormalized, recurrent_unnormalized
+
+__all__ = ["available", "chunk_unnormalized", "recurrent_unnormalized"]

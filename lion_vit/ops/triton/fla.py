@@ -1,0 +1,89 @@
+"""LION's chunk and rnn forms on flash-linear-attention's causal kernels.
+
+FLA's scalar-gated recurrence is  S_t = exp(g_t) S_{t-1} + k_t v_t^T,  o_t = q_t^T S_t  (reverse=True
+runs it from the end). With a_t = log lam_t and v1 = [v, 1] (the normaliser's column):
+
+    forward  pass:  g_t = a_{t-1}  over the sequence                S^F_t = lam_{t-1} S^F_{t-1} + k_t v1_t^T
+    backward pass:  g_t = a_{t+1}  over the sequence from its end   S^B_t = lam_{t+1} S^B_{t+1} + k_t v1_t^T
+    numerator, normaliser = q_t^T S^F_t + q_t^T S^B_t - (q_t . k_t) v1_t
+
+which is docs/design.md's bidirectional RNN. The chunk kernels have no reverse mode: the backward
+pass runs on the mirrored sequence, stacked with the forward one on the batch axis (one call).
+"""
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether flash-linear-attention and Triton are installed (`pip install "lion-vit[gpu]"`)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+
+
+def _shifted(a: Tensor) -> Tensor:
+    """g_t = a_{t-1} (g_0 = 0: the state before the first token is zero, so it never matters)."""
+    return F.pad(a[..., :-1], (1, 0))
+
+
+def _operands(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]):
+    """q, k, v1 = [v, 1] in one dtype, and log decays [B, H, L] in float32 (or None)."""
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if dtype == torch.float64:
+        raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
+    v1 = torch.cat([v.to(dtype), v.new_ones(*v.shape[:-1], 1, dtype=dtype)], dim=-1)
+    a = None if log_decay is None else log_decay.float().expand(*q.shape[:3])
+    return q.to(dtype), k.to(dtype), v1, a
+
+
+def _tokens_major(t: Tensor) -> Tensor:
+    """[B, H, L, ...] -> [B, L, H, ...], FLA's layout."""
+    return t.transpose(1, 2)
+
+
+def _combine(forward: Tensor, backward: Tensor, q: Tensor, k: Tensor, v1: Tensor) -> Tuple[Tensor, Tensor]:
+    """Both passes' [B, L, H, Dv+1] outputs in token order -> numerator [B, H, L, Dv], normaliser [B, H, L, 1]."""
+    diagonal = (q.float() * k.float()).sum(-1, keepdim=True)  # counted in both passes
+    total = _tokens_major(forward.float() + backward.float()) - diagonal * v1.float()
+    return total[..., :-1], total[..., -1:]
+
+
+def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
+                       chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`).
+
+    chunk_size is the torch backend's; the kernels use their own tile of 64 tokens.
+    """
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    del chunk_size
+    batch = q.shape[0]
+    q, k, v1, a = _operands(q, k, v, log_decay)
+    both = [_tokens_major(torch.cat([t, t.flip(2)])) for t in (q, k, v1)]  # [2B, L, H, D]
+    g = None if a is None else _tokens_major(_shifted(torch.cat([a, a.flip(-1)])))  # [2B, L, H]
+    out, _ = chunk_simple_gla(*both, g=g, scale=1.0)
+    return _combine(out[:batch], out[batch:].flip(1), q, k, v1)
+
+
+def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
+                           chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator and normaliser by FLA's fused recurrent kernel, once forward and once in reverse:
+    one kernel per direction instead of a chain of launches per token, O(L d) memory."""
+    from fla.ops.simple_gla import fused_recurrent_simple_gla
+
+    del chunk_size
+    q, k, v1, a = _operands(q, k, v, log_decay)
+    operands = [_tokens_major(t) for t in (q, k, v1)]
+    g_forward = g_backward = None
+    if a is not None:
+        g_forward = _tokens_major(_shifted(a))
+        g_backward = _tokens_major(F.pad(a[..., 1:], (0, 1)))  # g_t = a_{t+1}, g_{L-1} = 0
+    forward, _ = fused_recurrent_simple_gla(*operands, g=g_forward, scale=1.0)
+    backward, _ = fused_recurrent_simple_gla(*operands, g=g_backward, scale=1.0, reverse=True)
+    return _combine(forward, backward, q, k, v1)

@@ -1,0 +1,92 @@
+"""lion_vit.ops.dispatch.plan: which form and backend run, decided in one place."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import timm
+import torch
+
+import lion_vit  # noqa: F401
+from lion_vit.ops import dispatch, plan
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Pretend flash-linear-attention is (True) or is not (False) installed; the plan never imports it."""
+    def set_available(value: bool):
+        monkeypatch.setattr(dispatch.triton_backend, "available", lambda: value)
+        monkeypatch.setattr(dispatch, "_warned_no_kernels", False)
+    return set_available
+
+
+def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
+    kernels(True)
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU).backend == "torch"
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "triton"
+    assert plan("rnn", None, 3136, 64, 64, device=CUDA).backend == "triton"
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA, dtype=torch.float64).backend == "torch"
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="torch").backend == "torch"
+
+
+def test_attention_form_and_lit_products_run_on_torch(kernels):
+    kernels(True)
+    assert plan("attention", None, 3136, 64, 64, device=CUDA) == dispatch.Plan("attention", "torch", whole=True)
+    lit = plan("chunk", 64, 3136, 64, 64, decayed=False, device=CUDA)  # Q (K^T V): linear in L, no kernel needed
+    assert lit.whole and lit.backend == "torch"
+
+
+def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels):
+    kernels(True)
+    long, short = dispatch.AUTO_CHUNK_MIN_TOKENS, dispatch.AUTO_CHUNK_MIN_TOKENS - 1
+    assert plan("auto", None, long, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=16)
+    assert plan("auto", None, short, 64, 64, device=CUDA).form == "attention"
+    assert plan("auto", None, long, 64, 64, device=CPU).form == "attention"
+    assert plan("auto", None, long, 64, 64, decayed=False, device=CUDA).form == "attention"
+
+
+def test_chunk_form_runs_one_product_where_cheaper(kernels):
+    kernels(True)
+    assert plan("chunk", 64, 196, 64, 64, num_scans=2).whole  # natural models at 224 px
+    assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole
+    assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "torch", chunks=13)
+    assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=13)
+
+
+def test_triton_without_kernels_is_an_error_and_auto_warns_once_on_cuda(kernels):
+    kernels(False)
+    with pytest.raises(ValueError, match=r'pip install "lion-vit\[gpu\]"'):
+        plan("chunk", 64, 3136, 64, 64, backend="triton")
+    with pytest.warns(UserWarning, match=r"lion-vit\[gpu\]") as record:
+        assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process
+        assert plan("rnn", None, 3136, 64, 64, device=CUDA).backend == "torch"
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and never on a CPU
+        plan("chunk", 64, 3136, 64, 64, device=CPU)
+
+
+def test_bad_form_and_backend_are_one_line_errors():
+    with pytest.raises(ValueError, match="attn_backend 'cuda'"):
+        plan("chunk", 64, 10, 8, 8, backend="cuda")
+    with pytest.raises(ValueError, match="attn_backend"):
+        timm.create_model("lion_d_tiny", attn_backend="fla")
+    with pytest.raises(ValueError, match="attn_form"):
+        plan("flash", None, 10, 8, 8)
+
+
+def test_model_reports_its_plan_and_switches_backend(kernels):
+    kernels(True)
+    model = timm.create_model("lion_d_natural_tiny", attn_form="chunk", chunk_size=64, attn_backend="torch")
+    assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product"
+    assert str(model.attn_plan((896, 896))) == "chunk form, torch backend: 49 chunks"
+    assert model.attn_plan((896, 896), device=CUDA).backend == "torch"  # asked for torch
+    model.set_attn_form("chunk", 64, backend="auto")
+    assert str(model.attn_plan((896, 896), device=CUDA)) == "chunk form, triton backend: 49 chunks (FLA kernels)"
+    assert all(attn.attn_backend == "auto" for attn in model.lion_attentions())
+    model.set_attn_form("rnn")  # backend None: kept
+    assert str(model.attn_plan((896, 896), device=CUDA)) == "rnn form, triton backend: fused recurrent kernels"

@@ -1,0 +1,104 @@
+"""The triton backend (flash-linear-attention kernels) against the float64 reference: outputs and
+gradients of q, k, v and the log decays, every decay kind, one and two scans, lengths that are not a
+multiple of the kernels' 64-token tile. On a CPU the kernels run under Triton's interpreter at small
+shapes (tests/interpret.py); on a GPU (make gpu-check) natively, with TF32 off."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import interpret
+from lion_vit.ops import lion_attention, lion_attention_multiscan, snake_orders
+from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
+from lion_vit.testing import randomize_decays
+from naive import rel_err
+from test_ops import make_inputs
+
+pytestmark = [pytest.mark.skipif(not interpret.KERNELS, reason=interpret.SKIP_REASON),
+              # the interpreter evaluates exp2 on masked-out lanes too, where it may overflow (unused there)
+              pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+DEVICE = torch.device("cuda" if interpret.ON_GPU else "cpu")
+TOL = 1e-4  # float32 inputs against the float64 reference (the kernels' own rounding)
+
+
+@pytest.fixture(autouse=True)
+def kernels_here(monkeypatch):
+    interpret.adapt_interpreter()
+    if interpret.ON_GPU:
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+def _check(fn, reference, tensors, tol=TOL):
+    """fn's output and gradients (of every tensor given) against reference's, for one random upstream."""
+    upstream = torch.randn(tensors[2].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    assert out.dtype == tensors[2].dtype and out.device.type == DEVICE.type
+    grads = torch.autograd.grad((out.double() * upstream.to(DEVICE)).sum(), leaves)
+    ref_leaves = [t.double().requires_grad_() for t in tensors]
+    expected = reference(*ref_leaves)
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), ref_leaves)
+    assert rel_err(out.cpu(), expected) < tol
+    for name, got, want in zip("qkva", grads, expected_grads):
+        assert rel_err(got.cpu(), want, min_scale=1.0) < tol, f"grad of {name}"
+
+
+@pytest.mark.parametrize("form, decay", [("chunk", d) for d in ("lit", "fixed", "selective", "near0", "near1")]
+                         + [("rnn", d) for d in ("lit", "fixed", "selective")])
+def test_triton_forms_match_the_reference(form, decay):
+    q, k, v, lam = make_inputs(2, 2, 70, 16, decay, torch.float32)
+    tensors = [q, k, v] + ([] if lam is None else [torch.log(lam).float()])
+
+    def triton(q, k, v, log_decay=None):
+        return lion_attention(q, k, v, log_decay, form=form, backend="triton")
+
+    _check(triton, lion_reference, tensors)
+
+
+@pytest.mark.parametrize("decay", ["fixed", "selective"])
+@pytest.mark.parametrize("form", ["chunk", "rnn"])
+def test_triton_multiscan_matches_the_reference(form, decay):
+    """Two snake scans over a 7x10 grid with a class token (71 tokens, chunks of 64 and 7)."""
+    orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
+    q, k, v, lam = make_inputs(1, 2, 71, 16, decay, torch.float32)
+    log_decays = torch.log(torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam ** 0.5])).float()
+
+    def triton(q, k, v, log_decays):
+        return lion_attention_multiscan(q, k, v, log_decays, orders, form=form, backend="triton")
+
+    _check(triton, lambda *t: lion_reference_multiscan(*t, orders.cpu()), [q, k, v, log_decays])
+
+
+@pytest.mark.parametrize("name", ["lion_s_natural_tiny", "lion_d_tiny"])
+def test_models_give_the_same_logits_on_both_backends(name):
+    """A small model in the chunk and rnn forms on the triton backend agrees with the torch backend, at
+    256 tokens, where even two scans run chunks rather than one product."""
+    model = timm.create_model(name, num_classes=3, img_size=64, patch_size=4, embed_dim=32, depth=1,
+                              num_heads=2).to(DEVICE)
+    randomize_decays(model).eval()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        expected = model.set_attn_form("attention", backend="torch")(x)
+        for form in ("chunk", "rnn"):
+            model.set_attn_form(form, backend="triton")
+            run = model.attn_plan((64, 64), device=DEVICE)
+            assert run.backend == "triton" and not run.whole, run
+            assert rel_err(model(x), expected) < TOL, form
+
+
+def test_triton_refuses_float64():
+    q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
+    with pytest.raises(ValueError, match="float64.*backend='torch'"):
+        lion_attention(q, k, v, torch.log(lam), form="chunk", backend="triton")
+
+
+@pytest.mark.skipif(not interpret.ON_GPU, reason="bfloat16 kernels need a GPU (the interpreter computes through numpy)")
+@pytest.mark.parametrize("form", ["chunk", "rnn"])
+def test_triton_bfloat16_is_within_its_rounding(form):
+    q, k, v, lam = make_inputs(2, 4, 1000, 64, "selective", torch.float32)
+    log_decay = torch.log(lam).float()
+    out = lion_attention(*(t.to(DEVICE, torch.bfloat16) for t in (q, k, v)), log_decay.to(DEVICE),
+                         form=form, backend="triton")
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
