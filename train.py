@@ -12,6 +12,7 @@ Every setting is in configs/ (start at configs/config.yaml); bad input ends with
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -37,15 +38,20 @@ def main(cfg: DictConfig) -> float:
         wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
         wandb_cfg.group = wandb_cfg.group or sweep
         wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
+        if "submitit" in str(hydra_cfg.launcher.get("_target_", "")) and cfg.resume is None:
+            cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
+    signal.signal(signal.SIGTERM, interrupts.raise_terminated)  # SIGTERM stops the run as Ctrl-C does
     try:
         metrics = train(cfg)
     except (KeyboardInterrupt, Exception) as error:
-        # Ctrl-C: say where the run stands instead of a traceback, also when a second Ctrl-C, raised at once
-        # wherever the run was, came out as another error (inside torch's C++ code, a DataLoader worker)
+        # Ctrl-C or SIGTERM: say where the run stands instead of a traceback, also when a second signal,
+        # raised at once wherever the run was, came out as another error (inside torch's C++ code, a
+        # DataLoader worker); exit 128 + the signal's number, as the shell reports a signal
         if isinstance(error, KeyboardInterrupt) or interrupts.requested():
+            terminated = isinstance(error, interrupts.Terminated) or interrupts.requested() == signal.SIGTERM
             if os.environ.get("RANK", "0") == "0":
-                print(_interrupted(cfg), file=sys.stderr)
-            sys.exit(130)
+                print(_interrupted(cfg, "terminated" if terminated else "interrupted"), file=sys.stderr)
+            sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
         if isinstance(error, UserError):
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
@@ -53,13 +59,13 @@ def main(cfg: DictConfig) -> float:
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
 
-def _interrupted(cfg: DictConfig) -> str:
+def _interrupted(cfg: DictConfig, what: str) -> str:
     if cfg.eval_only:
-        return "interrupted: nothing was written"
+        return f"{what}: nothing was written"
     output_dir = Path(cfg.output_dir)
     if not (output_dir / LAST).exists():
-        return f"interrupted before the first epoch's checkpoint; nothing to resume in {output_dir}"
-    return (f"interrupted: {output_dir} holds the checkpoint of the last finished epoch; continue with "
+        return f"{what} before the first epoch's checkpoint; nothing to resume in {output_dir}"
+    return (f"{what}: {output_dir} holds the checkpoint of the last finished epoch; continue with "
             f"resume=auto output_dir={output_dir}")
 
 

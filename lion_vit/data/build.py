@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ..errors import UserError
 from .compat import patch_timm_posterize
-from .datasets import cifar, digits, image_folder
+from .datasets import cifar, collate_dropping_unreadable, digits, image_folder
 
 patch_timm_posterize()  # RandAugment on Pillow >= 13 (see compat.py)
 
@@ -38,7 +38,8 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
     if kind in ("cifar10", "cifar100"):
         return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
     if kind in ("imagefolder", "imagenet"):
-        return image_folder(data.root, data.train_split if train else data.val_split, transform)
+        return image_folder(data.root, data.train_split if train else data.val_split, transform,
+                            drop_unreadable=not train)
     raise UserError(f"unknown data.name {kind!r}; choose one of {KINDS}")
 
 
@@ -72,16 +73,19 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
                                          selected_round=round_to, seed=seed)
     else:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    dropping = getattr(dataset, "drop_unreadable", False)  # an evaluation ImageFolder: see SafeImageFolder
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=train, persistent_workers=False,
-                      worker_init_fn=_leave_ctrl_c_to_the_main_process)
+                      collate_fn=collate_dropping_unreadable if dropping else None,
+                      worker_init_fn=_leave_signals_to_the_main_process)
 
 
-def _leave_ctrl_c_to_the_main_process(worker_id: int) -> None:
-    """A terminal's Ctrl-C reaches the workers too; one that exits on it makes the loader raise
-    "DataLoader worker exited unexpectedly" in place of the main process's KeyboardInterrupt. The main
-    process stops, and then shuts its workers down."""
+def _leave_signals_to_the_main_process(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches the workers too, and so does a SIGTERM sent to the whole job (SLURM);
+    a worker that exits on one makes the loader raise "DataLoader worker exited unexpectedly" in place of
+    the main process's clean stop. The main process stops, and then shuts its workers down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class SeededRepeatAugSampler(RepeatAugSampler):

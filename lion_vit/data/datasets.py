@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
+import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch import Tensor
+from torch.utils.data import Dataset, default_collate
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -96,10 +98,19 @@ def _unpickle(path: Path) -> dict:
 
 
 class SafeImageFolder(ImageFolder):
-    """ImageFolder that skips unreadable images with a warning naming them, instead of crashing.
+    """ImageFolder that does not crash on unreadable images.
 
-    A bad file is replaced by the next readable one (deterministically, so resumed runs match).
+    drop_unreadable=False (training): a bad file is replaced by the next readable one, deterministically,
+    so that every batch keeps its size and every rank of a distributed run its step count (a resumed run
+    matches too); each bad file is warned once per process. True (evaluation): a bad file yields
+    (None, -(index + 1)), which collate_dropping_unreadable leaves out of the batch, so that it is never
+    part of an accuracy and the caller can name it.
     """
+
+    def __init__(self, root: str, transform: Optional[Callable] = None, drop_unreadable: bool = False) -> None:
+        super().__init__(root, transform=transform)
+        self.drop_unreadable = drop_unreadable
+        self._warned: set = set()
 
     def __getitem__(self, index: int) -> Tuple[Any, int]:
         for offset in range(len(self.samples)):
@@ -107,7 +118,12 @@ class SafeImageFolder(ImageFolder):
             try:
                 image = self.loader(path)
             except (OSError, ValueError, SyntaxError) as error:  # PIL raises these for corrupt files
-                log.warning("skipping unreadable image %s (%s)", path, error)
+                if self.drop_unreadable:
+                    return None, -(index + 1)
+                if path not in self._warned:
+                    self._warned.add(path)
+                    log.warning("unreadable image %s (%s): training on the next readable one in its place",
+                                path, error)
                 continue
             if self.transform is not None:
                 image = self.transform(image)
@@ -115,14 +131,32 @@ class SafeImageFolder(ImageFolder):
         raise UserError(f"no readable image under {self.root}")
 
 
-def image_folder(root: str, split: str, transform: Optional[Callable] = None) -> SafeImageFolder:
-    """`root/<split>/<class>/<image>` (ImageNet's standard layout)."""
+def collate_dropping_unreadable(batch: List[Tuple[Any, int]]) -> Tuple[Tensor, Tensor]:
+    """default_collate of the readable samples; the unreadable ones' -(index + 1) targets follow the
+    readable targets (targets has more entries than images has rows: split_unreadable separates them)."""
+    readable = [sample for sample in batch if sample[0] is not None]
+    unreadable = [target for image, target in batch if image is None]
+    if not readable:
+        return torch.empty(0), torch.tensor(unreadable, dtype=torch.long)
+    images, targets = default_collate(readable)
+    return images, torch.cat([targets, torch.tensor(unreadable, dtype=targets.dtype)])
+
+
+def split_unreadable(images: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, List[int]]:
+    """A collate_dropping_unreadable batch -> images, their targets, and the unreadable samples' indices."""
+    count = images.shape[0] if images.dim() > 1 else 0
+    return images, targets[:count], [-int(t) - 1 for t in targets[count:]]
+
+
+def image_folder(root: str, split: str, transform: Optional[Callable] = None,
+                 drop_unreadable: bool = False) -> SafeImageFolder:
+    """`root/<split>/<class>/<image>` (ImageNet's standard layout); drop_unreadable: see SafeImageFolder."""
     path = Path(root) / split
     if not path.is_dir():
         raise UserError(f"data folder {path} does not exist; set data.root to a folder with train/ and val/ "
                         f"class subfolders (see data/README.md)")
     try:
-        return SafeImageFolder(str(path), transform=transform)
+        return SafeImageFolder(str(path), transform=transform, drop_unreadable=drop_unreadable)
     except FileNotFoundError as error:
         flat = sum(1 for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
         if flat:  # ImageNet's validation archive unpacks flat

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,11 +23,33 @@ LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-b
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
     """Write to a temp file, fsync, then rename over `path` (moving the old file to `keep_previous`),
     and fsync the directory so that the renames survive a power loss too."""
-    with deferred():  # a Ctrl-C meanwhile waits until the file is in place
-        _save_atomic(state, path, keep_previous)
+    save_together([(state, path, keep_previous)])
 
 
-def _save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]) -> None:
+def save_together(writes: List[Tuple[Dict[str, Any], Path, Optional[Path]]]) -> None:
+    """Several save_atomic writes that land together or not at all: every file is written and fsynced
+    to its temp file first, and only then are they renamed into place (an epoch's last and best
+    checkpoints, so that checkpoint-best.pt and the best_acc1 recorded in checkpoint-last.pt always
+    agree). A write that fails (a full disk) removes every temp file and changes nothing."""
+    with deferred():  # a Ctrl-C or SIGTERM meanwhile waits until the files are in place
+        written: List[Path] = []
+        try:
+            for state, path, _ in writes:
+                written.append(_write_temp(state, path))
+        except BaseException:
+            for tmp in written:
+                tmp.unlink(missing_ok=True)
+            raise
+        for (_, path, keep_previous), tmp in zip(writes, written):
+            if keep_previous is not None and path.exists():
+                os.replace(path, keep_previous)
+            os.replace(tmp, path)
+        for directory in {path.parent for _, path, _ in writes}:
+            _fsync_directory(directory)
+
+
+def _write_temp(state: Dict[str, Any], path: Path) -> Path:
+    """state in path's temp file, fsynced; a failed write removes it and raises UserError."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -35,14 +58,22 @@ def _save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as error:  # a full disk or quota: torch raises either
         tmp.unlink(missing_ok=True)
-        reason = getattr(error, "strerror", None) or first_line(error)
         kept = "; the checkpoint already there is kept" if path.exists() else ""
-        raise UserError(f"could not write checkpoint {path} ({reason}){kept}; free space there or set another "
-                        f"output_dir, then continue with resume=auto") from None
-    if keep_previous is not None and path.exists():
-        os.replace(path, keep_previous)
-    os.replace(tmp, path)
-    _fsync_directory(path.parent)
+        raise UserError(f"could not write checkpoint {path} ({write_failure(error)}){kept}; free space there or "
+                        f"set another output_dir, then continue with resume=auto") from None
+    return tmp
+
+
+def write_failure(error: BaseException) -> str:
+    """Why a write failed, in words: a full disk says so also where torch's writer reports it as a
+    failed internal check ("unexpected pos ...", "failed writing ...")."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the device"
+    text = str(error)
+    if isinstance(error, RuntimeError) and ("unexpected pos" in text or "failed writing" in text
+                                            or "file write failed" in text):
+        return "no space left on the device (torch could not write the file)"
+    return getattr(error, "strerror", None) or first_line(error)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -74,6 +105,8 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     `weights_only=True` (torch's and timm's default); a file that would run other code when
     unpickled is refused, not executed.
     """
+    if Path(path).is_dir():
+        raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
     if not Path(path).is_file():
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -131,8 +164,8 @@ def newest_readable(output_dir: Path) -> Optional[Dict[str, Any]]:
             continue
         try:
             state = load_checkpoint(path)
-        except UserError as error:
-            log.warning("resume=auto skips %s", error)
+        except UserError as error:  # (its advice to use another checkpoint is what resume=auto does)
+            log.warning("resume=auto skips %s", str(error).split("; ")[0])
             continue
         if "epoch" in state and (best is None or state["epoch"] > best["epoch"]):
             best = state

@@ -1,14 +1,16 @@
-"""Ctrl-C (SIGINT) that ends a training run cleanly: at a step boundary, as KeyboardInterrupt, which
-train.py turns into exit status 130 and one line saying where the run stands.
+"""Ctrl-C (SIGINT) and SIGTERM (what SLURM sends before preemption, and `kill`'s default) end a training
+run cleanly: at a step boundary, as KeyboardInterrupt (SIGTERM: its subclass Terminated), which
+train.py turns into exit status 130 (143) and one line saying where the run stands.
 
 Python's default handler raises KeyboardInterrupt wherever the main thread is, and during training
 that is often a place that loses it or turns it into something else: an os.fork callback (the
 DataLoader starting its workers, every epoch) prints it as "Exception ignored" and training goes
 on; a DataLoader iterator being built is left half-made (its __del__ then fails); inside torch's
 C++ code it comes out as another error (torch.save: RuntimeError "unexpected pos", and the
-checkpoint is lost). So while training, a first Ctrl-C is only noted, and the loops stop before
-their next step (`raise_if_requested`; all ranks of a distributed run before the same one); a second
-one raises at once, for a step that hangs.
+checkpoint is lost). SIGTERM's default kills the process with nothing said and a checkpoint's
+temporary file left behind. So while training, a first signal is only noted, and the loops stop
+before their next step (`raise_if_requested`; all ranks of a distributed run before the same one); a
+second one raises at once, for a step that hangs.
 """
 from __future__ import annotations
 
@@ -16,60 +18,89 @@ import contextlib
 import signal
 import sys
 import threading
-from typing import Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from .distributed import all_reduce_sum
 
-_requested = False  # a Ctrl-C arrived in the last stop_between_steps block
-_noting = False  # in such a block, with its handler installed
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_requested: Optional[int] = None  # the signal that arrived in the last stop_between_steps block
+_noting = False  # in such a block, with its handlers installed
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised as Ctrl-C's KeyboardInterrupt is (the same clean stop, exit status 143)."""
+
+
+def raise_terminated(signum: int, frame) -> None:
+    """The SIGTERM handler outside stop_between_steps blocks (train.py installs it): raise at once."""
+    raise Terminated
+
+
+def raise_interrupt(signum: int) -> None:
+    """Raise what `signum` means here: Terminated for SIGTERM, else KeyboardInterrupt."""
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+_RAISING: Dict[int, Callable] = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: raise_terminated}
 
 
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def _ours(signum: int) -> bool:
+    """Whether this signal's handler is one that stops the run (Python's Ctrl-C handler; for SIGTERM the
+    default action or raise_terminated): a process that ignores a signal, or handles it itself, keeps it."""
+    handler = signal.getsignal(signum)
+    return handler is _RAISING[signum] or (signum == signal.SIGTERM and handler == signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def stop_between_steps(announce: bool = True) -> Iterator[None]:
-    """Within the block, the first Ctrl-C is noted (and, with announce, said on stderr) for the loops
-    to stop before their next step; the second raises KeyboardInterrupt at once. Only Python's
-    default handler in the main thread is replaced (a process that ignores SIGINT keeps ignoring it)."""
+    """Within the block, the first Ctrl-C or SIGTERM is noted (and, with announce, said on stderr) for the
+    loops to stop before their next step; the second raises at once. Only handlers that stop the run
+    (see _ours) are replaced, in the main thread."""
     global _requested, _noting
     if _noting:  # nested: the outer block notes
         yield
         return
-    _requested = False
-    if not _main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
+    _requested = None
+    handled = [signum for signum in SIGNALS if _main_thread() and _ours(signum)]
+    previous = {signum: signal.getsignal(signum) for signum in handled}
 
     def note(signum: int, frame) -> None:
         global _requested
-        _requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _requested = signum
+        for other in handled:
+            signal.signal(other, _RAISING[other])
         if announce:
-            print("\ninterrupt: stopping before the next step (press Ctrl-C again to stop at once)",
-                  file=sys.stderr, flush=True)
-    signal.signal(signal.SIGINT, note)
-    _noting = True
+            again = "send SIGTERM again" if signum == signal.SIGTERM else "press Ctrl-C again"
+            what = "terminated" if signum == signal.SIGTERM else "interrupt"
+            print(f"\n{what}: stopping before the next step ({again} to stop at once)", file=sys.stderr, flush=True)
+    for signum in handled:
+        signal.signal(signum, note)
+    _noting = bool(handled)
     try:
         yield
     finally:
         _noting = False
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in handled:
+            signal.signal(signum, previous[signum])
 
 
-def requested() -> bool:
-    """Whether a Ctrl-C arrived in the last `stop_between_steps` block: an error after it is its doing
-    (a second Ctrl-C raises at once, wherever the run is, and may come out as another error)."""
+def requested() -> Optional[int]:
+    """The signal (SIGINT or SIGTERM) that arrived in the last `stop_between_steps` block, or None: an error
+    after it is its doing (a second one raises at once, wherever the run is, and may come out as another
+    error)."""
     return _requested
 
 
 def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
-    """Between steps: raise KeyboardInterrupt if a Ctrl-C was noted in the enclosing
-    stop_between_steps block (outside one, Python's handler has raised it already).
+    """Between steps: raise KeyboardInterrupt (Terminated) if a Ctrl-C (SIGTERM) was noted in the
+    enclosing stop_between_steps block (outside one, the handler has raised it already).
 
     In a distributed run the ranks must stop before the same step, or one waits in a collective for a
     peer that has gone: with `agree_on` (the device of the process group's tensors), every rank calls
@@ -77,33 +108,43 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     (eval_only's evaluation, whose shards may differ by a batch), a distributed run goes on to the next
     agreed step. (An epoch's evaluation in training does not call this: the epoch's checkpoint comes first.)
     """
-    stop = _noting and _requested
+    noted = _requested if _noting else None
     if dist.is_available() and dist.is_initialized():
         if agree_on is None:
             return
-        stop = all_reduce_sum([float(stop)], agree_on)[0] > 0
-    if stop:
-        raise KeyboardInterrupt
+        # (one all-reduce) any rank's SIGTERM, else any rank's Ctrl-C
+        terms, ints = all_reduce_sum([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)], agree_on)
+        noted = signal.SIGTERM if terms else signal.SIGINT if ints else None
+    if noted:
+        raise_interrupt(noted)
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold a Ctrl-C until the block ends, then hand it to the handler it was meant for.
+    """Hold a Ctrl-C or SIGTERM until the block ends, then hand it to the handler it was meant for.
 
     For writes that must finish once begun: a checkpoint (inside torch.save a KeyboardInterrupt
     becomes a RuntimeError and loses the file), an epoch's metrics line together with its
-    checkpoints. Nested blocks pass the held Ctrl-C outwards; a handler that is not Python's
-    (SIG_IGN, SIG_DFL) or a thread other than the main one leaves the block as it is.
+    checkpoints. Nested blocks pass a held signal outwards; a handler that is not Python's (SIG_IGN;
+    SIG_DFL for SIGINT) or a thread other than the main one leaves the signal as it is.
     """
-    previous = signal.getsignal(signal.SIGINT)
-    if not _main_thread() or not callable(previous):
+    if not _main_thread():
         yield
         return
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    held = [signum for signum, handler in previous.items()
+            if callable(handler) or (signum == signal.SIGTERM and handler == signal.SIG_DFL)]
     received = []
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    for signum in held:
+        signal.signal(signum, lambda signum, frame: received.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        previous(signal.SIGINT, None)
+        for signum in held:
+            signal.signal(signum, previous[signum])
+    for signum in received[:1]:
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, None)
+        else:  # SIGTERM's default: the same clean stop as Ctrl-C's
+            raise_interrupt(signum)

@@ -14,10 +14,12 @@ from timm.utils import accuracy
 from torch import nn
 from tqdm import tqdm
 
+from ..data.datasets import split_unreadable
 from .distributed import all_reduce_sum
 from .interrupts import raise_if_requested
 
 log = logging.getLogger("lion_vit")
+file_log = logging.getLogger("lion_vit.file")  # train.log only (train.py); details the console need not show
 
 
 class NonFiniteLoss(RuntimeError):
@@ -146,9 +148,14 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
     progress = Progress(loader, "eval", show_progress, log_interval)
+    unreadable = []
     for step, (images, targets) in enumerate(progress):
         if interruptible:
             raise_if_requested()
+        images, targets, skipped = split_unreadable(images, targets)
+        unreadable += skipped
+        if not targets.numel():
+            continue
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with precision.autocast():
             logits = model(images)
@@ -159,7 +166,27 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
         correct5 += top5.item() * targets.shape[0] / 100.0
         count += targets.shape[0]
         progress.report(step)
+    if unreadable:
+        _name_unreadable(unreadable, loader.dataset)
     loss_sum, correct1, correct5, count = all_reduce_sum([loss_sum, correct1, correct5, count], device)
+    evaluated = int(round(count))
     count = max(count, 1)
     return {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
-            "num_images": int(round(count))}
+            "num_images": evaluated}
+
+
+_named_unreadable: set = set()  # files already named in this process
+
+
+def _name_unreadable(indices, dataset) -> None:
+    """Name the unreadable images an evaluation left out: each file once per run in train.log, and a
+    count on the console."""
+    if not indices:
+        return
+    paths = [dataset.samples[i][0] for i in indices]
+    new = sorted(set(paths) - _named_unreadable)
+    _named_unreadable.update(new)
+    for path in new:
+        file_log.info("unreadable image left out of the evaluation: %s", path)
+    log.warning("%d unreadable image(s) left out of this evaluation's %d; named in train.log", len(paths),
+                len(dataset))

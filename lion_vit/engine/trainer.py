@@ -5,8 +5,10 @@ global batch / 512 -> resume -> epochs of train_one_epoch / evaluate. Only rank 
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -33,12 +35,15 @@ from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
 from ..ops import BACKENDS, FORM_CHOICES
 from . import checkpoint as ckpt
+from . import rundir
 from . import interrupts
 from .allocator import keep_freed_memory
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch, updates_per_epoch
 
 log = logging.getLogger("lion_vit")
+# ${pid:} in the default output_dir: runs started in the same second get folders of their own
+OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,7 +78,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (inf and nan are never a setting's value)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_fraction(value: Any) -> bool:
@@ -130,16 +136,19 @@ _SETTINGS = (
     ("amp_dtype", lambda v: v in AMP_DTYPES, " | ".join(AMP_DTYPES)),
     ("logger.wandb.mode", lambda v: v in WANDB_MODES, " | ".join(WANDB_MODES)),
     ("model.name", lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small"),
+    ("model.patch_size", lambda v: v is None or (_is_int(v) and v > 0),
+     "a positive integer that divides img_size (null for timm models without patches)"),
     ("data.crop_pct", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
     # `compile=ture` would otherwise count as true
     *((switch, lambda v: isinstance(v, bool), "true or false") for switch in SWITCHES),
 )
 _TRAINING_SETTINGS = (
     ("epochs", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    ("model.drop_path_rate", lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1) (stochastic depth)"),
     ("optim.opt", lambda v: _is_timm_optimizer(v),
      "a timm optimizer name such as adamw, sgd or lamb (timm.optim.list_optimizers())"),
     ("optim.sched", lambda v: v in SCHEDULES, " | ".join(SCHEDULES)),
-    ("optim.lr", lambda v: _is_number(v) and v > 0, "a positive number"),
+    ("optim.lr", lambda v: _is_number(v) and v > 0, "a finite positive number"),
     ("optim.weight_decay", lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     ("optim.betas", lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)"),
     ("optim.eps", lambda v: _is_number(v) and v > 0, "a positive number"),
@@ -350,8 +359,10 @@ def _check_same_classes(expected: list, found: list, what: str, fix: str) -> Non
         differences.append(f"missing {missing[:3]}")
     if extra:
         differences.append(f"extra {extra[:3]}")
-    detail = "; ".join(differences) or "a different order"
-    raise UserError(f"{what} has {len(found)} classes, not the {len(expected)} expected ({detail}); {fix}")
+    detail = "; ".join(differences) or "in a different order"
+    count = f"{len(found)} classes, not the {len(expected)} expected" if len(found) != len(expected) else \
+        f"other classes than the {len(expected)} expected"
+    raise UserError(f"{what} has {count} ({detail}); {fix}")
 
 
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
@@ -361,15 +372,41 @@ def _precision(cfg: DictConfig, device: torch.device) -> Precision:
 
 
 def _write_json(path: Path, payload: Dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    _write_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """path's new content, or (a full disk) the old one and no temp file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one line to path, or (a full disk) leave the file as it was, without half a line."""
+    with open(path, "a") as f:
+        size = f.tell()
+        try:
+            f.write(line + "\n")
+            f.flush()
+        except OSError:
+            f.truncate(size)
+            raise
 
 
 def _setup_logging(output_dir: Optional[Path], is_main: bool) -> None:
-    handlers = [logging.StreamHandler(sys.stdout)]
+    """Console and (rank 0) train.log; the "lion_vit.file" logger writes to train.log alone."""
+    handlers: list = [logging.StreamHandler(sys.stdout)]
     if output_dir is not None and is_main:
         handlers.append(logging.FileHandler(output_dir / "train.log"))
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    file_log = logging.getLogger("lion_vit.file")
+    file_log.handlers = handlers[1:]
+    file_log.propagate = False
 
 
 class WandbLogger:
@@ -463,11 +500,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             torch.cuda.set_device(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
-            try:
-                output_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as error:  # a file of that name, no permission, a read-only disk
-                raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
-                                f"output_dir") from None
+            _claim(output_dir)
         _setup_logging(output_dir, dist_info.is_main)
         seed_everything(epoch_seed(cfg.seed, 0, dist_info.rank))
         if cfg.eval_only:
@@ -478,15 +511,35 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         if out_of_memory is None:
             raise
         raise out_of_memory from None
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {error.filename}" if error.filename else ""
+        raise UserError(f"no space left on the device{where}; free space there, then continue with resume=auto "
+                        f"(the files already written are kept)") from None
     finally:
+        rundir.release_all()
         cleanup()
+
+
+def _claim(output_dir: Path) -> None:
+    """Create output_dir, check that it is writable, and lock it for this run (rank 0)."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file of that name, no permission, a read-only disk
+        raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
+                        f"output_dir") from None
+    problem = rundir.writable(output_dir)
+    if problem:
+        raise UserError(f"cannot write in output_dir {output_dir} ({problem}); choose a writable output_dir")
+    rundir.lock(output_dir)
 
 
 def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
     is_main = dist_info.is_main
-    resume_state = _resume_state(cfg, output_dir)
+    resume_state = _resume_state(cfg, output_dir, is_main)
     if is_main:
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        _write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
 
     train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.aug, cfg.img_size, train=True))
     val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
@@ -586,8 +639,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                                             precision, scaler, mixup_fn, ema, cfg.optim.clip_grad, show, accum,
                                             cfg.log_interval)
                 except NonFiniteLoss as error:
-                    raise UserError(f"{error}; stopped. The last good checkpoint is kept in {output_dir} "
-                                    f"(lower optim.lr or set optim.clip_grad)") from None
+                    kept = (f"The last good checkpoint is kept in {output_dir}" if (output_dir / ckpt.LAST).exists()
+                            else "No epoch finished, so there is no checkpoint")
+                    raise UserError(f"{error}; stopped. {kept} (lower optim.lr or set optim.clip_grad)") from None
                 # a Ctrl-C from here on stops the run after this epoch's checkpoint, not before it: the
                 # evaluation takes a small part of an epoch, whose training would be lost (as in torchrun
                 # runs, whose ranks stop only before an agreed training step)
@@ -609,11 +663,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                     # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
                     # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
                     with interrupts.deferred():
-                        with open(output_dir / METRICS, "a") as f:
-                            f.write(json.dumps(metrics) + "\n")
-                        ckpt.save_atomic(state, output_dir / ckpt.LAST, keep_previous=output_dir / ckpt.PREVIOUS)
-                        if is_best:
-                            ckpt.save_atomic(state, output_dir / ckpt.BEST)
+                        _append_line(output_dir / METRICS, json.dumps(metrics))
+                        ckpt.save_together([(state, output_dir / ckpt.LAST, output_dir / ckpt.PREVIOUS)]
+                                           + ([(state, output_dir / ckpt.BEST, None)] if is_best else []))
                     log.info("epoch %d/%d  train_loss %.4f  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs "
                              "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
                              metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
@@ -639,18 +691,26 @@ def _drop_metrics_after(path: Path, epoch: int) -> None:
     lines = path.read_text().splitlines(keepends=True)
     kept = [line for line in lines if logged_epoch(line) <= epoch]
     if len(kept) < len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        _write_atomic(path, "".join(kept))
 
 
-def _resume_state(cfg: DictConfig, output_dir: Path) -> Optional[Dict[str, Any]]:
-    """resume=auto: newest readable checkpoint in output_dir (none: fresh start); resume=<path>: that file."""
+def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[Dict[str, Any]]:
+    """resume=auto: newest readable checkpoint in output_dir (none, in a folder without checkpoints: a fresh
+    start); resume=<path>: that file. A fresh start in a folder holding a run is refused."""
+    found = rundir.run_files(output_dir)
     if cfg.resume in (None, "", False):
-        if (output_dir / ckpt.LAST).exists():
-            raise UserError(f"{output_dir} already holds a checkpoint; pass resume=auto to continue it "
-                            f"or choose a new output_dir")
+        if found:
+            raise UserError(f"{output_dir} already holds a run ({', '.join(found)}); pass resume=auto to continue "
+                            f"it or choose a new output_dir")
         return None
     if cfg.resume == "auto":
-        return ckpt.newest_readable(output_dir)
+        state = ckpt.newest_readable(output_dir)
+        if state is None and any(name.startswith("checkpoint-") for name in found):
+            # never train from scratch over a run: its best checkpoint and metrics would be overwritten
+            raise UserError(f"resume=auto found no readable {ckpt.LAST} or {ckpt.PREVIOUS} in {output_dir}, which "
+                            f"holds a run ({', '.join(found)}); pass resume=<path> to a good checkpoint, or choose "
+                            f"a new output_dir")
+        if state is None and is_main:
+            _drop_metrics_after(output_dir / METRICS, -1)  # a first epoch killed before its checkpoint
+        return state
     return ckpt.load_checkpoint(Path(cfg.resume))

@@ -1,0 +1,261 @@
+"""A run folder belongs to one run: the lock, never training from scratch over a run, full disks,
+SIGTERM, and images that cannot be read."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lion_vit.engine import checkpoint as ckpt
+from lion_vit.engine import interrupts, rundir
+from lion_vit.errors import UserError
+from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, make_image_folder, read_metrics, run_train
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imgs"))
+
+
+def _args(folder, output_dir):
+    return [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={output_dir}"]
+
+
+@pytest.fixture(scope="module")
+def run(folder, tmp_path_factory):
+    """A finished 2-epoch run (last, prev and best checkpoints, two metrics lines)."""
+    out = tmp_path_factory.mktemp("run")
+    assert_ok(run_train(*_args(folder, out), "epochs=2"))
+    return out
+
+
+def _files(folder: Path):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _snapshot(folder: Path):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _run_patched(patch: str, *overrides: str):
+    """train.py in a subprocess after `patch` (Python source) ran: a fault injected into it."""
+    script = f"import runpy, sys\n{patch}\nsys.argv = ['train.py', *sys.argv[1:]]\nrunpy.run_path('train.py', run_name='__main__')\n"
+    return subprocess.run([sys.executable, "-c", script, *overrides], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_locked_folder_is_refused_naming_the_run_that_holds_it(tmp_path):
+    rundir.lock(tmp_path)
+    try:
+        proc = run_train(*SMALL_LION, "epochs=1", f"output_dir={tmp_path}")
+        assert_clean_error(proc, "is in use by another run", f"PID {os.getpid()} on ")
+        assert proc.returncode == 2
+    finally:
+        rundir.release_all()
+    assert _files(tmp_path) == []  # the lock file goes with the run
+
+
+def test_a_lock_dies_with_its_process(tmp_path):
+    """kill -9 leaves the lock file behind but never a held lock: the folder can be resumed at once."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lion_vit.engine import rundir; "
+                               "from pathlib import Path; rundir.lock(Path(sys.argv[1])); print('locked', flush=True); "
+                               "time.sleep(60)", str(tmp_path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(UserError, match="in use by another run"):
+        rundir.lock(tmp_path)
+    holder.kill()
+    holder.wait()
+    rundir.lock(tmp_path)
+    rundir.release_all()
+
+
+def test_default_output_dirs_differ_between_runs_started_in_the_same_second():
+    """The default output_dir ends in the process id, which rank 0 broadcasts to every torchrun rank."""
+    from omegaconf import OmegaConf
+    import lion_vit.engine.trainer  # noqa: F401  (registers the ${pid:} resolver)
+    template = OmegaConf.load(ROOT / "configs" / "config.yaml")._get_node("output_dir")._value()
+    assert template == "outputs/${now:%Y-%m-%d_%H-%M-%S}-${pid:}"
+    assert OmegaConf.create({"output_dir": template.replace("${now:%Y-%m-%d_%H-%M-%S}", "T")}).output_dir == \
+        f"outputs/T-{os.getpid()}"
+
+
+def test_resume_auto_without_a_readable_checkpoint_refuses_and_keeps_the_run(run, folder, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for name in (ckpt.LAST, ckpt.PREVIOUS):
+        (copy / name).write_bytes(b"\x00truncated")
+    before = _snapshot(copy)
+    del before["train.log"]  # (the warnings and the error are logged there)
+    proc = run_train(*_args(folder, copy), "epochs=3", "resume=auto")
+    assert_clean_error(proc, f"resume=auto found no readable {ckpt.LAST} or {ckpt.PREVIOUS}", ckpt.BEST,
+                       "resume=<path>")
+    after = _snapshot(copy)
+    del after["train.log"]
+    assert proc.returncode == 2 and after == before
+    assert proc.stdout.count("resume=auto skips") == 2 and "use another checkpoint" not in proc.stdout + proc.stderr
+
+
+def test_a_fresh_start_over_any_trace_of_a_run_is_refused(folder, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # a first epoch that died before its checkpoint
+    proc = run_train(*_args(folder, tmp_path), "epochs=1")
+    assert_clean_error(proc, "already holds a run (metrics.jsonl)", "resume=auto")
+    proc = run_train(*_args(folder, tmp_path), "epochs=1", "resume=auto")  # which starts it afresh
+    assert_ok(proc)
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0]
+
+
+@pytest.mark.parametrize("when", ["start", "resume"])
+def test_a_full_disk_writing_a_small_file_is_one_line_and_keeps_every_file(run, folder, tmp_path, when):
+    """config.yaml at the start, metrics.jsonl's rewrite on resume: each written to a temp file first."""
+    out = tmp_path / "out"
+    if when == "resume":
+        shutil.copytree(run, out)
+        shutil.copy(out / ckpt.PREVIOUS, out / ckpt.LAST)  # resume from epoch 0: metrics loses its last line
+    before = _snapshot(out) if out.exists() else {}
+    full = ("import errno, os, pathlib\n"
+            "write = pathlib.Path.write_text\n"
+            "def full(self, *args, **kwargs):\n"
+            "    if self.name.endswith('.tmp'):\n"
+            "        open(self, 'w').write('partial')\n"
+            "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))\n"
+            "    return write(self, *args, **kwargs)\n"
+            "pathlib.Path.write_text = full\n")
+    proc = _run_patched(full, *_args(folder, out), "epochs=3", *(["resume=auto"] if when == "resume" else []))
+    assert_clean_error(proc, "no space left on the device writing", "resume=auto")
+    assert proc.returncode == 2
+    assert {k: v for k, v in _snapshot(out).items() if k != "train.log"} == \
+        {k: v for k, v in before.items() if k != "train.log"}  # nothing new, nothing changed, no temp file
+
+
+def test_a_full_disk_inside_torch_save_keeps_last_and_best_in_agreement(folder, tmp_path):
+    """torch's writer reports a full disk as a failed check ("unexpected pos"): said as a full disk. The
+    epoch's last and best checkpoints land together or not at all."""
+    full_at_epoch_1 = (
+        "import torch\n"
+        "save = torch.save\n"
+        "def full(state, f, *args, **kwargs):\n"
+        "    if isinstance(state, dict) and state.get('epoch') == 1:\n"
+        "        f.write(b'partial')\n"
+        "        raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0')\n"
+        "    return save(state, f, *args, **kwargs)\n"
+        "torch.save = full\n")
+    proc = _run_patched(full_at_epoch_1, *_args(folder, tmp_path), "epochs=3", "optim.lr=2e-3",
+                        "optim.warmup_epochs=0")
+    assert_clean_error(proc, f"could not write checkpoint {tmp_path / ckpt.LAST}",
+                       "no space left on the device (torch could not write the file)")
+    assert not [name for name in _files(tmp_path) if name.endswith(".tmp")]
+    last, best = (torch.load(tmp_path / name, weights_only=True) for name in (ckpt.LAST, ckpt.BEST))
+    assert last["epoch"] == best["epoch"] == 0 and last["best_acc1"] == best["best_acc1"]
+
+
+def test_save_together_changes_nothing_when_one_write_fails(tmp_path, monkeypatch):
+    last, best = tmp_path / ckpt.LAST, tmp_path / ckpt.BEST
+    ckpt.save_together([({"epoch": 0}, last, tmp_path / ckpt.PREVIOUS), ({"epoch": 0}, best, None)])
+    before = _snapshot(tmp_path)
+    real_save = torch.save
+
+    def full_on_best(state, f):
+        if Path(f.name).name.startswith(ckpt.BEST):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(state, f)
+    monkeypatch.setattr(ckpt.torch, "save", full_on_best)
+    with pytest.raises(UserError, match=r"checkpoint-best.pt \(no space left on the device\)"):
+        ckpt.save_together([({"epoch": 1}, last, tmp_path / ckpt.PREVIOUS), ({"epoch": 1}, best, None)])
+    assert _snapshot(tmp_path) == before
+
+
+def test_sigterm_to_the_job_stops_like_ctrl_c(folder, tmp_path):
+    """SIGTERM to the whole process group (SLURM's preemption, with loader workers): the run stops before
+    its next step, says how to continue, exits 143 and leaves no temp file; resume=auto continues it."""
+    args = [*_args(folder, tmp_path), "num_workers=1"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "epochs=50"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while not (tmp_path / ckpt.LAST).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and "exited unexpectedly" not in err
+    assert f"terminated: {tmp_path} holds the checkpoint of the last finished epoch; continue with resume=auto" in err
+    assert not [name for name in _files(tmp_path) if name.endswith(".tmp") or name == rundir.LOCK]
+    done = len(read_metrics(tmp_path))
+    assert_ok(run_train(*args, f"epochs={done + 1}", "resume=auto"))
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(done + 1))
+
+
+def test_sigterm_is_noted_between_steps_and_held_during_a_write():
+    steps = []
+    with interrupts.stop_between_steps(announce=False):
+        with pytest.raises(interrupts.Terminated):
+            for step in range(3):
+                interrupts.raise_if_requested()
+                steps.append(step)
+                if step == 0:
+                    with interrupts.deferred():
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        steps.append("write finished")
+    assert steps == [0, "write finished"] and interrupts.requested() == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.drop_path_rate=2", "model.drop_path_rate"), ("model.drop_path_rate=-0.5", "model.drop_path_rate"),
+    ("model.patch_size=-2", "model.patch_size"), ("model.patch_size=abc", "model.patch_size"),
+    ("model.patch_size=0", "model.patch_size"), ("optim.lr=inf", "optim.lr"), ("optim.lr=nan", "optim.lr"),
+])
+def test_bad_values_are_named_before_anything_is_built(override, needle):
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[override])
+    with pytest.raises(UserError, match=rf"^{needle}=.* is not allowed; set {needle} to "):
+        check_settings(cfg)
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """(As root a read-only mode does not stop writes: a read-only filesystem is simulated.)"""
+    from lion_vit.engine.trainer import _claim
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(Path, "touch", read_only)
+    with pytest.raises(UserError, match=r"^cannot write in output_dir .* \(Read-only file system\); choose a writable"):
+        _claim(tmp_path / "out")
+
+
+def test_unreadable_images_are_left_out_of_the_evaluation_and_named_once(run, folder, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(folder, data)
+    bad = [data / "val" / f"class_{k}" / f"broken_{k}.png" for k in range(3)]
+    for path in bad:
+        path.write_bytes(b"\x89PNG not really")
+    good = sum(1 for _ in (folder / "val").rglob("*.png"))
+    results = {}
+    for name, root in (("with", data), ("without", folder)):
+        out = tmp_path / name
+        assert_ok(proc := run_train(*SMALL_LION, "eval_only=true", f"checkpoint={run / ckpt.BEST}", "data=imagefolder",
+                                    f"data.root={root}", "batch_size=4", f"output_dir={out}"))
+        results[name] = json.loads((out / "eval.json").read_text())
+        if name == "with":
+            assert "3 unreadable image(s) left out of this evaluation's" in proc.stdout
+            log = (out / "train.log").read_text()
+            assert all(log.count(str(path)) == 1 for path in bad)
+            assert str(bad[0]) not in proc.stdout + proc.stderr  # named in train.log, counted on the console
+    assert results["with"]["num_images"] == results["without"]["num_images"] == good
+    assert results["with"]["acc1"] == pytest.approx(results["without"]["acc1"], rel=1e-6)
+
+
+def test_a_checkpoint_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(UserError, match=r"is a folder; pass a checkpoint file in it, e.g. .*checkpoint-best.pt"):
+        ckpt.load_checkpoint(tmp_path)
