@@ -76,7 +76,9 @@ class LionAttention(nn.Module):
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
-            **_: object,  # other timm Attention arguments (scale_norm, device, ...) are not used
+            device: Optional[torch.device] = None,
+            dtype: Optional[torch.dtype] = None,
+            **_: object,  # other timm Attention arguments (scale_norm, ...) are not used
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -105,17 +107,18 @@ class LionAttention(nn.Module):
         self.num_prefix_tokens = 0
         self._orders: Dict[Tuple[int, int, int, torch.device], Tensor] = {}
 
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        dd = {"device": device, "dtype": dtype}  # timm's factory arguments (meta-device construction)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
         norm_layer = norm_layer or nn.LayerNorm
-        self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
+        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         if decay == "fixed":
             # lam = sigmoid(decay_logit), one per scan and head (paper: lam = sigma(a)).
-            self.decay_logit = nn.Parameter(torch.zeros(num_scans, num_heads))
+            self.decay_logit = nn.Parameter(torch.zeros(num_scans, num_heads, **dd))
         elif decay == "selective":
             # lam_i = sigmoid(W x_i + b), one projection per scan (paper: lam_i = sigma(W_a^T x_i + b)).
-            self.decay_proj = nn.Linear(dim, num_scans * num_heads)
-        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+            self.decay_proj = nn.Linear(dim, num_scans * num_heads, **dd)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_decay_parameters()
 

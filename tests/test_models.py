@@ -252,6 +252,24 @@ TINY_NAMES = [n for n in LION_MODEL_NAMES if n.endswith("tiny")]
 FORMS = [("attention", None), ("rnn", None), ("chunk", 5)]
 
 
+@pytest.mark.parametrize("name", ["lion_lit_tiny", "lion_d_tiny", "lion_s_natural_tiny"])
+def test_device_and_dtype_factory_arguments(name):
+    """timm's device= / dtype= reach every tensor: a meta-device model (how large models are built and
+    sharded) runs a meta forward in every form, and a bfloat16-built one a bfloat16 forward."""
+    meta = timm.create_model(name, num_classes=5, depth=1, device="meta")
+    assert {t.device.type for t in [*meta.parameters(), *meta.buffers()]} == {"meta"}
+    x = torch.randn(2, 3, 32, 48, device="meta")
+    built = trained_like(timm.create_model(name, num_classes=5, depth=1, dtype=torch.bfloat16)).eval()
+    assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
+    image = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = copy.deepcopy(built).float()(image)
+        for form, chunk in FORMS:
+            assert meta.set_attn_form(form, chunk)(x).shape == (2, 5)
+            out = built.set_attn_form(form, chunk)(image.to(torch.bfloat16))
+            assert out.dtype == torch.bfloat16 and rel_err(out.float(), reference) < 0.1, form
+
+
 def _one_block_model(name: str) -> torch.nn.Module:
     """A tiny model of one block on a 2 x 3 patch grid: small graphs for torch.compile / export."""
     return trained_like(timm.create_model(name, num_classes=5, depth=1, img_size=(32, 48)))
