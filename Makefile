@@ -7,8 +7,8 @@ export WANDB_MODE ?= disabled
 install:  ## install lion-vit (editable) with its test dependencies
 	$(PYTHON) -m pip install -q -e ".[test]"
 
-test: install  ## the whole CPU suite (what .ci/run runs)
-	$(PYTHON) -m pytest -q
+test: install  ## the whole CPU suite (what .ci/run runs), on every core (pytest-xdist)
+	$(PYTHON) -m pytest -q -n auto
 
 quickstart: install  ## train the default model on the embedded digits dataset
 	$(PYTHON) train.py

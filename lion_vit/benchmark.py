@@ -134,7 +134,8 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     """--attn-backend for the LION models (lion_vit.ops.dispatch: auto is triton on CUDA when installed)."""
     from .ops import BACKENDS
     parser.add_argument("--attn-backend", default="auto", choices=BACKENDS,
-                        help="LION kernels: auto (triton on CUDA with flash-linear-attention, else torch), torch, triton")
+                        help="LION kernels: auto (triton on CUDA with flash-linear-attention, else torch), "
+                             "torch, triton")
 
 
 def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
@@ -390,6 +391,10 @@ def status_line(row: Dict[str, Any]) -> str:
     return f"{label(row):40s} {row['status']:7s} time {row['time_s']:8.3f}s  peak {peak}{compiled}{chunks}"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The scripts' --help: their docstring as written, and every option's default."""
+
+
 def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = list(dict.fromkeys(k for row in rows for k in row))
@@ -398,6 +403,7 @@ def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (out_dir / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {out_dir / f'{stem}.csv'} and {out_dir / f'{stem}.json'}", flush=True)
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]], columns: Sequence[str]) -> str:
@@ -436,4 +442,5 @@ def plot_lines(rows: List[Dict[str, Any]], x_key: str, x_label: str, path: Path,
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
     plt.close(fig)

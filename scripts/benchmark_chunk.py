@@ -15,14 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
-from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
-                                label, markdown_table, measure_rows, model_name, plot_lines, positive_int,
-                                result_columns, write_table)
+from lion_vit.benchmark import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
+                                inference_settings, label, markdown_table, measure_rows, model_name, plot_lines,
+                                positive_int, result_columns, write_table)
 from lion_vit.ops import FORMS
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", type=model_name, default=["lion_d_small"], help="LION models")
     parser.add_argument("--chunk-sizes", nargs="+", type=positive_int, default=[16, 64, 256, 1024])
     parser.add_argument("--resolution", type=positive_int, default=1248, help="a multiple of the patch size (16)")

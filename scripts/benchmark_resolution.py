@@ -15,15 +15,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
-from lion_vit.benchmark import (add_baseline_ratios, add_inference_arguments, describe_settings, inference_settings,
-                                label, markdown_table, measure_rows, plot_lines, positive_int, result_columns,
-                                run_spec, write_table)
+from lion_vit.benchmark import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
+                                inference_settings, label, markdown_table, measure_rows, plot_lines, positive_int,
+                                result_columns, run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--runs", nargs="+", type=run_spec, default=[run_spec(r) for r in DEFAULT_RUNS],
                         help="model[:form[:chunk_size]], form one of attention/rnn/chunk for LION models; "
                              f"the first is the baseline (default: {' '.join(DEFAULT_RUNS)})")

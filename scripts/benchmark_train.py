@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import (add_backend_argument, device_name, markdown_table, model_name, output_folder,
-                                paired_ratio, positive_int, write_table)
+from lion_vit.benchmark import (HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
+                                output_folder, paired_ratio, positive_int, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
 from lion_vit.ops import FORM_CHOICES
@@ -34,7 +34,7 @@ DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", type=model_name, default=DEFAULT_MODELS, help="the first is the baseline")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
@@ -148,6 +148,7 @@ def _plot(rows, path: Path, title: str) -> None:
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
     plt.close(fig)
 
 

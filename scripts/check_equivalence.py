@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 
 import lion_vit
-from lion_vit.benchmark import chunks_text, device_name, output_file, positive_int
+from lion_vit.benchmark import HelpFormatter, chunks_text, device_name, output_file, positive_int
 from lion_vit.testing import randomize_decays
 
 
@@ -37,7 +37,7 @@ def parse_size(text: str) -> tuple:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES),
                         choices=lion_vit.LION_MODEL_NAMES, metavar="MODEL", help="LION models (default: all 15)")
     # 320x480 (600 tokens): long enough that every model with decays, two-scan ones included, runs chunks

@@ -7,8 +7,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 if torch.cuda.is_available():  # tests/test_triton.py: exactness checks need full-precision float32 dots
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-else:  # GPU kernels run on CPU tensors under Triton's interpreter, which must be on before triton.language is
-    os.environ["TRITON_INTERPRET"] = "1"  # imported (timm imports it): the tests' Triton kernels are then all interpreted
+else:  # GPU kernels run on CPU tensors under Triton's interpreter, which must be on before triton.language
+    # is imported (timm imports it): every Triton kernel of the tests is then interpreted
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture
