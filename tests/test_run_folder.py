@@ -106,12 +106,12 @@ def test_resume_auto_without_a_readable_checkpoint_refuses_and_keeps_the_run(run
 
 
 def test_a_fresh_start_over_any_trace_of_a_run_is_refused(folder, tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # a first epoch that died before its checkpoint
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')  # a first epoch that died before its checkpoint
     proc = run_train(*_args(folder, tmp_path), "epochs=1")
     assert_clean_error(proc, "already holds a run (metrics.jsonl)", "resume=auto")
     proc = run_train(*_args(folder, tmp_path), "epochs=1", "resume=auto")  # which starts it afresh
     assert_ok(proc)
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0]
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [1]
 
 
 @pytest.mark.parametrize("when", ["start", "resume"])
@@ -191,7 +191,7 @@ def test_sigterm_to_the_job_stops_like_ctrl_c(folder, tmp_path):
     assert not [name for name in _files(tmp_path) if name.endswith(".tmp") or name == rundir.LOCK]
     done = len(read_metrics(tmp_path))
     assert_ok(run_train(*args, f"epochs={done + 1}", "resume=auto"))
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(done + 1))
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(1, done + 2))
 
 
 def test_sigterm_is_noted_between_steps_and_held_during_a_write():

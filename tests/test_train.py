@@ -50,6 +50,11 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
     assert "optim.warmup_epochs=5 is not below epochs=1: the learning rate never leaves warm-up" in proc.stdout
+    assert line["epoch"] == 1 and state["best_epoch"] == 1
+    assert proc.stdout.strip().splitlines()[-1].endswith(  # the run's closing line
+        f"done: best top-1 {line['val_acc1']:.2f} % (epoch 1), last {line['val_acc1']:.2f} %; run folder "
+        f"{tmp_path}, best checkpoint {tmp_path / 'checkpoint-best.pt'}")
+    assert "wandb:" not in proc.stdout + proc.stderr  # (disabled in tests; online runs keep the history in wandb)
 
 
 def test_one_epoch_deit_baseline(folder, tmp_path):
@@ -133,7 +138,7 @@ def test_ctrl_c_says_how_to_continue(folder, tmp_path):
         in stderr
     done = len(read_metrics(tmp_path))
     assert_ok(run_train(*args, f"epochs={done + 1}", "resume=auto"))
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(done + 1))
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(1, done + 2))  # counted from 1
 
 
 def test_ctrl_c_in_a_terminal_with_loader_workers_stops_cleanly(folder, tmp_path):
@@ -182,7 +187,7 @@ def test_ctrl_c_during_an_epochs_evaluation_keeps_the_epoch(folder, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "evaluation 2" in proc.stderr and "evaluation 3" not in proc.stderr  # model and EMA, then stopped
     assert f"interrupted: {tmp_path} holds the checkpoint of the last finished epoch" in proc.stderr
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0]
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [1]  # counted from 1 (the checkpoint's epoch index stays 0-based, as DeiT's)
     assert torch.load(tmp_path / "checkpoint-last.pt")["epoch"] == 0
 
 
@@ -289,9 +294,11 @@ def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
 
 
 def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
-    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=64",
-                        f"checkpoint={trained / 'checkpoint-best.pt'}", "model.attn_form=chunk",
-                        "model.chunk_size=16", f"output_dir={tmp_path}"))
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=64",
+                     f"checkpoint={trained / 'checkpoint-best.pt'}", "model.attn_form=chunk",
+                     "model.chunk_size=16", f"output_dir={tmp_path}")
+    assert_ok(proc)
+    assert proc.stdout.strip().splitlines()[-1].endswith(f"wrote {tmp_path / 'eval.json'}")
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["img_size"] == 64 and result["chunk_size"] == 16
 
@@ -509,7 +516,7 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
     # 6 updates at decay 0.99996 move the EMA by < 3e-4 of the way to the new weights
     worst = max((ema[name].float() - resumed[name].float()).abs().max().item() for name in resumed)
     assert worst < 1e-4, worst
-    assert read_metrics(run)[-1]["epoch"] == 2 and "val_acc1_ema" in read_metrics(run)[-1]
+    assert read_metrics(run)[-1]["epoch"] == 3 and "val_acc1_ema" in read_metrics(run)[-1]
 
     evaluate = ("eval_only=true", "ema.eval_ema=true", "data=imagefolder", f"data.root={folder}", "aug=none")
     assert_ok(run_train(*SMALL_LION, *evaluate, f"checkpoint={run / 'checkpoint-last.pt'}",
@@ -619,12 +626,12 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_p
     import shutil
     run = shutil.copytree(trained, tmp_path / "run")
     with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"epoch": 2, "train_loss": -1.0}) + "\n" + '{"epoch": 3, "train_lo')
+        f.write(json.dumps({"epoch": 3, "train_loss": -1.0}) + "\n" + '{"epoch": 4, "train_lo')
     assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4",
                         "aug=none", f"output_dir={run}", "resume=auto", "optim.lr=2e-3", "optim.lr_base_batch=null",
                         "optim.warmup_epochs=0"))
     metrics = read_metrics(run)
-    assert [m["epoch"] for m in metrics] == [0, 1, 2]
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
     assert metrics[:2] == read_metrics(trained) and metrics[2]["train_loss"] > 0
 
 
@@ -674,7 +681,7 @@ def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_p
 
     initial.unlink()  # weights now come from the run's checkpoints
     assert_ok(run_train(*run, "epochs=2", "resume=auto"))
-    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [0, 1]
+    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [1, 2]
     assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
                         f"checkpoint={tmp_path / 'run' / 'checkpoint-last.pt'}", f"output_dir={tmp_path / 'eval'}"))
     assert (tmp_path / "eval" / "eval.json").exists()
@@ -791,9 +798,9 @@ def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
     proc = run_train(*args, "epochs=3", "resume=auto")
     assert_ok(proc)
     assert "skips" in proc.stdout + proc.stderr
-    metrics = read_metrics(tmp_path)  # redid epoch 1 from prev: its first line was dropped
-    assert [m["epoch"] for m in metrics] == [0, 1, 2]
-    assert "resumed from epoch 0" in proc.stdout + proc.stderr
+    metrics = read_metrics(tmp_path)  # redid epoch 2 from prev: its first line was dropped
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    assert "resumed after epoch 1" in proc.stdout + proc.stderr
 
 
 def test_corrupt_image_is_skipped_with_warning(tmp_path):

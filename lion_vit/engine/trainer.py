@@ -427,7 +427,8 @@ class WandbLogger:
                                   group=OmegaConf.select(wb, "group"),
                                   mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
                                   config=OmegaConf.to_container(cfg, resolve=True),
-                                  id=run_id, resume="allow" if run_id else None)
+                                  id=run_id, resume="allow" if run_id else None,
+                                  settings=wandb.Settings(quiet=True))  # the run's history stays in wandb
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
             raise UserError(f"wandb could not start in mode={wb.mode} ({first_line(error)}); run `wandb login` or set "
                             f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
@@ -482,6 +483,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     if dist_info.is_main:
         _write_json(output_dir / "eval.json", result)
         log.info("eval: %s", json.dumps(result))
+        log.info("wrote %s", output_dir / "eval.json")
     return result
 
 
@@ -580,7 +582,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     else:
         criterion = nn.CrossEntropyLoss()
 
-    start_epoch, best_acc1 = 0, -1.0
+    start_epoch, best_acc1, best_epoch = 0, -1.0, None
     if resume_state is not None:
         _check_resumable(cfg, resume_state)
         load_weights(model, resume_state["model"])
@@ -601,9 +603,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
             else:  # EMA turned on for a run that trained without it: start from its weights
                 ema.set(model)
         start_epoch, best_acc1 = resume_state["epoch"] + 1, resume_state.get("best_acc1", -1.0)
-        log.info("resumed from epoch %d of %s", resume_state["epoch"], output_dir)
+        best_epoch = resume_state.get("best_epoch")
+        log.info("resumed after epoch %d of %s", resume_state["epoch"] + 1, output_dir)
         if is_main:
-            _drop_metrics_after(output_dir / METRICS, resume_state["epoch"])
+            _drop_metrics_after(output_dir / METRICS, resume_state["epoch"] + 1)
         if start_epoch >= cfg.epochs:
             log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
                      "larger epochs, training goes on along that longer schedule)",
@@ -646,19 +649,20 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 # evaluation takes a small part of an epoch, whose training would be lost (as in torchrun
                 # runs, whose ranks stop only before an agreed training step)
                 val = evaluate(model, val_loader, device, precision, show, cfg.log_interval, interruptible=False)
-                metrics = {"epoch": epoch, "train_loss": stats["train_loss"], "val_loss": val["loss"],
+                metrics = {"epoch": epoch + 1, "train_loss": stats["train_loss"], "val_loss": val["loss"],
                            "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": stats["lr"],
                            "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
                 if ema is not None:
                     metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
                                                        cfg.log_interval, interruptible=False)["acc1"]
                 is_best = val["acc1"] > best_acc1
-                best_acc1 = max(best_acc1, val["acc1"])
+                if is_best:
+                    best_acc1, best_epoch = val["acc1"], epoch + 1
                 if is_main:
                     state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
-                             "best_acc1": best_acc1, "num_classes": num_classes, "classes": list(train_set.classes),
+                             "best_acc1": best_acc1, "best_epoch": best_epoch, "num_classes": num_classes, "classes": list(train_set.classes),
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
                     # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
@@ -670,15 +674,21 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                              "(%.0f img/s)", epoch + 1, cfg.epochs, metrics["train_loss"], metrics["val_loss"],
                              metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"],
                              metrics["imgs_per_s"])
-                    logger.log(metrics, step=epoch)
+                    logger.log(metrics, step=epoch + 1)
     finally:
         logger.finish()
+    if is_main and best_acc1 >= 0:
+        last = f", last {metrics['val_acc1']:.2f} %" if metrics else ""
+        at = f" (epoch {best_epoch})" if best_epoch else ""
+        log.info("done: best top-1 %.2f %%%s%s; run folder %s, best checkpoint %s", best_acc1, at, last,
+                 output_dir, output_dir / ckpt.BEST)
     return metrics
 
 
-def _drop_metrics_after(path: Path, epoch: int) -> None:
-    """Keep metrics.jsonl's lines up to the resumed checkpoint's epoch: a line of a later epoch comes
-    from a run killed after logging it and before its checkpoint was written, and is trained again."""
+def _drop_metrics_after(path: Path, epochs_done: int) -> None:
+    """Keep metrics.jsonl's lines of the first epochs_done epochs (counted from 1), those of the resumed
+    checkpoint: a line of a later epoch comes from a run killed after logging it and before its checkpoint
+    was written, and is trained again."""
     if not path.exists():
         return
 
@@ -689,7 +699,7 @@ def _drop_metrics_after(path: Path, epoch: int) -> None:
             return float("inf")
 
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if logged_epoch(line) <= epoch]
+    kept = [line for line in lines if logged_epoch(line) <= epochs_done]
     if len(kept) < len(lines):
         _write_atomic(path, "".join(kept))
 
@@ -711,6 +721,6 @@ def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[
                             f"holds a run ({', '.join(found)}); pass resume=<path> to a good checkpoint, or choose "
                             f"a new output_dir")
         if state is None and is_main:
-            _drop_metrics_after(output_dir / METRICS, -1)  # a first epoch killed before its checkpoint
+            _drop_metrics_after(output_dir / METRICS, 0)  # a first epoch killed before its checkpoint
         return state
     return ckpt.load_checkpoint(Path(cfg.resume))
