@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .ops.masks import mask_dtype
+from .ops.rows import fx_tracing
 from .ops import Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan, plan
 from .ops import snake_orders
 
@@ -55,6 +56,31 @@ class _SplitHeads(torch.autograd.Function):
         for index, part in enumerate(grads):
             grad[:, :, index].copy_(part.transpose(1, 2))
         return grad.flatten(2), None
+
+
+# torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
+# branches on shapes, dtypes and devices; they run with real tensors when the traced graph runs
+def _log_decays(x: Tensor, logits: Tensor, selective: bool, num_scans: int, num_heads: int) -> Tensor:
+    """log lam = logsigmoid(logits) as [S, B|1, H, L|1]: logits [S, H] (fixed) or [B, L, S * H] (selective),
+    in float32 under autocast, float64 for float64 inputs."""
+    logits = logits.to(mask_dtype(x.dtype))
+    if not selective:
+        return F.logsigmoid(logits)[:, None, :, None]
+    return F.logsigmoid(logits.unflatten(-1, (num_scans, num_heads))).permute(2, 0, 3, 1)
+
+
+def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: int, device: torch.device) -> Tensor:
+    """The two snake orders of a height x width grid after `prefix` leading tokens, on device, kept in cache."""
+    if height * width + prefix != num_tokens:
+        raise ValueError(f"grid {height}x{width} + {prefix} prefix tokens does not match {num_tokens} tokens")
+    key = (height, width, prefix, device)
+    if key not in cache:
+        cache[key] = snake_orders(height, width, prefix).to(device)
+    return cache[key]
+
+
+for _leaf in ("_log_decays", "_scan_orders", "lion_attention", "lion_attention_multiscan"):
+    torch.fx.wrap(_leaf)
 
 
 class LionAttention(nn.Module):
@@ -156,35 +182,29 @@ class LionAttention(nn.Module):
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
         """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
-        dtype = mask_dtype(x.dtype)  # decays in float32 under autocast, float64 in float64
         if self.decay == "fixed":
-            return F.logsigmoid(self.decay_logit.to(dtype))[:, None, :, None]
+            return _log_decays(x, self.decay_logit, False, self.num_scans, self.num_heads)
         if self.decay == "selective":
-            logits = self.decay_proj(x).to(dtype)  # [B, L, S * H]
-            logits = logits.unflatten(-1, (self.num_scans, self.num_heads))  # [B, L, S, H]
-            return F.logsigmoid(logits).permute(2, 0, 3, 1)
+            return _log_decays(x, self.decay_proj(x), True, self.num_scans, self.num_heads)
         return None
 
-    def scan_orders(self, num_tokens: int, device: torch.device) -> Tensor:
-        """Snake orders for the current grid, cached per (grid, prefix, device); a LionViT gives all its
-        layers one cache."""
-        if self.grid_size is None:
+    def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
+        """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,
+        prefix, device); a LionViT gives all its layers one cache."""
+        grid = grid or self.grid_size
+        if grid is None:
             raise ValueError("LionAttention with num_scans=2 needs grid_size set by the model")
-        height, width = self.grid_size
-        if height * width + self.num_prefix_tokens != num_tokens:
-            raise ValueError(f"grid {height}x{width} + {self.num_prefix_tokens} prefix tokens "
-                             f"does not match {num_tokens} tokens")
-        key = (height, width, self.num_prefix_tokens, device)
-        if key not in self._orders:
-            self._orders[key] = snake_orders(height, width, self.num_prefix_tokens).to(device)
-        return self._orders[key]
+        return _scan_orders(self._orders, grid[0], grid[1], self.num_prefix_tokens, num_tokens, device)
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
-        if attn_mask is not None or is_causal:
+        if (attn_mask is not None or is_causal) and not fx_tracing():  # (traced, a mask argument is a symbol)
             raise ValueError("LionAttention takes no attn_mask / is_causal: its mask comes from the decays")
         batch, length, dim = x.shape
+        grid = self.grid_size
+        if fx_tracing():  # the traced grid is symbols, part of the graph: not kept on the module
+            self.grid_size = None
         qkv = self.qkv(x)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not fx_tracing():
             q, k, v = _SplitHeads.apply(qkv, self.num_heads)
         else:  # the feature maps read q and k strided; only v is copied
             q, k, v = _head_major(qkv, self.num_heads).unbind(0)
@@ -197,7 +217,7 @@ class LionAttention(nn.Module):
             y = lion_attention(q, k, v, log_decay, form=self.attn_form, chunk_size=self.chunk_size,
                                backend=self.attn_backend)
         else:
-            orders = self.scan_orders(length, x.device)
+            orders = self.scan_orders(length, x.device, grid)
             y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form,
                                          chunk_size=self.chunk_size, backend=self.attn_backend)
         y = y.transpose(1, 2).reshape(batch, length, dim)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, to_2tuple
+from timm.layers import PatchEmbed, resample_abs_pos_embed, to_2tuple
 from timm.models import build_model_with_cfg, create_model, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .layers import LionAttention
 from .ops import Plan, check_backend, check_form
+from .ops.rows import fx_tracing
 
 __all__ = ["LionViT", "LION_MODEL_NAMES", "create_model_at_size"]
 
@@ -41,9 +42,10 @@ class DivisiblePatchEmbed(PatchEmbed):
         super().__init__(img_size=img_size, patch_size=patch_size, dynamic_img_pad=dynamic_img_pad, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_images(x, self.proj.in_channels)
-        if not self.dynamic_img_pad:
-            _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
+        if not fx_tracing():  # (fx's symbols cannot be checked; torch.compile and export run the checks)
+            _check_images(x, self.proj.in_channels)
+            if not self.dynamic_img_pad:
+                _check_divisible(tuple(x.shape[-2:]), self.patch_size, "input")
         return super().forward(x)
 
 
@@ -169,13 +171,38 @@ class LionViT(VisionTransformer):
         names = {n for n, _ in self.named_parameters() if ".decay_" in n}
         return super().no_weight_decay() | names
 
+    def __prepare_scriptable__(self) -> "LionViT":
+        raise RuntimeError("LION models cannot be scripted (TorchScript is deprecated in PyTorch); use "
+                           "torch.compile(model) or torch.export.export(model, (x,)) instead")
+
     def _pos_embed(self, x: Tensor) -> Tensor:
-        # x is [B, h, w, C] here (dynamic size): tell every LION layer the grid it is about to see.
+        """timm's dynamic-size _pos_embed (class / register tokens, resampled positional embeddings), with
+        the resampling a leaf for torch.fx (its branches compare sizes) and a batch of no images allowed;
+        first, every LION layer is told the grid [B, h, w, C] it is about to see."""
+        batch, height, width, dim = x.shape
         for attn in self.lion_attentions():
-            attn.grid_size = (x.shape[1], x.shape[2])
-        if x.shape[0] == 0:  # timm's view(B, -1, C) of a dynamic-size batch cannot infer -1 from 0 elements
-            return super()._pos_embed(x.new_zeros(1, *x.shape[1:]))[:0]
-        return super()._pos_embed(x)
+            attn.grid_size = (height, width)
+        prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.reg_token) if token is not None]
+        x = x.reshape(batch, height * width, dim)  # (timm's view(B, -1, C) cannot infer -1 for 0 images)
+        if self.pos_embed is None:
+            return torch.cat(prefix + [x], dim=1)
+        pos_embed = _resampled_pos_embed(self.pos_embed, height, width, self.patch_embed.grid_size,
+                                         0 if self.no_embed_class else self.num_prefix_tokens)
+        if self.no_embed_class:
+            x = torch.cat(prefix + [x + pos_embed], dim=1)
+        else:
+            x = torch.cat(prefix + [x], dim=1) + pos_embed
+        return self.pos_drop(x)
+
+
+def _resampled_pos_embed(pos_embed: Tensor, height: int, width: int, trained_grid: Tuple[int, int],
+                         num_prefix_tokens: int) -> Tensor:
+    """timm's resample_abs_pos_embed to the current grid (a leaf for torch.fx: it branches on the sizes)."""
+    return resample_abs_pos_embed(pos_embed, new_size=(height, width), old_size=trained_grid,
+                                  num_prefix_tokens=num_prefix_tokens)
+
+
+torch.fx.wrap("_resampled_pos_embed")
 
 
 def _partial_attention(**lion_kwargs: Any) -> type:

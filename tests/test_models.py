@@ -341,3 +341,45 @@ def test_torch_export_every_form(name, grad):
             exported = torch.export.export(model, (x,), dynamic_shapes=batch)
         # run as users do, with autograd on, on a batch size other than the traced one
         assert rel_err(exported.module()(other_batch).detach(), reference) <= 1e-5, form
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_fx_symbolic_trace_in_every_form(name):
+    """torch.fx traces the patch grid as data: the graph agrees with eager at the traced size and at another
+    one, and no traced symbol is left on the model."""
+    model = _one_block_model(name).eval()
+    for form, chunk in FORMS:
+        graph = torch.fx.symbolic_trace(model.set_attn_form(form, chunk))
+        assert not any(isinstance(a.grid_size, torch.fx.Proxy) for a in model.lion_attentions())
+        with torch.no_grad():
+            for size in ((32, 48), (64, 16)):
+                x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(size[1]))
+                assert rel_err(graph(x), model(x)) < 1e-5, (form, size)
+
+
+@pytest.mark.parametrize("name", ["lion_lit_tiny", "lion_s_natural_tiny"])
+def test_fx_feature_extraction_gives_the_eager_features(name):
+    """timm's features_only=True, feature_cls="fx" and torchvision's create_feature_extractor."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)  # the same initial weights for both
+    model = timm.create_model(name, num_classes=5, depth=3, img_size=(32, 48)).eval()
+    torch.manual_seed(0)
+    timm_fx = timm.create_model(name, num_classes=5, features_only=True, feature_cls="fx", out_indices=(1, 2),
+                                depth=3, img_size=(32, 48)).eval()
+    eager = {}
+    for index in (1, 2):
+        model.blocks[index].register_forward_hook(lambda module, args, out, i=index: eager.__setitem__(i, out))
+    torchvision_fx = create_feature_extractor(model, {"blocks.1": "1", "blocks.2": "2"})
+    with torch.no_grad():
+        model(x)
+        ours = timm_fx(x)
+        theirs = torchvision_fx(x)
+    for position, index in enumerate((1, 2)):
+        assert rel_err(ours[position], eager[index]) < 1e-5
+        assert rel_err(theirs[str(index)], eager[index]) < 1e-5
+
+
+def test_torchscript_says_what_to_use_instead():
+    with pytest.raises(RuntimeError, match=r"cannot be scripted .*use torch.compile\(model\) or torch.export"):
+        torch.jit.script(timm.create_model("lion_d_tiny", depth=1))

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch import Tensor
 
+from .rows import fx_tracing
+
 
 def elu_plus_one(x: Tensor) -> Tensor:
     """ELU(x) + 1 (Katharopoulos et al., the linear transformer)."""
@@ -43,6 +45,9 @@ class _NormalizedShiftedSilu(torch.autograd.Function):
 
 def normalized_shifted_silu(x: Tensor) -> Tensor:
     """(SiLU(x) + 0.5) / ||SiLU(x) + 0.5||: the paper's choice for every LION variant."""
+    if fx_tracing():  # an autograd Function cannot take fx's symbols: the same function in plain ops
+        y = F.silu(x) + 0.5
+        return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True)
     return _NormalizedShiftedSilu.apply(x)
 
 

@@ -24,6 +24,13 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def fx_tracing() -> bool:
+    """Whether torch.fx symbolic tracing is running this code: shapes and dtypes are then symbols, so
+    Python branches on them and autograd Functions give way to plain tensor ops or leaf functions."""
+    fx = torch.fx._symbolic_trace
+    return getattr(fx, "is_fx_symbolic_tracing", fx.is_fx_tracing)()  # (the latter: torch < 2.6, export too)
+
+
 def cpu_tuned(device: torch.device) -> bool:
     """Whether the CPU's cache-sized groups and blocks apply: on a CPU, eagerly. A GPU takes whole
     tensors (every group or block would cost a chain of kernel launches; the CPU budgets are not
