@@ -325,10 +325,8 @@ def test_compile_fullgraph_trains_like_eager(name, backend, form):
 def test_torch_export_every_form(name, grad):
     """torch.export (what ONNX and deployment build on) traces every form with a dynamic batch size and
     the exported program gives eager's outputs, traced without autograd (and with it for the selective
-    models). Before, writes into out= buffers failed the rnn form exported without autograd, and every
-    selective model, when the program ran with autograd on; the two-scan selective model did not export
-    at all; and the CPU's cache-sized row groups tied the chunk form and the selective masks to the
-    traced batch size."""
+    models): no write into an out= buffer, and no CPU row group that would tie the graph to the traced
+    batch size, reaches the trace."""
     model = _one_block_model(name).eval()
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     other_batch = torch.randn(3, 3, 32, 48, generator=torch.Generator().manual_seed(1))

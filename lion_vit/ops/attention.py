@@ -13,9 +13,8 @@ from .rows import cpu_tuned, needs_grad, row_groups, take_rows
 # On a CPU, in training, the masked product runs a group of (batch, head) slabs of about this many
 # bytes of L x L weights at a time, so that its elementwise passes between the matmuls (the mask
 # product and row sums; in the backward the normaliser's gradient, the decays' gradient and the
-# mask product) read the group from the last-level cache instead of memory. Groups of 2-6 MiB were
-# fastest at DeiT-S shapes (B = 32, H = 6, L = 197) on a 16 MiB cache; on a 32 MiB one, 4, 8 and
-# 16 MiB were within 0.5 % of each other (LION-d, LION-s-natural) and 2 MiB about 1 % slower.
+# mask product) read the group from the last-level cache instead of memory (a few groups fit one;
+# the sizes tried are in docs/benchmarks.md).
 CPU_TRAIN_GROUP_BYTES = 4 << 20
 
 Rows = Tuple[slice, slice]

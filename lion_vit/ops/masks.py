@@ -27,13 +27,11 @@ CPU_GROUP_BYTES = 4 << 20
 
 
 # On a CPU a selective mask is built a block of about this many rows at a time where its scan allows
-# (token order, a row snake; see _row_blocks, _fill_in_blocks): 32 was fastest of 32 / 64 / 128 at
-# L = 197 and L = 600.
+# (token order, a row snake; see _row_blocks, _fill_in_blocks), so that each block's passes stay in cache.
 CPU_MASK_BLOCK = 32
 
-# ... when it has at least this many entries: the blocks' fixed cost per op outweighs what they save
-# on smaller masks (batch-1 inference at 224 px: 6 x 197 x 197 entries per layer, 0.35 ms whole
-# against 1.1 ms in blocks; equal at 4 x 6 slabs; at 32 x 6 slabs 5 ms in blocks against 15 ms).
+# ... when it has at least this many entries: on smaller masks (batch-1 inference) the blocks' fixed
+# cost per op outweighs what they save. (The timings behind both numbers: docs/benchmarks.md.)
 CPU_MASK_BLOCK_MIN_ENTRIES = 1 << 20
 
 
