@@ -259,3 +259,17 @@ def test_unreadable_images_are_left_out_of_the_evaluation_and_named_once(run, fo
 def test_a_checkpoint_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(UserError, match=r"is a folder; pass a checkpoint file in it, e.g. .*checkpoint-best.pt"):
         ckpt.load_checkpoint(tmp_path)
+
+
+def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):
+    """(A folder it did not create is kept, with whatever was in it.)"""
+    out = tmp_path / "new" / "run"
+    proc = run_train(*SMALL_LION, "epochs=1", "data=imagefolder", f"data.root={tmp_path / 'nowhere'}",
+                     f"output_dir={out}")
+    assert_clean_error(proc, "does not exist")
+    assert not out.exists() and (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    proc = run_train(*SMALL_LION, "epochs=1", "data=imagefolder", f"data.root={tmp_path / 'nowhere'}",
+                     f"output_dir={tmp_path / 'kept'}")
+    assert_clean_error(proc, "does not exist")
+    assert (tmp_path / "kept").is_dir()

@@ -71,3 +71,17 @@ def writable(output_dir: Path) -> Optional[str]:
     except OSError as error:
         return error.strerror or str(error)
     return None
+
+
+def remove_if_unused(output_dir: Path) -> None:
+    """Remove a folder this run created when it holds no run file and no eval.json: only its config.yaml
+    and train.log go, and the folder if nothing else is left in it (a wandb folder, say, keeps it)."""
+    if run_files(output_dir) or (output_dir / "eval.json").exists():
+        return
+    for name in ("config.yaml", "train.log"):
+        (output_dir / name).unlink(missing_ok=True)
+    try:
+        output_dir.rmdir()
+    except OSError:  # not empty
+        pass
+

@@ -496,12 +496,14 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     if device.type == "cuda":
         configure_cuda(cfg.tf32)
     dist_info = init_distributed(device)
+    output_dir, created = None, False
     try:
         if device.type == "cuda":
             device = torch.device("cuda", dist_info.local_rank)
             torch.cuda.set_device(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
+            created = not output_dir.exists()
             _claim(output_dir)
         _setup_logging(output_dir, dist_info.is_main)
         seed_everything(epoch_seed(cfg.seed, 0, dist_info.rank))
@@ -519,6 +521,15 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         where = f" writing {error.filename}" if error.filename else ""
         raise UserError(f"no space left on the device{where}; free space there, then continue with resume=auto "
                         f"(the files already written are kept)") from None
+    except UserError:
+        if created:  # a run that failed before its first epoch's files leaves no folder behind
+            for logger in (logging.getLogger(), logging.getLogger("lion_vit.file")):  # train.log's handlers
+                for handler in [h for h in logger.handlers if isinstance(h, logging.FileHandler)]:
+                    logger.removeHandler(handler)
+                    handler.close()
+            rundir.release_all()
+            rundir.remove_if_unused(output_dir)
+        raise
     finally:
         rundir.release_all()
         cleanup()
