@@ -5,6 +5,8 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one thread per worker, workers share the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 if torch.cuda.is_available():  # tests/test_triton.py: exactness checks need full-precision float32 dots
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 else:  # GPU kernels run on CPU tensors under Triton's interpreter, which must be on before triton.language
