@@ -38,6 +38,7 @@ from . import checkpoint as ckpt
 from . import rundir
 from . import interrupts
 from .allocator import keep_freed_memory
+from .memory import memory_warning
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch, updates_per_epoch
 
@@ -365,6 +366,15 @@ def _check_same_classes(expected: list, found: list, what: str, fix: str) -> Non
     raise UserError(f"{what} has {count} ({detail}); {fix}")
 
 
+def _warn_if_too_large(model: nn.Module, cfg: DictConfig, device: torch.device, precision: Precision,
+                       training: bool, is_main: bool) -> None:
+    """A one-line warning, before anything runs, where a step will not fit in the free memory."""
+    value_bytes = 4 if precision.dtype is None or precision.dtype == torch.float32 else 2
+    warning = memory_warning(model, cfg.img_size, cfg.batch_size, training, device, value_bytes)
+    if warning and is_main:
+        log.warning(warning)
+
+
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
     if not cfg.amp or device.type != "cuda":
         return Precision(device)
@@ -469,6 +479,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
         raise UserError(f"ema.eval_ema=true, but {cfg.checkpoint} holds no EMA weights (its run had "
                         f"ema.enabled=false); drop ema.eval_ema to evaluate its model weights")
     load_weights(model, ckpt.ema_weights(state) if use_ema else state["model"])
+    _warn_if_too_large(model, cfg, device, _precision(cfg, device), training=False, is_main=dist_info.is_main)
     model.to(device)
     loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
                           rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
@@ -581,6 +592,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                                        min_lr=cfg.optim.min_lr, step_on_epochs=False,
                                        updates_per_epoch=updates)
     precision = _precision(cfg, device)
+    _warn_if_too_large(model, cfg, device, precision, training=True, is_main=is_main)
     scaler = torch.amp.GradScaler(device.type) if precision.dtype == torch.float16 else None
     mixup_fn = None
     if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:
