@@ -60,13 +60,17 @@ class _SplitHeads(torch.autograd.Function):
 
 # torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
 # branches on shapes, dtypes and devices; they run with real tensors when the traced graph runs
-def _log_decays(x: Tensor, logits: Tensor, selective: bool, num_scans: int, num_heads: int) -> Tensor:
+def _log_decays(x: Tensor, logits: Tensor, selective: bool, num_scans: int, num_heads: int,
+                fixed_prefix: int = 0) -> Tensor:
     """log lam = logsigmoid(logits) as [S, B|1, H, L|1]: logits [S, H] (fixed) or [B, L, S * H] (selective),
-    in float32 under autocast, float64 for float64 inputs."""
+    in float32 under autocast, float64 for float64 inputs; the first fixed_prefix tokens' decays are 1."""
     logits = logits.to(mask_dtype(x.dtype))
     if not selective:
         return F.logsigmoid(logits)[:, None, :, None]
-    return F.logsigmoid(logits.unflatten(-1, (num_scans, num_heads))).permute(2, 0, 3, 1)
+    log_decay = F.logsigmoid(logits.unflatten(-1, (num_scans, num_heads))).permute(2, 0, 3, 1)
+    if fixed_prefix:
+        log_decay = torch.cat([torch.zeros_like(log_decay[..., :fixed_prefix]), log_decay[..., fixed_prefix:]], -1)
+    return log_decay
 
 
 def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: int, device: torch.device) -> Tensor:
@@ -102,6 +106,7 @@ class LionAttention(nn.Module):
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
+            prefix_decay_one: bool = False,
             device: Optional[torch.device] = None,
             dtype: Optional[torch.dtype] = None,
             **_: object,  # other timm Attention arguments (scale_norm, ...) are not used
@@ -128,6 +133,7 @@ class LionAttention(nn.Module):
         self.attn_form = attn_form
         self.chunk_size = chunk_size
         self.attn_backend = attn_backend
+        self.prefix_decay_one = prefix_decay_one  # selective decays of prefix (class) tokens fixed to 1
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
         self.grid_size: Optional[Tuple[int, int]] = None
         self.num_prefix_tokens = 0
@@ -185,7 +191,8 @@ class LionAttention(nn.Module):
         if self.decay == "fixed":
             return _log_decays(x, self.decay_logit, False, self.num_scans, self.num_heads)
         if self.decay == "selective":
-            return _log_decays(x, self.decay_proj(x), True, self.num_scans, self.num_heads)
+            return _log_decays(x, self.decay_proj(x), True, self.num_scans, self.num_heads,
+                               self.num_prefix_tokens if self.prefix_decay_one else 0)
         return None
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:

@@ -94,6 +94,7 @@ class LionViT(VisionTransformer):
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
+            prefix_decay_one: bool = False,
             global_pool: str = "avg",
             class_token: Optional[bool] = None,
             pos_embed: Optional[str] = None,
@@ -109,6 +110,9 @@ class LionViT(VisionTransformer):
                              "input, so every size the patch size divides works; leave dynamic_img_size unset")
         if patch_drop_rate:
             raise ValueError("patch_drop_rate is not supported: LION decays need the full patch grid")
+        self.pool_all_tokens = global_pool == "avg_all"  # the official LION code's pooling, norm first
+        if self.pool_all_tokens:
+            global_pool, kwargs["fc_norm"] = "avg", False
         if class_token is None:  # token pooling reads the class token: add one only for it
             class_token = global_pool == "token"
         if global_pool == "token" and not class_token:
@@ -120,7 +124,8 @@ class LionViT(VisionTransformer):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
-                                        attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend)
+                                        attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
+                                        prefix_decay_one=prefix_decay_one)
         super().__init__(
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
             dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
@@ -170,6 +175,13 @@ class LionViT(VisionTransformer):
         """timm's set plus every decay parameter (decay logits and selective-decay projections)."""
         names = {n for n, _ in self.named_parameters() if ".decay_" in n}
         return super().no_weight_decay() | names
+
+    def pool(self, x: Tensor, pool_type: Optional[str] = None) -> Tensor:
+        """timm's pooling; global_pool="avg_all" averages every token, prefix tokens too (after the final
+        norm), as the official LION code does."""
+        if self.pool_all_tokens and pool_type is None:
+            return x.mean(dim=1)
+        return super().pool(x, pool_type)
 
     def __prepare_scriptable__(self) -> "LionViT":
         raise RuntimeError("LION models cannot be scripted (TorchScript is deprecated in PyTorch); use "

@@ -1,0 +1,160 @@
+"""Checkpoints trained with the official LION image-classification code (LIONS-EPFL/LION, a DeiT fork).
+
+That code computes the same function as this project's models once they are configured alike:
+- a class token always; its default pooling applies the final LayerNorm to every token and averages
+  all of them (`global_pool="avg_all"`), `cls_tok=True` pools the class token (`"token"`);
+- positional embeddings only when trained with `pos_emb`;
+- LION-lit with the ELU + 1 feature map (`feature_map="elu"`), the others with the normalised shifted
+  SiLU (it normalises queries too, which the division cancels);
+- decays `attn.a_i` (and `attn.a2_i`, the column-snake scan of `order='S'`): per head for
+  `mask_type=Decay`, lam = sigmoid(a) as here; a Linear for `Selective`, lam = 1 - sigmoid(W x + b) =
+  sigmoid(-W x - b), so the weights change sign; the class token's selective decay is 1
+  (`prefix_decay_one=True`).
+It scales scores by 1/sqrt(d) (cancelled by the division) and adds 1e-6 to each normaliser (not done
+here: the two agree to float rounding plus that epsilon).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
+
+import timm
+import torch
+from torch import Tensor
+
+from .models import LionViT
+
+# (mask_type, order) of the official code -> this project's variant
+VARIANTS = {("Lit", "Normal"): "lion_lit", ("Decay", "Normal"): "lion_d", ("Selective", "Normal"): "lion_s",
+            ("Decay", "S"): "lion_d_natural", ("Selective", "S"): "lion_s_natural"}
+SIZES = {192: "tiny", 384: "small", 768: "base"}  # embedding width -> size
+ARGS = ("mask_type", "order", "pos_emb", "cls_tok")  # the official settings a conversion needs
+
+
+@contextlib.contextmanager
+def _namespaces_allowed() -> Iterator[None]:
+    """Let torch's safe load (weights_only) read the argparse.Namespace of DeiT-style checkpoints, and
+    nothing else that is not plain data."""
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:  # torch < 2.5
+        yield
+        return
+    with safe_globals([argparse.Namespace]):
+        yield
+
+
+def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]:
+    """An official checkpoint as a dict ({'model', 'model_ema', 'args', ...}), or a bare state dict
+    wrapped as {'model': ...}; files load with torch's safe weights_only=True."""
+    if isinstance(source, Mapping):
+        checkpoint = dict(source)
+    else:
+        if not Path(source).is_file():
+            raise ValueError(f"official checkpoint {source} does not exist")
+        with _namespaces_allowed():
+            checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    if "model" not in checkpoint:
+        checkpoint = {"model": checkpoint}
+    return checkpoint
+
+
+def official_settings(checkpoint: Mapping[str, Any], args: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """mask_type, order, pos_emb and cls_tok: from `args` where given, else the checkpoint's own args; an
+    unknown mask_type / order, or a setting neither gives, is a ValueError."""
+    saved = checkpoint.get("args")
+    saved = vars(saved) if isinstance(saved, argparse.Namespace) else dict(saved or {})
+    settings = {**saved, **dict(args or {})}
+    missing = [name for name in ARGS if name not in settings]
+    if missing:
+        raise ValueError(f"the checkpoint does not say its {', '.join(missing)}; pass them, e.g. "
+                         f"args={{'mask_type': 'Selective', 'order': 'S', 'pos_emb': False, 'cls_tok': False}}")
+    if (settings["mask_type"], settings["order"]) not in VARIANTS:
+        raise ValueError(f"unknown official mask_type={settings['mask_type']!r} / order={settings['order']!r}; "
+                         f"known: {sorted(VARIANTS)}")
+    return settings
+
+
+def official_weights(checkpoint: Mapping[str, Any], use_ema: bool = True) -> Dict[str, Tensor]:
+    """The checkpoint's `model_ema` when present and use_ema, else its `model`."""
+    ema = checkpoint.get("model_ema")
+    weights = ema if use_ema and ema else checkpoint["model"]
+    return {key.removeprefix("module."): value for key, value in weights.items()}
+
+
+def to_lion_vit(weights: Mapping[str, Tensor], settings: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], Dict[str, Tensor]]:
+    """(model name, create_model kwargs, state dict) of this project for official weights and settings."""
+    selective, scans = settings["mask_type"] == "Selective", 2 if settings["order"] == "S" else 1
+    width = weights["cls_token"].shape[-1]
+    if width not in SIZES:
+        raise ValueError(f"an official model of width {width} has no counterpart here (widths {sorted(SIZES)})")
+    name = f"{VARIANTS[(settings['mask_type'], settings['order'])]}_{SIZES[width]}"
+    depth = 1 + max(int(key.split(".")[1]) for key in weights if key.startswith("blocks."))
+    kwargs = dict(num_classes=weights["head.weight"].shape[0], depth=depth, class_token=True,
+                  global_pool="token" if settings["cls_tok"] else "avg_all",
+                  pos_embed="learn" if settings["pos_emb"] else "none",
+                  feature_map="elu" if settings["mask_type"] == "Lit" else "silu_norm",
+                  prefix_decay_one=selective)
+    if settings["pos_emb"]:  # the grid the positional embeddings were trained on (patch 16)
+        kwargs["img_size"] = 16 * round((weights["pos_embed"].shape[1] - 1) ** 0.5)
+    state: Dict[str, Tensor] = {}
+    decays: Dict[Tuple[str, str], Dict[str, Tensor]] = {}  # (block, ".weight" / ".bias" / "") -> scans
+    for key, value in weights.items():
+        block, _, leaf = key.partition(".attn.")
+        scan = leaf.split(".")[0]
+        if scan in ("a_i", "a2_i"):
+            decays.setdefault((block, leaf[len(scan):]), {})[scan] = value
+        else:
+            state[key] = value
+    for (block, suffix), found in decays.items():
+        names = ("a_i", "a2_i")[:scans]
+        if set(found) != set(names):
+            raise ValueError(f"{block}.attn has {sorted(found)}, but order={settings['order']!r} has {list(names)}")
+        parts = [found[name] for name in names]
+        if selective:  # lam = 1 - sigmoid(W x + b) = sigmoid(-W x - b)
+            state[f"{block}.attn.decay_proj{suffix}"] = -torch.cat(parts)
+        else:
+            state[f"{block}.attn.decay_logit"] = torch.stack(parts)
+    return name, kwargs, state
+
+
+def convert_official(source: Union[str, Path, Mapping[str, Any]], args: Optional[Mapping[str, Any]] = None,
+                     use_ema: bool = True, **kwargs: Any) -> Tuple[str, Dict[str, Any], LionViT]:
+    """(model name, create_model kwargs, model with the weights) for an official checkpoint: see from_official."""
+    checkpoint = load_official(source)
+    name, model_kwargs, state = to_lion_vit(official_weights(checkpoint, use_ema), official_settings(checkpoint, args))
+    model = timm.create_model(name, **{**model_kwargs, **kwargs})
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise ValueError(f"the official checkpoint does not fit {name}: {lines[1] if len(lines) > 1 else lines[0]}") \
+            from None
+    return name, model_kwargs, model
+
+
+def from_official(source: Union[str, Path, Mapping[str, Any]], args: Optional[Mapping[str, Any]] = None,
+                  use_ema: bool = True, **kwargs: Any) -> LionViT:
+    """A LION model of this project with the weights of an official LION checkpoint (a path or a loaded
+    checkpoint / state dict). args: mask_type, order, pos_emb, cls_tok where the checkpoint's own `args`
+    lacks them (or to override them); use_ema: take `model_ema` when present, as timm does; kwargs go to
+    timm.create_model (attn_form, chunk_size, ...). A checkpoint of another shape is a ValueError."""
+    return convert_official(source, args, use_ema, **kwargs)[2]
+
+
+def to_official(model: LionViT) -> Dict[str, Tensor]:
+    """The official code's state dict for a model of this project configured as from_official builds it
+    (the inverse mapping: decays back to a_i / a2_i, selective weights back to their sign)."""
+    state: Dict[str, Tensor] = {}
+    heads = model.blocks[0].attn.num_heads
+    for key, value in model.state_dict().items():
+        if ".attn.decay_logit" in key or ".attn.decay_proj" in key:
+            selective = ".decay_proj" in key
+            scans = value.shape[0] // heads if selective else value.shape[0]
+            for scan, name in enumerate(("a_i", "a2_i")[:scans]):
+                target = key.replace("decay_proj" if selective else "decay_logit", name)
+                state[target] = -value[scan * heads:(scan + 1) * heads].clone() if selective else value[scan].clone()
+        else:
+            state[key] = value
+    return state

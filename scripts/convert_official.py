@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Convert a checkpoint of the official LION image-classification code (LIONS-EPFL/LION) into one of this
+project, which `train.py eval_only=true checkpoint=OUT.pth` evaluates in any form and resolution.
+
+    python scripts/convert_official.py official.pth lion_checkpoint.pth
+    python scripts/convert_official.py official.pth out.pth --mask-type Selective --order S --no-pos-emb
+
+The official settings (mask_type, order, pos_emb, cls_tok) come from the checkpoint's `args` unless given;
+`model_ema` is taken when present (--no-ema: the raw weights).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+import torch  # noqa: E402
+
+from lion_vit.benchmark import HelpFormatter  # noqa: E402
+from lion_vit.convert import ARGS, convert_official  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("official", type=Path, help="the official checkpoint (.pth)")
+    parser.add_argument("out", type=Path, help="where to write this project's checkpoint")
+    parser.add_argument("--mask-type", choices=["Lit", "Decay", "Selective"], help="override the checkpoint's")
+    parser.add_argument("--order", choices=["Normal", "S"], help="override the checkpoint's")
+    parser.add_argument("--pos-emb", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the checkpoint's")
+    parser.add_argument("--cls-tok", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the checkpoint's")
+    parser.add_argument("--no-ema", action="store_true", help="convert `model`, not `model_ema`")
+    args = parser.parse_args()
+    given = {name: getattr(args, name) for name in ARGS if getattr(args, name) is not None}
+    try:
+        name, kwargs, model = convert_official(args.official, given, use_ema=not args.no_ema)
+    except (ValueError, OSError, RuntimeError) as error:  # unknown settings, another shape, not a checkpoint
+        parser.exit(2, f"error: {str(error).strip().splitlines()[0]}\n")
+    num_classes = kwargs.pop("num_classes")
+    out = {"model": model.state_dict(), "num_classes": num_classes, "epoch": None,
+           "config": {"model": {"name": name, "patch_size": 16, "kwargs": kwargs}}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, args.out)
+    print(f"wrote {args.out}: {name}, {num_classes} classes, model.kwargs={kwargs}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Checkpoints of the official LION code: built here from its documented key layout (a DeiT ViT with
+`attn.a_i` / `attn.a2_i` decays, an argparse Namespace of settings), converted, and compared with a
+forward written here from the official code's documented semantics (not its code)."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lion_vit.convert import VARIANTS, from_official, to_official
+from lion_vit.ops import snake_orders
+from naive import naive_mask, rel_err
+from runs import ENV, ROOT
+
+DEPTH, WIDTH, HEADS = 2, 192, 3
+
+
+def official_checkpoint(mask_type: str, order: str, pos_emb: bool, cls_tok: bool, classes: int = 7, seed: int = 0):
+    """A random official-format checkpoint: DeiT key names, decays a_i (a2_i for order='S')."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+
+    model = {"patch_embed.proj.weight": rand(WIDTH, 3, 16, 16, std=0.02), "patch_embed.proj.bias": rand(WIDTH),
+             "cls_token": rand(1, 1, WIDTH, std=0.5), "norm.weight": 1 + rand(WIDTH), "norm.bias": rand(WIDTH),
+             "head.weight": rand(classes, WIDTH, std=0.2), "head.bias": rand(classes)}
+    if pos_emb:
+        model["pos_embed"] = rand(1, 1 + 4 * 4, WIDTH, std=0.5)  # trained at 64 px
+    for b in range(DEPTH):
+        p = f"blocks.{b}."
+        model.update({p + "norm1.weight": 1 + rand(WIDTH), p + "norm1.bias": rand(WIDTH),
+                      p + "attn.qkv.weight": rand(3 * WIDTH, WIDTH), p + "attn.qkv.bias": rand(3 * WIDTH),
+                      p + "attn.proj.weight": rand(WIDTH, WIDTH), p + "attn.proj.bias": rand(WIDTH),
+                      p + "norm2.weight": 1 + rand(WIDTH), p + "norm2.bias": rand(WIDTH),
+                      p + "mlp.fc1.weight": rand(4 * WIDTH, WIDTH), p + "mlp.fc1.bias": rand(4 * WIDTH),
+                      p + "mlp.fc2.weight": rand(WIDTH, 4 * WIDTH), p + "mlp.fc2.bias": rand(WIDTH)})
+        for name in ("a_i", "a2_i")[:2 if order == "S" else 1]:
+            if mask_type == "Decay":
+                model[p + f"attn.{name}"] = torch.randn(HEADS, generator=g) * 2
+            elif mask_type == "Selective":
+                model[p + f"attn.{name}.weight"] = rand(HEADS, WIDTH, std=0.3)
+                model[p + f"attn.{name}.bias"] = torch.randn(HEADS, generator=g) * 2
+    args = argparse.Namespace(model="lion_tiny_patch16_224", mask_type=mask_type, order=order, pos_emb=pos_emb,
+                              cls_tok=cls_tok, lr=5e-4)
+    return {"model": model, "args": args, "epoch": 299}
+
+
+def official_logits(checkpoint, x):
+    """The official model's function as documented: a class token first; per head features ELU + 1 (Lit)
+    or the normalised SiLU + 0.5 (both q and k), scores scaled by 1/sqrt(d), mask lam^|i-j| with
+    lam = sigmoid(a_i) (Decay) or the product of the decays lam_t = 1 - sigmoid(a_i(x_t)) between the
+    tokens (Selective, the class token's decay 1); order='S' averages the row- and column-snake masks;
+    rows divided by their sums; final norm on every token, then the mean over all tokens (cls_tok: the
+    class token)."""
+    w, args = checkpoint["model"], checkpoint["args"]
+    x = x.double()
+    tokens = F.conv2d(x, w["patch_embed.proj.weight"].double(), w["patch_embed.proj.bias"].double(), stride=16)
+    grid = tokens.shape[-2:]
+    t = torch.cat([w["cls_token"].double().expand(x.shape[0], -1, -1), tokens.flatten(2).transpose(1, 2)], 1)
+    if args.pos_emb:
+        t = t + w["pos_embed"].double()
+    length = t.shape[1]
+    orders = snake_orders(*grid, num_prefix_tokens=1) if args.order == "S" else torch.arange(length)[None]
+    ln = lambda v, p: F.layer_norm(v, (WIDTH,), w[p + ".weight"].double(), w[p + ".bias"].double(), eps=1e-6)  # noqa: E731
+    lin = lambda v, p: F.linear(v, w[p + ".weight"].double(), w[p + ".bias"].double())  # noqa: E731
+    for b in range(DEPTH):
+        p = f"blocks.{b}."
+        h = ln(t, p + "norm1")
+        q, k, v = lin(h, p + "attn.qkv").unflatten(-1, (3, HEADS, -1)).permute(2, 0, 3, 1, 4)
+        if args.mask_type == "Lit":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+        else:
+            q, k = ((F.silu(z) + 0.5) / (F.silu(z) + 0.5).norm(dim=-1, keepdim=True) for z in (q, k))
+        scores = q @ k.transpose(-1, -2) * (WIDTH // HEADS) ** -0.5
+        mask = 0
+        for scan, order in zip(("a_i", "a2_i"), orders):
+            if args.mask_type == "Decay":
+                lam = torch.sigmoid(w[p + "attn." + scan].double())[None, :, None].expand(x.shape[0], -1, length)
+            elif args.mask_type == "Selective":
+                lam = (1 - torch.sigmoid(lin(h, p + "attn." + scan))).transpose(1, 2).clone()
+                lam[..., 0] = 1.0
+            else:
+                lam = torch.ones(x.shape[0], HEADS, length, dtype=torch.float64)
+            position = torch.argsort(order)
+            mask = mask + naive_mask(lam[..., order])[..., position[:, None], position[None, :]] / len(orders)
+        attn = scores * mask
+        attn = attn / attn.sum(-1, keepdim=True)
+        t = t + lin((attn @ v).transpose(1, 2).flatten(2), p + "attn.proj")
+        t = t + lin(F.gelu(lin(ln(t, p + "norm2"), p + "mlp.fc1")), p + "mlp.fc2")
+    t = ln(t, "norm")
+    pooled = t[:, 0] if args.cls_tok else t.mean(1)
+    return lin(pooled, "head")
+
+
+CASES = [(mask, order, mask == "Lit", False) for mask, order in VARIANTS] + [("Selective", "S", True, True)]
+
+
+@pytest.mark.parametrize("mask_type, order, pos_emb, cls_tok", CASES)
+def test_converted_model_computes_the_official_function_in_every_form(mask_type, order, pos_emb, cls_tok):
+    checkpoint = official_checkpoint(mask_type, order, pos_emb, cls_tok)
+    # a 4 x 5 grid, not square; with positional embeddings their own 4 x 4 grid, the only one the official
+    # code takes (this project resamples them for any other)
+    x = torch.randn(2, 3, 64, 64 if pos_emb else 80, generator=torch.Generator().manual_seed(1))
+    expected = official_logits(checkpoint, x)
+    model = from_official(checkpoint).double().eval()
+    with torch.no_grad():
+        for form, chunk in (("attention", None), ("rnn", None), ("chunk", 7)):
+            assert rel_err(model.set_attn_form(form, chunk)(x.double()), expected) < 1e-10, form
+
+
+def test_mapping_both_ways_and_the_decay_sign():
+    checkpoint = official_checkpoint("Selective", "S", False, False)
+    model = from_official(checkpoint)
+    attn = model.blocks[1].attn
+    weights = checkpoint["model"]
+    assert torch.equal(attn.decay_proj.weight[:HEADS], -weights["blocks.1.attn.a_i.weight"])  # 1 - sigmoid(z) = sigmoid(-z)
+    assert torch.equal(attn.decay_proj.bias[HEADS:], -weights["blocks.1.attn.a2_i.bias"])
+    back = to_official(model)
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    assert model.num_prefix_tokens == 1 and model.pool_all_tokens and attn.prefix_decay_one
+
+
+def test_class_token_decay_is_one_and_pooling_takes_every_token():
+    model = from_official(official_checkpoint("Selective", "Normal", False, False)).eval()
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 5, WIDTH)
+    log_decay = attn.log_decay(x)
+    assert torch.equal(log_decay[..., 0], torch.zeros_like(log_decay[..., 0])) and (log_decay[..., 1:] < 0).all()
+    tokens = torch.randn(2, 5, WIDTH)
+    assert torch.equal(model.forward_head(tokens, pre_logits=True), tokens.mean(1))
+
+
+def test_model_ema_is_taken_when_present_unless_asked_otherwise():
+    checkpoint = official_checkpoint("Decay", "Normal", False, False)
+    checkpoint["model_ema"] = {k: v + 1 for k, v in checkpoint["model"].items()}
+    ema, raw = from_official(checkpoint), from_official(checkpoint, use_ema=False)
+    assert torch.equal(ema.head.bias, checkpoint["model_ema"]["head.bias"])
+    assert torch.equal(raw.head.bias, checkpoint["model"]["head.bias"])
+
+
+def test_bad_official_checkpoints_are_one_clear_error():
+    checkpoint = official_checkpoint("Decay", "Normal", False, False)
+    with pytest.raises(ValueError, match=r"unknown official mask_type='Gated' / order='Normal'"):
+        from_official(checkpoint, args={"mask_type": "Gated"})
+    with pytest.raises(ValueError, match=r"blocks.0.attn has \['a_i'\], but order='S' has \['a_i', 'a2_i'\]"):
+        from_official(checkpoint, args={"order": "S"})
+    del checkpoint["args"]
+    with pytest.raises(ValueError, match="does not say its mask_type, order, pos_emb, cls_tok"):
+        from_official(checkpoint)
+    checkpoint = official_checkpoint("Decay", "Normal", False, False)
+    checkpoint["model"]["blocks.0.mlp.fc1.weight"] = torch.zeros(5, WIDTH)
+    with pytest.raises(ValueError, match=r"does not fit lion_d_tiny: size mismatch for blocks.0.mlp.fc1.weight"):
+        from_official(checkpoint)
+
+
+def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
+    """The converted file is a checkpoint of this project: its config names the architecture, and it
+    loads where train.py's checkpoints load (a bad file is one error line)."""
+    from lion_vit.engine.checkpoint import load_checkpoint
+    from lion_vit.engine.trainer import _trained_architecture, build_model
+    from omegaconf import OmegaConf
+    official = tmp_path / "official.pth"
+    torch.save(official_checkpoint("Selective", "S", False, False, classes=10), official)
+    out = tmp_path / "converted.pt"
+    proc = subprocess.run([sys.executable, "scripts/convert_official.py", str(official), str(out)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"wrote {out}: lion_s_natural_tiny, 10 classes" in proc.stdout
+    state = load_checkpoint(out)  # torch's safe load: plain data only
+    arch = OmegaConf.create({"attn_form": "rnn", "chunk_size": None, "drop_path_rate": 0.0, **_trained_architecture(state)})
+    model = build_model(arch, state["num_classes"], 64, initial_weights=False)
+    model.load_state_dict(state["model"])
+    reference = from_official(official)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        assert rel_err(model.eval()(x), reference.eval()(x)) < 1e-5
+    bad = subprocess.run([sys.executable, "scripts/convert_official.py", str(official), str(out), "--order", "Normal",
+                          "--mask-type", "Lit"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
