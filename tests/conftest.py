@@ -23,3 +23,22 @@ def chunks_always(monkeypatch):
     import lion_vit.ops.dispatch
 
     monkeypatch.setattr(lion_vit.ops.dispatch, "whole_product_is_cheaper", lambda *args, **kwargs: False)
+
+
+@pytest.fixture(scope="session")
+def folder(tmp_path_factory):
+    """A tiny 3-class image folder (train/ and val/) that a model learns in a few steps."""
+    from runs import make_image_folder
+    return make_image_folder(tmp_path_factory.mktemp("imgs"))
+
+
+@pytest.fixture(scope="session")
+def trained(folder, tmp_path_factory):
+    """A 2-epoch LION-s run shared by the evaluation, resume and checkpoint tests (copy it to change it)."""
+    from runs import SMALL_LION, assert_ok, run_train
+    out = tmp_path_factory.mktemp("trained")
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=2", "batch_size=4",
+                        "aug=none", f"output_dir={out}", "optim.lr=2e-3", "optim.lr_base_batch=null",
+                        "optim.warmup_epochs=0"))
+    return out
+

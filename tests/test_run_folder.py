@@ -18,12 +18,7 @@ import torch
 from lion_vit.engine import checkpoint as ckpt
 from lion_vit.engine import interrupts, rundir
 from lion_vit.errors import UserError
-from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, make_image_folder, read_metrics, run_train
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_image_folder(tmp_path_factory.mktemp("imgs"))
+from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
 
 
 def _args(folder, output_dir):

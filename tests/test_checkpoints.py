@@ -1,0 +1,156 @@
+"""Checkpoints: safe loading, atomic durable writes, full disks, resume=auto, timm and fine-tuning reading them."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
+
+
+def test_existing_run_is_not_overwritten(trained):
+    before = (trained / "checkpoint-last.pt").read_bytes()
+    proc = run_train(*SMALL_LION, "epochs=1", f"output_dir={trained}")
+    assert_clean_error(proc, "resume=auto")
+    assert (trained / "checkpoint-last.pt").read_bytes() == before
+
+
+def test_checkpoint_loads_into_timm_create_model(trained):
+    """A researcher's own code: timm's checkpoint_path (a weights_only load of the 'model' entry)."""
+    import timm
+    import lion_vit  # noqa: F401
+    path = trained / "checkpoint-best.pt"
+    weights = torch.load(path)["model"]  # torch's default load (weights_only=True) accepts it
+    model = timm.create_model("lion_s_tiny", checkpoint_path=str(path), img_size=32, patch_size=8, depth=2,
+                              num_classes=3)
+    assert model.state_dict().keys() == weights.keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
+    """The README's fine-tuning overrides: the backbone starts from the checkpoint, the classifier anew;
+    the run's own checkpoints then resume and evaluate without the initial file."""
+    initial = tmp_path / "initial.pt"
+    initial.write_bytes((trained / "checkpoint-best.pt").read_bytes())
+    run = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+           f"output_dir={tmp_path / 'run'}", "optim.lr=1e-12", "optim.lr_base_batch=null", "optim.warmup_epochs=0",
+           "optim.min_lr=0",
+           "+model.kwargs.pretrained=true"]
+    assert_clean_error(run_train(*run, "epochs=1", f"+model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}"),
+                       "cannot load the initial weights of lion_s_tiny",
+                       f"model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}")
+    run.append(f"+model.kwargs.pretrained_cfg_overlay.file={initial}")
+    assert_ok(run_train(*run, "epochs=1"))
+    pretrained = torch.load(initial)["model"]
+    tuned = torch.load(tmp_path / "run" / "checkpoint-last.pt")["model"]
+    backbone = [key for key in pretrained if not key.startswith("head.")]
+    assert backbone and all(torch.allclose(tuned[k], pretrained[k], atol=1e-6) for k in backbone)
+    assert not torch.allclose(tuned["head.weight"], pretrained["head.weight"], atol=1e-3)
+
+    initial.unlink()  # weights now come from the run's checkpoints
+    assert_ok(run_train(*run, "epochs=2", "resume=auto"))
+    assert [m["epoch"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+                        f"checkpoint={tmp_path / 'run' / 'checkpoint-last.pt'}", f"output_dir={tmp_path / 'eval'}"))
+    assert (tmp_path / "eval" / "eval.json").exists()
+
+
+def test_checkpoint_with_foreign_objects_is_refused_not_run(tmp_path):
+    from lion_vit.engine.checkpoint import load_checkpoint
+    from lion_vit.errors import UserError
+    marker = tmp_path / "ran"
+    torch.save({"model": {}, "payload": _WritesFileWhenUnpickled(str(marker))}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match=r"holds a Python object \(\S+\) that torch's safe "
+                                        r"load \(weights_only\) will not unpickle"):
+        load_checkpoint(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+class _WritesFileWhenUnpickled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.path),)
+
+
+def test_checkpoint_of_earlier_versions_with_numpy_rng_state_loads(tmp_path):
+    """Checkpoints written before the RNG states were dropped hold numpy arrays: still readable."""
+    from lion_vit.engine.checkpoint import load_checkpoint
+    weights = {"head.weight": torch.randn(3, 4)}
+    torch.save({"model": weights, "epoch": 4, "rng": {"numpy": np.random.get_state()}}, tmp_path / "old.pt")
+    state = load_checkpoint(tmp_path / "old.pt")
+    assert state["epoch"] == 4 and torch.equal(state["model"]["head.weight"], weights["head.weight"])
+    assert state["rng"]["numpy"][0] == "MT19937"
+
+
+def test_weights_that_do_not_fit_name_the_first_problem():
+    import timm
+    from lion_vit.engine.trainer import load_weights
+    from lion_vit.errors import UserError
+    model = timm.create_model("lion_d_tiny", img_size=32, patch_size=8, depth=1, num_classes=3)
+    weights = model.state_dict()
+    del weights["head.bias"]
+    with pytest.raises(UserError, match=r"does not fit model LionViT: Missing key\(s\) in state_dict: \"head.bias\""):
+        load_weights(model, weights)
+
+
+def test_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+    from lion_vit.engine import checkpoint as ckpt
+    from lion_vit.errors import UserError
+    last = tmp_path / ckpt.LAST
+    ckpt.save_atomic({"model": {"w": torch.ones(3)}, "epoch": 0}, last)
+    before = last.read_bytes()
+
+    def save_until_full(state, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(ckpt.torch, "save", save_until_full)
+    with pytest.raises(UserError, match=r"^could not write checkpoint .*checkpoint-last.pt \(no space left on the device\); "
+                                        r"the checkpoint already there is kept; .*resume=auto"):
+        ckpt.save_atomic({"model": {}, "epoch": 1}, last, keep_previous=tmp_path / ckpt.PREVIOUS)
+    assert last.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LAST]  # no partial .tmp left behind
+
+
+def test_checkpoint_file_and_its_directory_are_fsynced_after_the_rename(tmp_path, monkeypatch):
+    """A rename is durable only once the directory is fsynced (else a power loss can bring back the
+    old entry, or none): the file's data first, then the directory after both renames."""
+    import stat
+    from lion_vit.engine import checkpoint as ckpt
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    last = tmp_path / ckpt.LAST
+    ckpt.save_atomic({"epoch": 0}, last)
+    events.clear()
+    ckpt.save_atomic({"epoch": 1}, last, keep_previous=tmp_path / ckpt.PREVIOUS)
+    assert events == [("fsync", "file"), ("replace", ckpt.PREVIOUS), ("replace", ckpt.LAST), ("fsync", "dir")]
+    assert torch.load(last)["epoch"] == 1 and torch.load(tmp_path / ckpt.PREVIOUS)["epoch"] == 0
+
+
+def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={tmp_path}"]
+    assert_ok(run_train(*args, "epochs=2"))
+    (tmp_path / "checkpoint-last.pt").write_bytes(b"truncated")  # a crash mid-copy, say
+    proc = run_train(*args, "epochs=3", "resume=auto")
+    assert_ok(proc)
+    assert "skips" in proc.stdout + proc.stderr
+    metrics = read_metrics(tmp_path)  # redid epoch 2 from prev: its first line was dropped
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    assert "resumed after epoch 1" in proc.stdout + proc.stderr

@@ -1,0 +1,77 @@
+"""Progress lines and bars, and the CPU allocator setting that keeps freed memory."""
+from __future__ import annotations
+
+import io
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+
+from runs import assert_ok, run_train
+
+
+def test_progress_off_a_terminal_is_a_log_line_every_log_interval_steps(tmp_path):
+    """Under SLURM or a pipe (stderr not a terminal) tqdm's redraws would pile up in the log file: progress is
+    instead a line every log_interval steps, on stdout and in train.log, and the epoch's line ends the epoch."""
+    proc = run_train("epochs=1", f"output_dir={tmp_path}", "log_interval=5")  # digits: 22 steps per epoch
+    assert_ok(proc)
+    steps = re.findall(r"INFO train 1 \[\s*(\d+)/22\]  loss \d\.\d{4}  lr \S+  \d+\.\d{3} s/step  \S+ left\n",
+                       proc.stdout)
+    assert steps == ["5", "10", "15", "20"], proc.stdout[-2000:]
+    assert re.search(r"INFO eval \[5/6\]", proc.stdout) and "INFO epoch 1/1" in proc.stdout
+    assert "\r" not in proc.stdout + proc.stderr and "it/s" not in proc.stderr
+    assert (tmp_path / "train.log").read_text().count(" INFO train 1 [") == 4
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar(monkeypatch, caplog):
+    from lion_vit.engine.loop import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with caplog.at_level(logging.INFO, logger="lion_vit"):
+        progress = Progress(range(12), "train 3", show=True, log_interval=5)
+        postfixes = []
+        for step, _ in enumerate(progress):
+            progress.report(step, loss="0.1234")
+            postfixes.append(progress.bar.postfix)  # drawn at tqdm's next refresh
+        assert "train 3:   0%|" in sys.stderr.getvalue() and postfixes[-1] == "loss=0.1234"
+        assert not caplog.records, "a terminal gets the bar, not log lines"
+        monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
+        progress = Progress(range(12), "eval", show=True, log_interval=5)
+        for step, _ in enumerate(progress):
+            progress.report(step)
+        for show, interval in ((False, 5), (True, 0)):  # progress=false; log_interval=0
+            quiet = Progress(range(12), "eval", show=show, log_interval=interval)
+            for step, _ in enumerate(quiet):
+                quiet.report(step)
+    assert [r.getMessage()[:11] for r in caplog.records] == ["eval [ 5/12", "eval [10/12"]
+    assert sys.stderr.getvalue() == ""
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from lion_vit.engine.allocator import keep_freed_memory
+    assert keep_freed_memory()
+faults = []
+for _ in range(6):  # a step's worth of large activations, allocated, written and freed again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16, 2**20)  # 64 MiB
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[3:]))  # after warm-up (the heap grows over the first two)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_keep_freed_memory_stops_page_faulting_large_tensors_again():
+    """glibc default: every 64 MiB tensor is a fresh mmap (16k page faults); kept: the heap is reused."""
+    def repeat_faults(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True)
+        return int(run.stdout.split()[-1])
+    assert repeat_faults("default") > 3 * 10_000
+    assert repeat_faults("keep") < 1_000

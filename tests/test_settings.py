@@ -1,0 +1,179 @@
+"""Every bad setting is one error line before anything is built; device and wandb set-up."""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from runs import ROOT, SMALL_LION, assert_clean_error, run_train
+
+
+def test_bad_inputs_give_one_clear_line(folder, tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"this is not a checkpoint")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    cases = [
+        (("data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1"), ("does not exist", "data.root")),
+        (("model.name=lion_x_huge", "epochs=1"), ("unknown model",)),
+        (("img_size=30", "epochs=1"), ("not divisible",)),
+        (("model.attn_form=softmax", "epochs=1"), ("attn_form",)),
+        (("eval_only=true", f"checkpoint={corrupt}"), ("corrupt",)),
+        (("eval_only=true", f"checkpoint={tmp_path / 'missing.pt'}"), ("does not exist",)),
+        (("batch_size=0",), ("batch_size=0", "positive integer")),
+        (("optim.lr=-1",), ("optim.lr=-1", "positive number")),
+        (("model.name=resnet18",), ("cannot build model resnet18", "unexpected keyword argument 'depth'",
+                                    "start from model=lion or model=deit")),
+        (("data=imagefolder", "data.root=null", "epochs=1"), ("data=imagefolder needs data.root",)),
+        ((f"output_dir={a_file}",), ("cannot create output_dir", "File exists")),
+    ]
+    # independent processes, mostly Python start-up and imports: run side by side, each with its own
+    # output_dir in the test's folder (the last case sets its own), which the failed run leaves out
+    runs = [overrides if any(o.startswith("output_dir=") for o in overrides) else
+            (*overrides, f"output_dir={tmp_path / f'run{i}'}") for i, (overrides, _) in enumerate(cases)]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = list(pool.map(lambda overrides: run_train(*SMALL_LION, *overrides), runs))
+    for (overrides, needles), proc in zip(cases, procs):
+        assert_clean_error(proc, *needles)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("run")]  # no folder left behind
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
+    ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
+    ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
+    ("logger.wandb.mode=onlin", "logger.wandb.mode"), ("compile=ture", "compile"), ("ema.enabled=yes", "ema.enabled"),
+    ("seed=abc", "seed"), ("seed=-1", "seed"), ("amp_dtype=float8", "amp_dtype"), ("optim.opt=lamb2", "optim.opt"),
+    ("optim.sched=cosin", "optim.sched"), ("optim.sched=plateau", "optim.sched"), ("model.name=null", "model.name"),
+    ("data.crop_pct=0", "data.crop_pct"), ("optim.weight_decay=abc", "optim.weight_decay"),
+    ("optim.betas=[0.9]", "optim.betas"), ("optim.eps=0", "optim.eps"), ("optim.min_lr=-1", "optim.min_lr"),
+    ("aug.mixup=-1", "aug.mixup"), ("aug.mixup_prob=2", "aug.mixup_prob"), ("aug.mixup_mode=elements", "aug.mixup_mode"),
+    ("aug.smoothing=1.5", "aug.smoothing"), ("aug.reprob=2", "aug.reprob"), ("aug.scale=[1.0]", "aug.scale"),
+    ("aug.scale=[0.9,0.1]", "aug.scale"), ("aug.repeated_aug=-1", "aug.repeated_aug"),
+    # timm asserts on an unknown policy or option, and skips an option without a number
+    ("aug.auto_augment=xyz", "aug.auto_augment"), ("aug.auto_augment=rand-m9-foo7", "aug.auto_augment"),
+    ("aug.auto_augment=rand-mfoo", "aug.auto_augment"), ("aug.auto_augment=augmix-m5-z2", "aug.auto_augment"),
+])
+def test_settings_out_of_range_are_named(override, needle):
+    """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
+        check_settings(compose("config", overrides=["optim.opt=AdamW"]))  # timm's spellings pass
+        check_settings(compose("config", overrides=["optim.opt=lookahead_lamb"]))
+        cfg = compose("config", overrides=["ema.enabled=true", override])
+    with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
+        check_settings(cfg)
+
+
+def test_timm_auto_augment_policies_pass_the_setting_checks():
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for policy in ("rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd1-tweights", "augmix-m5-w3-d2", "original-mstd0.5", "3a",
+                       "null"):
+            check_settings(compose("config", overrides=["aug=deit", f"aug.auto_augment={policy}"]))
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
+def test_every_experiment_passes_the_setting_checks(experiment):
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for model in ("lion", "deit"):
+            check_settings(compose("config", overrides=[f"experiment={experiment}", f"model={model}"]))
+
+
+def test_slurm_launcher_config_fits_the_plugin_schema():
+    """hydra/launcher=slurm holds only deltas to hydra-submitit-launcher's own config (a full copy of it
+    broke when the plugin's schema changed). Runs where the plugin (the [slurm] extra) is installed."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.max_num_timeout) == (2, 8, 8, 3)
+
+
+def test_odd_batch_with_mixup_is_named():
+    """timm's Mixup pairs each image with its mirror in the batch and asserts on an odd batch in the first step."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.trainer import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        check_settings(compose("config", overrides=["batch_size=33"]))  # digits: no mixup, any batch
+        check_settings(compose("config", overrides=["aug=deit", "batch_size=34"]))
+        check_settings(compose("config", overrides=["aug=deit", "batch_size=33", "aug.mixup=0", "aug.cutmix=0"]))
+        odd = compose("config", overrides=["aug=deit", "batch_size=33"])
+    with pytest.raises(UserError, match=r"^batch_size=33 is not allowed; set batch_size to an even number .*aug.mixup=0"):
+        check_settings(odd)
+
+
+def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    """logger.wandb.mode=online without an account names the fixes instead of wandb's traceback."""
+    import wandb
+    from omegaconf import OmegaConf
+    from lion_vit.engine.trainer import WandbLogger
+    from lion_vit.errors import UserError
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    cfg = OmegaConf.create({"logger": {"wandb": {"mode": "online", "project": "p", "entity": None, "name": None,
+                                                 "tags": []}}})
+    with pytest.raises(UserError, match=r"wandb could not start in mode=online \(No API key configured.*\); "
+                                        r"run `wandb login`.*logger.wandb.mode=offline"):
+        WandbLogger(cfg, tmp_path, enabled=True)
+
+
+def test_configure_cuda_sets_the_timm_defaults():
+    from lion_vit.engine.trainer import configure_cuda
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        for tf32 in (True, False):
+            configure_cuda(tf32)
+            assert torch.backends.cudnn.benchmark
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_out_of_memory_becomes_one_line():
+    """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower."""
+    from omegaconf import OmegaConf
+    from lion_vit.engine.trainer import _out_of_memory
+    cfg = OmegaConf.create({"img_size": 230, "batch_size": 64})
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 179098240000 bytes. Error code 12 (Cannot allocate memory)")
+    message = str(_out_of_memory(cpu, cfg))
+    assert message.startswith("out of memory at img_size 230, batch_size 64") and "179.1 GB requested" in message
+    assert "lower batch_size or img_size" in message and "\n" not in message
+    cuda = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...")
+    assert "(20.00 GiB requested)" in str(_out_of_memory(cuda, cfg))
+    assert _out_of_memory(RuntimeError("shape mismatch"), cfg) is None
+
+
+def test_nonfinite_loss_stops_training():
+    from lion_vit.engine.loop import NonFiniteLoss, Precision, train_one_epoch
+
+    class Exploding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return x.flatten(1)[:, :2] * self.w * float("inf")
+
+    model = Exploding()
+    loader = [(torch.randn(2, 3, 2, 2), torch.tensor([0, 1]))]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteLoss, match="epoch 5, step 1"):  # counted from 1, as the log's "epoch 5/300"
+        train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), None, 4, torch.device("cpu"),
+                        Precision(torch.device("cpu")), show_progress=False)
+    assert torch.equal(model.w.detach(), torch.ones(1)), "no step is taken on a non-finite loss"
