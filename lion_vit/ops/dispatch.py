@@ -55,7 +55,8 @@ class Plan:
         if self.form == "rnn":
             what = "fused recurrent kernels" if self.backend == "triton" else "recurrence loop"
         elif self.form == "chunk" and not self.whole:
-            what = f"{self.chunks} chunks" + (" (FLA kernels)" if self.backend == "triton" else "")
+            what = ("one chunk" if self.chunks == 1 else f"{self.chunks} chunks") + \
+                (" (FLA kernels)" if self.backend == "triton" else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
         return f"{self.form} form, {self.backend} backend: {what}"
