@@ -83,7 +83,8 @@ def official_weights(checkpoint: Mapping[str, Any], use_ema: bool = True) -> Dic
     return {key.removeprefix("module."): value for key, value in weights.items()}
 
 
-def to_lion_vit(weights: Mapping[str, Tensor], settings: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], Dict[str, Tensor]]:
+def to_lion_vit(weights: Mapping[str, Tensor],
+                settings: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], Dict[str, Tensor]]:
     """(model name, create_model kwargs, state dict) of this project for official weights and settings."""
     selective, scans = settings["mask_type"] == "Selective", 2 if settings["order"] == "S" else 1
     width = weights["cls_token"].shape[-1]

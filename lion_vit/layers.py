@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan, plan,
+                  snake_orders)
 from .ops.masks import mask_dtype
 from .ops.rows import fx_tracing
-from .ops import Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan, plan
-from .ops import snake_orders
 
 DECAYS = ("lit", "fixed", "selective")
 

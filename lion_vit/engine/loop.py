@@ -181,8 +181,6 @@ _named_unreadable: set = set()  # files already named in this process
 def _name_unreadable(indices, dataset) -> None:
     """Name the unreadable images an evaluation left out: each file once per run in train.log, and a
     count on the console."""
-    if not indices:
-        return
     paths = [dataset.samples[i][0] for i in indices]
     new = sorted(set(paths) - _named_unreadable)
     _named_unreadable.update(new)

@@ -35,12 +35,11 @@ from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
 from ..ops import BACKENDS, FORM_CHOICES
 from . import checkpoint as ckpt
-from . import rundir
-from . import interrupts
+from . import interrupts, rundir
 from .allocator import keep_freed_memory
-from .memory import memory_warning
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .loop import NonFiniteLoss, Precision, evaluate, train_one_epoch, updates_per_epoch
+from .memory import memory_warning
 
 log = logging.getLogger("lion_vit")
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own
@@ -685,7 +684,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                     state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "scaler": scaler.state_dict() if scaler else None, "epoch": epoch,
-                             "best_acc1": best_acc1, "best_epoch": best_epoch, "num_classes": num_classes, "classes": list(train_set.classes),
+                             "best_acc1": best_acc1, "best_epoch": best_epoch, "num_classes": num_classes,
+                             "classes": list(train_set.classes),
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     # metrics first: a run killed in between re-trains this epoch and drops its line on resume;
                     # a Ctrl-C meanwhile waits until the epoch's line and checkpoints are all written
