@@ -90,7 +90,7 @@ def test_checkpoint_of_earlier_versions_with_numpy_rng_state_loads(tmp_path):
 
 def test_weights_that_do_not_fit_name_the_first_problem():
     import timm
-    from lion_vit.engine.trainer import load_weights
+    from lion_vit.engine.build import load_weights
     from lion_vit.errors import UserError
     model = timm.create_model("lion_d_tiny", img_size=32, patch_size=8, depth=1, num_classes=3)
     weights = model.state_dict()

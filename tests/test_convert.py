@@ -162,7 +162,7 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     """The converted file is a checkpoint of this project: its config names the architecture, and it
     loads where train.py's checkpoints load (a bad file is one error line)."""
     from lion_vit.engine.checkpoint import load_checkpoint
-    from lion_vit.engine.trainer import _trained_architecture, build_model
+    from lion_vit.engine.build import build_model, trained_architecture
     from omegaconf import OmegaConf
     official = tmp_path / "official.pth"
     torch.save(official_checkpoint("Selective", "S", False, False, classes=10), official)
@@ -172,7 +172,7 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"wrote {out}: lion_s_natural_tiny, 10 classes" in proc.stdout
     state = load_checkpoint(out)  # torch's safe load: plain data only
-    arch = OmegaConf.create({"attn_form": "rnn", "chunk_size": None, "drop_path_rate": 0.0, **_trained_architecture(state)})
+    arch = OmegaConf.create({"attn_form": "rnn", "chunk_size": None, "drop_path_rate": 0.0, **trained_architecture(state)})
     model = build_model(arch, state["num_classes"], 64, initial_weights=False)
     model.load_state_dict(state["model"])
     reference = from_official(official)

@@ -74,7 +74,8 @@ def test_cifar_format_loading(tmp_path):
     proc = run_train(*SMALL_LION, "data=cifar10", f"data.root={root}", "epochs=1", "batch_size=8", "aug=none",
                      f"output_dir={tmp_path / 'out'}")
     assert_ok(proc)
-    assert_clean_error(run_train(*SMALL_LION, "data=cifar100", f"data.root={root}", "epochs=1"),
+    assert_clean_error(run_train(*SMALL_LION, "data=cifar100", f"data.root={root}", "epochs=1",
+                                 f"output_dir={tmp_path / 'cifar100'}"),
                        "CIFAR-100 not found", "data.download=true")
 
 

@@ -77,7 +77,7 @@ def test_a_lock_dies_with_its_process(tmp_path):
 def test_default_output_dirs_differ_between_runs_started_in_the_same_second():
     """The default output_dir ends in the process id, which rank 0 broadcasts to every torchrun rank."""
     from omegaconf import OmegaConf
-    import lion_vit.engine.trainer  # noqa: F401  (registers the ${pid:} resolver)
+    import lion_vit.engine.config  # noqa: F401  (registers the ${pid:} resolver)
     template = OmegaConf.load(ROOT / "configs" / "config.yaml")._get_node("output_dir")._value()
     assert template == "outputs/${now:%Y-%m-%d_%H-%M-%S}-${pid:}"
     assert OmegaConf.create({"output_dir": template.replace("${now:%Y-%m-%d_%H-%M-%S}", "T")}).output_dir == \
@@ -211,11 +211,20 @@ def test_sigterm_is_noted_between_steps_and_held_during_a_write():
 ])
 def test_bad_values_are_named_before_anything_is_built(override, needle):
     from hydra import compose, initialize_config_dir
-    from lion_vit.engine.trainer import check_settings
+    from lion_vit.engine.config import check_settings
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=[override])
     with pytest.raises(UserError, match=rf"^{needle}=.* is not allowed; set {needle} to "):
         check_settings(cfg)
+
+
+def test_a_failed_first_run_leaves_no_folder_and_no_parent_it_created(tmp_path):
+    """outputs/ of a first run that fails goes too (the default output_dir is outputs/<time>-<pid>)."""
+    (tmp_path / "kept").mkdir()
+    for output_dir in (tmp_path / "outputs" / "run", tmp_path / "kept" / "a" / "b"):
+        assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1",
+                                     f"output_dir={output_dir}"), "does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
 
 
 def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):

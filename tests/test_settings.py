@@ -59,7 +59,7 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""
     from hydra import compose, initialize_config_dir
-    from lion_vit.engine.trainer import check_settings
+    from lion_vit.engine.config import check_settings
     from lion_vit.errors import UserError
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         check_settings(compose("config", overrides=["ema.enabled=true"]))  # the defaults pass
@@ -72,7 +72,7 @@ def test_settings_out_of_range_are_named(override, needle):
 
 def test_timm_auto_augment_policies_pass_the_setting_checks():
     from hydra import compose, initialize_config_dir
-    from lion_vit.engine.trainer import check_settings
+    from lion_vit.engine.config import check_settings
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         for policy in ("rand-m9-mstd0.5-inc1", "rand-m9-n3-mstd1-tweights", "augmix-m5-w3-d2", "original-mstd0.5", "3a",
                        "null"):
@@ -82,7 +82,7 @@ def test_timm_auto_augment_policies_pass_the_setting_checks():
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml")))
 def test_every_experiment_passes_the_setting_checks(experiment):
     from hydra import compose, initialize_config_dir
-    from lion_vit.engine.trainer import check_settings
+    from lion_vit.engine.config import check_settings
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         for model in ("lion", "deit"):
             check_settings(compose("config", overrides=[f"experiment={experiment}", f"model={model}"]))
@@ -103,7 +103,7 @@ def test_slurm_launcher_config_fits_the_plugin_schema():
 def test_odd_batch_with_mixup_is_named():
     """timm's Mixup pairs each image with its mirror in the batch and asserts on an odd batch in the first step."""
     from hydra import compose, initialize_config_dir
-    from lion_vit.engine.trainer import check_settings
+    from lion_vit.engine.config import check_settings
     from lion_vit.errors import UserError
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         check_settings(compose("config", overrides=["batch_size=33"]))  # digits: no mixup, any batch
@@ -118,7 +118,7 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
     """logger.wandb.mode=online without an account names the fixes instead of wandb's traceback."""
     import wandb
     from omegaconf import OmegaConf
-    from lion_vit.engine.trainer import WandbLogger
+    from lion_vit.engine.logs import WandbLogger
     from lion_vit.errors import UserError
 
     def no_key(**kwargs):
@@ -160,7 +160,7 @@ def test_out_of_memory_becomes_one_line():
 
 
 def test_nonfinite_loss_stops_training():
-    from lion_vit.engine.loop import NonFiniteLoss, Precision, train_one_epoch
+    from lion_vit.engine.loop import NonFiniteLoss, Precision, Training, classification_loss, train_one_epoch
 
     class Exploding(torch.nn.Module):
         def __init__(self):
@@ -174,6 +174,6 @@ def test_nonfinite_loss_stops_training():
     loader = [(torch.randn(2, 3, 2, 2), torch.tensor([0, 1]))]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(NonFiniteLoss, match="epoch 5, step 1"):  # counted from 1, as the log's "epoch 5/300"
-        train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), None, 4, torch.device("cpu"),
-                        Precision(torch.device("cpu")), show_progress=False)
+        train_one_epoch(Training(model, optimizer, classification_loss(torch.nn.CrossEntropyLoss()), None,
+                                 Precision(torch.device("cpu"))), loader, 4, show_progress=False)
     assert torch.equal(model.w.detach(), torch.ones(1)), "no step is taken on a non-finite loss"

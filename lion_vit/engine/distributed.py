@@ -8,6 +8,7 @@ from typing import Any, List
 
 import torch
 import torch.distributed as dist
+from timm.utils import world_info_from_env
 
 
 @dataclass
@@ -25,13 +26,9 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _slurm_env() -> None:
-    """Translate SLURM's task variables into torchrun's (one task per GPU, e.g. via submitit)."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
-        return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+def _slurm_master() -> None:
+    """MASTER_ADDR / MASTER_PORT of a SLURM job launched one task per GPU (e.g. via submitit): timm's
+    world_info_from_env reads the ranks from SLURM's variables, but env:// also needs the first node."""
     if "MASTER_ADDR" not in os.environ:
         hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()
@@ -40,14 +37,16 @@ def _slurm_env() -> None:
 
 
 def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group when launched by torchrun / SLURM; NCCL on CUDA, gloo on CPU."""
-    _slurm_env()
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    """Join the process group when launched by torchrun or SLURM (several tasks); NCCL on CUDA, gloo on CPU."""
+    local_rank, rank, world_size = world_info_from_env()
+    if world_size < 2:
         return DistInfo()
-    info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        _slurm_master()
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return info
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                                rank=rank, world_size=world_size)
+    return DistInfo(rank, world_size, local_rank)
 
 
 def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:

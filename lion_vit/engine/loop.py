@@ -7,10 +7,10 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from timm.utils import accuracy
+from timm.utils import NativeScaler, accuracy, dispatch_clip_grad
 from torch import nn
 from tqdm import tqdm
 
@@ -77,64 +77,91 @@ def updates_per_epoch(num_batches: int, grad_accum_steps: int) -> int:
     return -(-num_batches // grad_accum_steps)
 
 
-def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer, criterion: Callable,
-                    scheduler, epoch: int, device: torch.device, precision: Precision,
-                    scaler: Optional[torch.amp.GradScaler] = None, mixup_fn: Optional[Callable] = None,
-                    ema=None, clip_grad: Optional[float] = None, show_progress: bool = True,
-                    grad_accum_steps: int = 1, log_interval: int = 50) -> Dict[str, float]:
-    """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time.
+@dataclass
+class Training:
+    """What the epoch loop carries from one epoch to the next: the model (DDP- or compile-wrapped as it
+    trains), its optimizer, per-update schedule, loss and settings."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: Callable  # criterion(images, outputs, targets): images for a distillation teacher
+    scheduler: Any
+    precision: Precision
+    loss_scaler: Optional[NativeScaler] = None  # float16 autocast only (timm's NativeScaler)
+    mixup_fn: Optional[Callable] = None
+    ema: Any = None
+    clip_grad: Optional[float] = None
+    grad_accum_steps: int = 1
+
+
+def classification_loss(loss_fn: Callable) -> Callable:
+    """A criterion(images, outputs, targets) of a loss of (outputs, targets)."""
+    return lambda images, outputs, targets: loss_fn(outputs, targets)
+
+
+def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool = True,
+                    log_interval: int = 50) -> Dict[str, float]:
+    """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time, and the
+    mean of every part of a criterion that reports parts (its `parts` dict, e.g. a distillation loss's).
 
     With grad_accum_steps > 1 the gradients of that many batches are averaged before each optimizer
     step (as one batch that many times larger; DDP synchronises only the last of them).
     """
+    t = training
+    model, optimizer, device = t.model, t.optimizer, t.precision.device
     model.train()
-    num_batches = len(loader)
-    updates = updates_per_epoch(num_batches, grad_accum_steps)
-    total_loss, seen = 0.0, 0
+    num_batches, accum = len(loader), t.grad_accum_steps
+    updates = updates_per_epoch(num_batches, accum)
+    totals: Dict[str, float] = {}
+    seen = 0
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     progress = Progress(loader, f"train {epoch + 1}", show_progress, log_interval)  # "epoch 1/300" in the log
     for step, (images, targets) in enumerate(progress):
         raise_if_requested(agree_on=device)  # every rank takes every step: they stop before the same one
-        update, micro_step = divmod(step, grad_accum_steps)
-        group = min(grad_accum_steps, num_batches - update * grad_accum_steps)  # batches in this update
-        steps_now = micro_step == group - 1
+        update, micro_step = divmod(step, accum)
+        group = min(accum, num_batches - update * accum)  # batches in this update
+        need_update = micro_step == group - 1
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        if mixup_fn is not None:
-            images, targets = mixup_fn(images, targets)
+        if t.mixup_fn is not None:
+            images, targets = t.mixup_fn(images, targets)
         no_sync = getattr(model, "no_sync", None)  # DDP: all-reduce only with the update's last batch
-        with contextlib.nullcontext() if steps_now or no_sync is None else no_sync():
-            with precision.autocast():
-                loss = criterion(model(images), targets)
-            loss_value = loss.item()
-            if not math.isfinite(loss_value):
-                raise NonFiniteLoss(f"loss is {loss_value} at epoch {epoch + 1}, step {step + 1}")  # as the log counts
-            if group > 1:
-                loss = loss / group
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        total_loss += loss_value * images.shape[0]
+        with contextlib.nullcontext() if need_update or no_sync is None else no_sync():
+            with t.precision.autocast():
+                loss = t.criterion(images, model(images), targets)
+            values = {"train_loss": loss.item(),
+                      **{f"train_{name}": part.item() for name, part in getattr(t.criterion, "parts", {}).items()}}
+            if not math.isfinite(values["train_loss"]):  # counted from 1, as the log's
+                raise NonFiniteLoss(f"loss is {values['train_loss']} at epoch {epoch + 1}, step {step + 1}")
+            _backward(t, loss / group if group > 1 else loss, need_update)
+        for name, value in values.items():
+            totals[name] = totals.get(name, 0.0) + value * images.shape[0]
         seen += images.shape[0]
-        if steps_now:  # the update's last batch: optimizer step
-            if clip_grad:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+        if need_update:
             optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(model, step=epoch * updates + update)
-            scheduler.step_update(num_updates=epoch * updates + update + 1)
-        progress.report(step, loss=f"{loss_value:.4f}", lr=f"{scheduled_lr(optimizer):.2e}")
+            if t.ema is not None:
+                t.ema.update(model, step=epoch * updates + update)
+            t.scheduler.step_update(num_updates=epoch * updates + update + 1)
+        progress.report(step, loss=f"{values['train_loss']:.4f}", lr=f"{scheduled_lr(optimizer):.2e}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    total_loss, seen = all_reduce_sum([total_loss, seen], device)
-    return {"train_loss": total_loss / max(seen, 1), "lr": scheduled_lr(optimizer),
+    *sums, seen = all_reduce_sum([*totals.values(), seen], device)
+    return {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
             "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed}
+
+
+def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:
+    """Backward, and on an update's last batch clip and step: timm train.py's, with its NativeScaler
+    for float16 and the plain steps otherwise."""
+    if t.loss_scaler is not None:
+        t.loss_scaler(loss, t.optimizer, clip_grad=t.clip_grad, parameters=t.model.parameters(),
+                      need_update=need_update)
+        return
+    loss.backward()
+    if need_update:
+        if t.clip_grad:
+            dispatch_clip_grad(t.model.parameters(), t.clip_grad)
+        t.optimizer.step()
 
 
 @torch.no_grad()

@@ -1,12 +1,14 @@
-"""A run folder belongs to one run: an exclusive lock for the run's life, and what counts as a run's files."""
+"""A run folder belongs to one run: an exclusive lock for the run's life, what counts as a run's files, and
+writes that leave a file whole (its new content, or its old one on a full disk)."""
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import socket
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UserError
 
@@ -73,15 +75,63 @@ def writable(output_dir: Path) -> Optional[str]:
     return None
 
 
-def remove_if_unused(output_dir: Path) -> None:
+def remove_if_unused(output_dir: Path, up_to: Optional[Path] = None) -> None:
     """Remove a folder this run created when it holds no run file and no eval.json: only its config.yaml
-    and train.log go, and the folder if nothing else is left in it (a wandb folder, say, keeps it)."""
+    and train.log go, and the folder if nothing else is left in it (a wandb folder, say, keeps it), then
+    each empty parent up to `up_to` (the outermost folder the run created, e.g. outputs/)."""
     if run_files(output_dir) or (output_dir / "eval.json").exists():
         return
     for name in ("config.yaml", "train.log"):
         (output_dir / name).unlink(missing_ok=True)
-    try:
-        output_dir.rmdir()
-    except OSError:  # not empty
-        pass
+    for folder in (output_dir, *output_dir.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty
+            return
+        if up_to is None or folder == up_to:
+            return
 
+
+def write_json(path: Path, payload: Dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """path's new content, or (a full disk) the old one and no temp file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line to path, or (a full disk) leave the file as it was, without half a line."""
+    with open(path, "a") as f:
+        size = f.tell()
+        try:
+            f.write(line + "\n")
+            f.flush()
+        except OSError:
+            f.truncate(size)
+            raise
+
+
+def drop_metrics_after(path: Path, epochs_done: int) -> None:
+    """Keep metrics.jsonl's lines of the first epochs_done epochs (counted from 1), those of the resumed
+    checkpoint: a line of a later epoch comes from a run killed after logging it and before its checkpoint
+    was written, and is trained again."""
+    if not path.exists():
+        return
+
+    def logged_epoch(line: str) -> float:
+        try:
+            return json.loads(line)["epoch"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by the kill
+            return float("inf")
+
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if logged_epoch(line) <= epochs_done]
+    if len(kept) < len(lines):
+        write_atomic(path, "".join(kept))

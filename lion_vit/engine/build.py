@@ -1,0 +1,148 @@
+"""What the recipe builds from its settings: the model (timm.create_model), its weights from a
+checkpoint, and the checks that a checkpoint fits the run that loads it."""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Dict, Optional
+
+import timm
+import torch
+from omegaconf import DictConfig, OmegaConf
+from timm.models import clean_state_dict
+from torch import nn
+
+from .. import models as lion_models  # registers the LION models with timm
+from ..errors import UserError, first_line
+
+# timm.create_model arguments that choose a model's initial weights, not its architecture (fine-tuning:
+# model.kwargs.pretrained=true, model.kwargs.pretrained_cfg_overlay.file=<checkpoint>). A model whose
+# weights come from a checkpoint (resume, eval_only) is built without them.
+INITIAL_WEIGHT_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
+
+
+def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
+    """timm.create_model from the `model` config group, with clear errors for bad settings.
+
+    initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights).
+    """
+    name = model_cfg.name
+    if not timm.is_model(name):
+        raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
+                        f"(or any timm name, see timm.list_models())")
+    patch = model_cfg.patch_size
+    if patch and img_size % patch:
+        raise UserError(f"img_size {img_size} is not divisible by model.patch_size {patch}; "
+                        f"use a multiple of {patch}")
+    is_lion = name in lion_models.LION_MODEL_NAMES
+    backend = model_cfg.get("attn_backend", "auto")  # form and backend names: engine/config.py checks them
+    if not is_lion and (model_cfg.attn_form not in ("auto", "attention") or model_cfg.chunk_size or backend != "auto"):
+        raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "
+                        f"not {name}")
+    model_kwargs = OmegaConf.to_container(model_cfg.kwargs, resolve=True)
+    if not initial_weights:
+        model_kwargs = _without_initial_weights(model_kwargs)
+    kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
+    if is_lion:
+        kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size, attn_backend=backend)
+    try:
+        return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
+    except (ValueError, TypeError) as error:
+        hint = ""
+        if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
+            hint = (f" (model.kwargs={OmegaConf.to_container(model_cfg.kwargs)} comes from the model group; "
+                    f"start from model=lion or model=deit, whose kwargs are empty)")
+        raise UserError(f"cannot build model {name}: {error}{hint}") from None
+    except (OSError, RuntimeError, pickle.UnpicklingError) as error:
+        source = _initial_weights_source(kwargs)
+        if source is None:
+            raise
+        # a missing, unreadable or mismatched file of initial weights (timm's loader)
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}") from None
+
+
+def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    return {key: value for key, value in kwargs.items() if key not in INITIAL_WEIGHT_KWARGS}
+
+
+def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
+    """Where timm.create_model takes a model's initial weights from, or None (random initialisation)."""
+    if kwargs.get("checkpoint_path"):
+        return f"model.kwargs.checkpoint_path={kwargs['checkpoint_path']}"
+    if kwargs.get("pretrained"):
+        file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file")
+        return f"model.kwargs.pretrained_cfg_overlay.file={file}" if file else "timm's pretrained weights"
+    return None
+
+
+def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Load weights, resampling positional embeddings to the model's grid when needed."""
+    state_dict = clean_state_dict(state_dict)  # DDP's module. and torch.compile's _orig_mod. prefixes
+    if "pos_embed" in state_dict and hasattr(model, "pos_embed"):
+        state_dict = lion_models.checkpoint_filter_fn(state_dict, model)
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        # torch's first line only says "Error(s) in loading state_dict for ...": name the first problem
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        first = lines[1] if len(lines) > 1 else lines[0]
+        first = first if len(first) <= 200 else first[:200] + " ..."
+        raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
+
+
+def architecture(model_settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The model settings that fix an architecture: name, patch_size and kwargs (without the ones that
+    only choose initial weights)."""
+    settings = {key: model_settings[key] for key in ("name", "patch_size", "kwargs") if key in model_settings}
+    if settings.get("kwargs"):
+        settings["kwargs"] = _without_initial_weights(settings["kwargs"])
+    return settings
+
+
+def trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's architecture settings, as saved."""
+    return architecture(state.get("config", {}).get("model", {}))
+
+
+# optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
+OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
+RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "
+                          "(+model.kwargs.pretrained=true +model.kwargs.pretrained_cfg_overlay.file=<checkpoint>)")
+
+
+def check_resumable(cfg: DictConfig, state: Dict[str, Any]) -> None:
+    """Resuming continues the checkpoint's run: another architecture, or another optimizer (which cannot
+    take the saved optimizer state), is a mistake to name, not a wall of missing keys or a traceback."""
+    _require_same("model", trained_architecture(state), architecture(OmegaConf.to_container(cfg.model, resolve=True)),
+                  "resume with the same model settings or choose a new output_dir")
+    trained_optim = state.get("config", {}).get("optim", {})
+    _require_same("optim", {key: trained_optim[key] for key in OPTIMIZER_STATE_SETTINGS if key in trained_optim},
+                  {key: OmegaConf.select(cfg, f"optim.{key}") for key in OPTIMIZER_STATE_SETTINGS},
+                  RESUME_SAME_OPTIMIZER)
+
+
+def _require_same(group: str, trained: Dict[str, Any], current: Dict[str, Any], fix: str) -> None:
+    """A UserError naming the first of the checkpoint's `group` settings that this run sets otherwise."""
+    for key, value in trained.items():
+        if value != current.get(key):
+            raise UserError(f"the checkpoint to resume was trained with {group}.{key}={_as_override(value)}, "
+                            f"this run has {group}.{key}={_as_override(current.get(key))}; {fix}")
+
+
+def _as_override(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def check_same_classes(expected: list, found: list, what: str, fix: str) -> None:
+    """Labels are class indices: a class missing from one split shifts every later label silently."""
+    if list(expected) == list(found):
+        return
+    differences = []
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing:
+        differences.append(f"missing {missing[:3]}")
+    if extra:
+        differences.append(f"extra {extra[:3]}")
+    detail = "; ".join(differences) or "in a different order"
+    count = f"{len(found)} classes, not the {len(expected)} expected" if len(found) != len(expected) else \
+        f"other classes than the {len(expected)} expected"
+    raise UserError(f"{what} has {count} ({detail}); {fix}")
