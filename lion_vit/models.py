@@ -18,17 +18,17 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, resample_abs_pos_embed, to_2tuple
+from timm.layers import PatchEmbed, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, create_model, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
-from torch import Tensor
+from torch import Tensor, nn
 
 from .layers import LionAttention
 from .ops import Plan, check_backend, check_form
 from .ops.rows import fx_tracing
 
-__all__ = ["LionViT", "LION_MODEL_NAMES", "create_model_at_size"]
+__all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "create_model_at_size"]
 
 
 class DivisiblePatchEmbed(PatchEmbed):
@@ -101,6 +101,7 @@ class LionViT(VisionTransformer):
             patch_drop_rate: float = 0.0,
             weight_init: str = "",
             dynamic_img_size: bool = True,
+            distilled: bool = False,
             **kwargs: Any,
     ) -> None:
         check_form(attn_form, chunk_size)
@@ -130,12 +131,75 @@ class LionViT(VisionTransformer):
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
             dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
             weight_init=weight_init, **kwargs)
+        self.dist_token: Optional[nn.Parameter] = None
+        self.head_dist: Optional[nn.Module] = None
+        self.distilled_training = False  # set_distilled_training(True): forward returns both heads' logits
+        if distilled:
+            self._add_distillation_token(kwargs.get("device"), kwargs.get("dtype"), init=weight_init != "skip")
         shared_orders: dict = {}  # every layer reads the same snake orders: compute and keep them once
         for attn in self.lion_attentions():
             attn.num_prefix_tokens = self.num_prefix_tokens
             attn._orders = shared_orders
             if weight_init != "skip":
                 attn.reset_decay_parameters()  # timm's init zeroed the selective-decay bias
+
+    def _add_distillation_token(self, device: Any, dtype: Any, init: bool) -> None:
+        """DeiT's distillation token (after the class token, before the patches) and its head."""
+        dd = {"device": device, "dtype": dtype}
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, self.embed_dim, **dd))
+        self.num_prefix_tokens += 1
+        if self.pos_embed is not None and not self.no_embed_class:  # one more prefix entry
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + self.num_prefix_tokens,
+                                                      self.embed_dim, **dd))
+        self.head_dist = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
+        if init:
+            trunc_normal_(self.dist_token, std=0.02)
+            if self.pos_embed is not None and not self.no_embed_class:
+                trunc_normal_(self.pos_embed, std=0.02)
+            if isinstance(self.head_dist, nn.Linear):
+                trunc_normal_(self.head_dist.weight, std=0.02)
+                nn.init.zeros_(self.head_dist.bias)
+
+    @property
+    def distilled(self) -> bool:
+        return self.dist_token is not None
+
+    @torch.jit.ignore
+    def set_distilled_training(self, enable: bool = True) -> None:
+        """With a distillation token: in training mode, forward returns (class logits, distillation
+        logits) for DeiT's distillation loss; otherwise (and in eval mode) their mean."""
+        self.distilled_training = enable
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        matcher = super().group_matcher(coarse)
+        return {**matcher, "stem": matcher["stem"] + "|dist_token"}
+
+    @torch.jit.ignore
+    def get_classifier(self) -> Any:
+        return (self.head, self.head_dist) if self.distilled else self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        super().reset_classifier(num_classes, global_pool)
+        if self.distilled:
+            weight = self.head.weight if isinstance(self.head, nn.Linear) else self.dist_token
+            self.head_dist = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
+                              if num_classes > 0 else nn.Identity())
+            self.head_dist.train(self.training)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Any:
+        """timm's head; with a distillation token also the distillation head (on that token, normed as the
+        pooled features are), averaged with the class head except in distilled training."""
+        if not self.distilled:
+            return super().forward_head(x, pre_logits)
+        x_dist = self.head_drop(self.fc_norm(x[:, 0 if self.cls_token is None else 1]))
+        x = self.head_drop(self.fc_norm(self.pool(x)))
+        if pre_logits:
+            return (x + x_dist) / 2
+        x, x_dist = self.head(x), self.head_dist(x_dist)
+        if self.distilled_training and self.training:
+            return x, x_dist
+        return (x + x_dist) / 2
 
     def lion_attentions(self):
         return (m for m in self.modules() if isinstance(m, LionAttention))
@@ -194,7 +258,8 @@ class LionViT(VisionTransformer):
         batch, height, width, dim = x.shape
         for attn in self.lion_attentions():
             attn.grid_size = (height, width)
-        prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.reg_token) if token is not None]
+        prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.dist_token, self.reg_token)
+                  if token is not None]
         x = x.reshape(batch, height * width, dim)  # (timm's view(B, -1, C) cannot infer -1 for 0 images)
         if self.pos_embed is None:
             return torch.cat(prefix + [x], dim=1)
@@ -256,11 +321,17 @@ _SIZES = {  # ViT-T/S/B
 }
 LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in _VARIANTS for size in _SIZES)
 
-default_cfgs = generate_default_cfgs({f"{name}.untrained": _cfg() for name in LION_MODEL_NAMES})
+DISTILLED_MODEL_NAMES = tuple(f"{name}_distilled" for name in LION_MODEL_NAMES)  # DeiT's distillation token
+
+default_cfgs = generate_default_cfgs({f"{name}.untrained": _cfg(classifier=("head", "head_dist") if
+                                                                 name.endswith("_distilled") else "head")
+                                      for name in LION_MODEL_NAMES + DISTILLED_MODEL_NAMES})
 
 
 def _create_lion_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> LionViT:
-    prefix, size = variant.rsplit("_", 1)
+    if variant.endswith("_distilled"):
+        kwargs["distilled"] = True
+    prefix, size = variant.removesuffix("_distilled").rsplit("_", 1)
     decay, num_scans = _VARIANTS[prefix]
     model_args = dict(patch_size=16, decay=decay, num_scans=num_scans, **_SIZES[size])
     return build_model_with_cfg(
@@ -344,3 +415,15 @@ def lion_s_natural_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
 @register_model
 def lion_s_natural_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
     return _create_lion_vit("lion_s_natural_base", pretrained, **kwargs)
+
+
+def _register_distilled(name: str) -> None:
+    """Register <name>_distilled (as timm names DeiT's distilled models): the model with distilled=True."""
+    def create(pretrained: bool = False, **kwargs: Any) -> LionViT:
+        return _create_lion_vit(f"{name}_distilled", pretrained, **kwargs)
+    create.__name__ = create.__qualname__ = f"{name}_distilled"
+    globals()[create.__name__] = register_model(create)
+
+
+for _name in LION_MODEL_NAMES:
+    _register_distilled(_name)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import lion_vit
-from lion_vit import LION_MODEL_NAMES, LionAttention
+from lion_vit import DISTILLED_MODEL_NAMES, LION_MODEL_NAMES, LionAttention
 from lion_vit.testing import randomize_decays as trained_like
 from naive import naive_lion
 
@@ -24,9 +24,15 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def test_all_fifteen_registered():
+def test_all_fifteen_registered_with_and_without_a_distillation_token():
     expected = {f"lion_{v}_{s}" for v in ("lit", "d", "s", "d_natural", "s_natural") for s in PARAMS_M}
-    assert set(timm.list_models("lion_*")) == expected == set(LION_MODEL_NAMES)
+    distilled = {f"{name}_distilled" for name in expected}
+    assert set(timm.list_models("lion_*")) == expected | distilled
+    assert set(LION_MODEL_NAMES) == expected and set(DISTILLED_MODEL_NAMES) == distilled
+    model = timm.create_model("lion_d_small_distilled")
+    assert model.distilled and model.pretrained_cfg["classifier"] == ("head", "head_dist")
+    assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in timm.create_model("lion_d_small").parameters()) \
+        == 384 + 384 * 1000 + 1000  # the token and its head
 
 
 @pytest.mark.parametrize("name", LION_MODEL_NAMES)
