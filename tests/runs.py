@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +70,19 @@ def make_cifar10(root: Path, per_batch: int = 6) -> Path:
 
 def read_metrics(output_dir: Path):
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_after_first_epoch(*overrides: str, output_dir: Path, epochs: int) -> int:
+    """Start train.py, kill -9 it once its first epoch is logged, and return the epochs it had logged
+    (at least one, fewer than `epochs`)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *overrides, f"epochs={epochs}", f"output_dir={output_dir}"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    metrics = output_dir / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = metrics.read_text().count("\n")
+    assert 1 <= done < epochs, "the run must be killed part-way"
+    return done

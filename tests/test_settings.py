@@ -55,6 +55,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     # timm asserts on an unknown policy or option, and skips an option without a number
     ("aug.auto_augment=xyz", "aug.auto_augment"), ("aug.auto_augment=rand-m9-foo7", "aug.auto_augment"),
     ("aug.auto_augment=rand-mfoo", "aug.auto_augment"), ("aug.auto_augment=augmix-m5-z2", "aug.auto_augment"),
+    ("distill.type=medium", "distill.type"), ("distill.alpha=1.5", "distill.alpha"), ("distill.tau=0", "distill.tau"),
+    ("device=gpu", "device"), ("model.attn_backend=cuda", "model.attn_backend"), ("data.name=svhn", "data.name"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""

@@ -34,6 +34,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 # timm's schedules that step per update (plateau needs a validation metric each epoch)
 SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
 MIXUP_MODES = ("batch", "pair", "elem")
+DISTILL_TYPES = ("none", "soft", "hard")
 
 
 def _is_int(value: Any) -> bool:
@@ -122,6 +123,7 @@ class ModelConfig:
     drop_path_rate: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1) (stochastic depth)",
                                     training=True, default=0.0)
     kwargs: Dict[str, Any] = setting(default={})  # more timm.create_model arguments
+    init_from: Optional[str] = None  # a softmax ViT's weights to start from (lion_vit.init_from_vit)
 
 
 @dataclass
@@ -183,6 +185,17 @@ class AugConfig:
 
 
 @dataclass
+class DistillConfig:
+    type: str = setting(choices=DISTILL_TYPES, default="none")
+    teacher: Optional[str] = None  # a timm model name
+    teacher_checkpoint: Optional[str] = None  # a train.py checkpoint, or the teacher's state dict
+    alpha: float = setting(fraction, "a number in [0, 1] (the distillation loss's share)", training=True,
+                           default=0.5)
+    tau: float = setting(lambda v: _is_number(v) and v > 0, "a positive number (the soft distillation's "
+                         "temperature)", training=True, default=1.0)
+
+
+@dataclass
 class EmaConfig:
     enabled: bool = setting(switch, "true or false")
     decay: float = setting(lambda v: _is_number(v) and 0 < v < 1, "a number between 0 and 1")
@@ -230,6 +243,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     aug: AugConfig = field(default_factory=AugConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
@@ -246,8 +260,8 @@ def _fields(schema: type, prefix: str = ""):
             yield f"{prefix}{f.name}", f
 
 
-_SCHEMAS = {cls.__name__: cls for cls in (ModelConfig, DataConfig, OptimConfig, AugConfig, EmaConfig, WandbConfig,
-                                           LoggerConfig, RunConfig)}
+_SCHEMAS = {cls.__name__: cls for cls in (ModelConfig, DataConfig, OptimConfig, AugConfig, DistillConfig, EmaConfig,
+                                           WandbConfig, LoggerConfig, RunConfig)}
 _ABSENT = object()
 
 
@@ -291,3 +305,7 @@ def _check_related(cfg: DictConfig) -> None:
             raise _not_allowed("batch_size", cfg.batch_size,
                                "an even number while mixup or cutmix is on (timm's Mixup mixes each image with its "
                                "mirror in the batch), or turn them off with aug.mixup=0 aug.cutmix=0")
+    distill = OmegaConf.select(cfg, "distill")
+    if distill is not None and distill.type != "none" and not (distill.teacher or distill.teacher_checkpoint):
+        raise UserError(f"distill.type={distill.type} needs a teacher: set distill.teacher=<timm model name> or "
+                        f"distill.teacher_checkpoint=<path>")

@@ -1,8 +1,8 @@
 """The training entry point behind train.py: `train(cfg)` runs a whole DeiT-style job.
 
-`_fit` reads like DeiT's main: data -> model -> EMA (before DDP) -> optimizer (lr scaled by the global
-batch / lr_base_batch) and per-update schedule -> mixup and loss -> resume -> epochs of
-train_one_epoch / evaluate / checkpoint. Only rank 0 writes.
+`_fit` reads like DeiT's main: data -> model (optionally from a softmax ViT) -> EMA (before DDP) ->
+optimizer (lr scaled by the global batch / lr_base_batch) and per-update schedule -> mixup, loss and
+distillation teacher -> resume -> epochs of train_one_epoch / evaluate / checkpoint. Only rank 0 writes.
 """
 from __future__ import annotations
 
@@ -25,12 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
+from ..init import init_from_vit
 from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
 from .build import (RESUME_SAME_OPTIMIZER, build_model, check_resumable, check_same_classes, load_weights,
                     trained_architecture)
 from .config import check_settings
+from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .logs import WandbLogger, setup_logging
 from .loop import NonFiniteLoss, Precision, Training, classification_loss, evaluate, train_one_epoch, \
@@ -105,7 +107,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         raise UserError(f"{len(train_set)} training images are fewer than one batch of {cfg.batch_size} per "
                         f"process; lower batch_size")
 
-    model = build_model(cfg.model, num_classes, cfg.img_size, initial_weights=resume_state is None).to(device)
+    model = build_model(cfg.model, num_classes, cfg.img_size, initial_weights=resume_state is None)
+    if cfg.model.init_from and resume_state is None:
+        _init_from_vit(model, cfg.model.init_from)
+    model.to(device)
     ema = ModelEmaV3(model, decay=cfg.ema.decay) if cfg.ema.enabled else None
 
     updates = updates_per_epoch(len(train_loader), cfg.grad_accum_steps)
@@ -118,7 +123,12 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                                        min_lr=cfg.optim.min_lr, step_on_epochs=False, updates_per_epoch=updates)
     precision = _precision(cfg, device)
     loss_scaler = NativeScaler(device.type) if precision.dtype == torch.float16 else None
-    mixup_fn, criterion = _mixup_and_criterion(cfg, num_classes)
+    mixup_fn, loss_fn = _mixup_and_loss(cfg, num_classes)
+    criterion = classification_loss(loss_fn)
+    if cfg.distill.type != "none":  # DeiT: the teacher's loss mixed in, the student's distillation head trained
+        criterion = build_distillation(cfg, loss_fn, num_classes, train_set.classes, device)
+        if getattr(model, "dist_token", None) is not None:
+            model.set_distilled_training(True)
 
     start_epoch, best = 0, _Best()
     if resume_state is not None:
@@ -193,16 +203,24 @@ class _Best:
         return True
 
 
-def _mixup_and_criterion(cfg: DictConfig, num_classes: int) -> Tuple[Optional[Mixup], Any]:
+def _mixup_and_loss(cfg: DictConfig, num_classes: int) -> Tuple[Optional[Mixup], nn.Module]:
     """timm's Mixup/CutMix (with its label smoothing) and the loss that fits its targets, as DeiT."""
     if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:
         mixup_fn = Mixup(mixup_alpha=cfg.aug.mixup, cutmix_alpha=cfg.aug.cutmix, prob=cfg.aug.mixup_prob,
                          switch_prob=cfg.aug.mixup_switch_prob, mode=cfg.aug.mixup_mode,
                          label_smoothing=cfg.aug.smoothing, num_classes=num_classes)
-        return mixup_fn, classification_loss(SoftTargetCrossEntropy())
+        return mixup_fn, SoftTargetCrossEntropy()
     if cfg.aug.smoothing > 0:
-        return None, classification_loss(LabelSmoothingCrossEntropy(smoothing=cfg.aug.smoothing))
-    return None, classification_loss(nn.CrossEntropyLoss())
+        return None, LabelSmoothingCrossEntropy(smoothing=cfg.aug.smoothing)
+    return None, nn.CrossEntropyLoss()
+
+
+def _init_from_vit(model: nn.Module, source: str) -> None:
+    """model.init_from: a softmax ViT's weights (lion_vit.init_from_vit), its errors as one line."""
+    try:
+        init_from_vit(model, source)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as error:
+        raise UserError(f"model.init_from={source}: {first_line(error)}") from None
 
 
 def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optional[ModelEmaV3],

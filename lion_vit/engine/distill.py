@@ -1,0 +1,170 @@
+"""DeiT's knowledge distillation: a frozen teacher and DeiT's DistillationLoss semantics.
+
+    loss = (1 - alpha) * classification loss + alpha * distillation loss
+    soft: KL(student / tau || teacher / tau) * tau^2, summed and divided by the logits' count (DeiT's)
+    hard: cross-entropy with the teacher's argmax
+
+A student with a distillation token (`*_distilled`, distilled=True) is trained with its class head on
+the labels and its distillation head on the teacher; any other student distils through its one head.
+The teacher sees the (mixed) batch at its own input size and normalisation.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+import timm
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from timm.models import clean_state_dict
+from torch import Tensor, nn
+
+from ..errors import UserError, first_line
+from . import checkpoint as ckpt
+from .build import build_model, check_same_classes, load_weights, trained_architecture
+
+log = logging.getLogger("lion_vit")
+
+
+class DistillationLoss(nn.Module):
+    """criterion(images, outputs, targets) of DeiT's training loop; `parts` holds the last batch's
+    classification and distillation losses (logged as train_loss_cls / train_loss_dist)."""
+
+    def __init__(self, base_criterion: Callable, teacher: nn.Module, teacher_input: Callable[[Tensor], Tensor],
+                 kind: str, alpha: float, tau: float) -> None:
+        super().__init__()
+        if kind not in ("soft", "hard"):
+            raise ValueError(f"distillation type must be soft or hard, got {kind!r}")
+        self.base_criterion, self.teacher, self.teacher_input = base_criterion, teacher, teacher_input
+        self.kind, self.alpha, self.tau = kind, alpha, tau
+        self.parts: Dict[str, Tensor] = {}
+
+    def forward(self, images: Tensor, outputs: Any, targets: Tensor) -> Tensor:
+        outputs_kd = None
+        if not isinstance(outputs, Tensor):  # (class head, distillation head)
+            outputs, outputs_kd = outputs
+        base_loss = self.base_criterion(outputs, targets)
+        if outputs_kd is None:
+            outputs_kd = outputs
+        with torch.no_grad():
+            teacher_outputs = self.teacher(self.teacher_input(images)).float()
+        outputs_kd = outputs_kd.float()
+        if self.kind == "soft":
+            t = self.tau
+            distillation_loss = F.kl_div(F.log_softmax(outputs_kd / t, dim=1), F.log_softmax(teacher_outputs / t, dim=1),
+                                         reduction="sum", log_target=True) * (t * t) / outputs_kd.numel()
+        else:
+            distillation_loss = F.cross_entropy(outputs_kd, teacher_outputs.argmax(dim=1))
+        self.parts = {"loss_cls": base_loss.detach(), "loss_dist": distillation_loss.detach()}
+        return base_loss * (1 - self.alpha) + distillation_loss * self.alpha
+
+    def train(self, mode: bool = True) -> "DistillationLoss":
+        super().train(mode)
+        self.teacher.eval()  # the teacher stays in eval mode (batch norm statistics, dropout)
+        return self
+
+
+class TeacherInput(nn.Module):
+    """The student's batch (normalised with its mean / std at its size) as the teacher expects it."""
+
+    def __init__(self, student: Tuple[int, Sequence[float], Sequence[float]],
+                 teacher: Tuple[int, Sequence[float], Sequence[float]], interpolation: str = "bicubic") -> None:
+        super().__init__()
+        (self.student_size, s_mean, s_std), (self.teacher_size, t_mean, t_std) = student, teacher
+        self.same = self.student_size == self.teacher_size and list(s_mean) == list(t_mean) and \
+            list(s_std) == list(t_std)
+        self.interpolation = interpolation if interpolation in ("bilinear", "bicubic") else "bilinear"
+        for name, values in (("s_mean", s_mean), ("s_std", s_std), ("t_mean", t_mean), ("t_std", t_std)):
+            self.register_buffer(name, torch.tensor(list(values), dtype=torch.float32).view(1, -1, 1, 1),
+                                 persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.same:
+            return x
+        x = x.float() * self.s_std + self.s_mean
+        if self.teacher_size != self.student_size:
+            x = F.interpolate(x, size=(self.teacher_size, self.teacher_size), mode=self.interpolation,
+                              align_corners=False, antialias=self.teacher_size < self.student_size)
+        return (x - self.t_mean) / self.t_std
+
+
+def build_distillation(cfg: DictConfig, base_criterion: Callable, num_classes: int, classes: Sequence[str],
+                       device: torch.device) -> DistillationLoss:
+    """The teacher of cfg.distill, frozen on device, and the loss that mixes it in."""
+    teacher, (size, mean, std) = build_teacher(cfg.distill, num_classes, classes)
+    teacher = teacher.to(device).eval().requires_grad_(False)
+    to_teacher = TeacherInput((cfg.img_size, cfg.data.mean, cfg.data.std), (size, mean, std),
+                              cfg.data.interpolation).to(device)
+    log.info("distillation: %s from %s at %d px, alpha %s, tau %s", cfg.distill.type,
+             cfg.distill.teacher_checkpoint or cfg.distill.teacher, size, cfg.distill.alpha, cfg.distill.tau)
+    return DistillationLoss(base_criterion, teacher, to_teacher, cfg.distill.type, cfg.distill.alpha, cfg.distill.tau)
+
+
+def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
+                  ) -> Tuple[nn.Module, Tuple[int, Sequence[float], Sequence[float]]]:
+    """The teacher model and its input (size, mean, std): from a checkpoint of this project's train.py
+    (its config gives the architecture, size and normalisation), or a timm model with its pretrained_cfg
+    (weights from distill.teacher_checkpoint, a state dict, or else from the hub)."""
+    path = distill.teacher_checkpoint
+    if path and not Path(path).is_file():
+        raise UserError(f"distill.teacher_checkpoint {path} does not exist; pass the path to the teacher's weights")
+    if path:
+        state = _load_state(Path(path))
+        if isinstance(state.get("config"), dict):
+            return _trained_teacher(state, Path(path), distill, classes)
+    name = distill.teacher
+    if not name:
+        raise UserError("distill.teacher_checkpoint holds no train.py config; also set distill.teacher=<timm model "
+                        "name> for its architecture")
+    if not timm.is_model(name):
+        raise UserError(f"unknown teacher {name!r}; set distill.teacher to a timm model name such as regnety_160 "
+                        f"(timm.list_models())")
+    try:
+        if path:
+            teacher = timm.create_model(name, num_classes=num_classes)
+            teacher.load_state_dict(clean_state_dict(_state_dict_of(state)))
+        else:
+            teacher = timm.create_model(name, pretrained=True)
+    except (RuntimeError, OSError, ValueError) as error:
+        source = path or "timm's pretrained weights (the hub)"
+        raise UserError(f"cannot load teacher {name} from {source}: {first_line(error)}") from None
+    if teacher.num_classes != num_classes:
+        raise UserError(f"teacher {name} predicts {teacher.num_classes} classes, the data has {num_classes}; use a "
+                        f"teacher trained on these classes (distill.teacher_checkpoint=<its weights>)")
+    config = teacher.pretrained_cfg
+    return teacher, (int(config["input_size"][-1]), config["mean"], config["std"])
+
+
+def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, classes: Sequence[str]):
+    config = state["config"]
+    architecture = trained_architecture(state)
+    if distill.teacher and distill.teacher != architecture.get("name"):
+        raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {architecture.get('name')}; drop "
+                        f"distill.teacher (the checkpoint names its model)")
+    check_same_classes(state.get("classes", classes), classes, "the training data",
+                       f"distil with a teacher trained on these classes ({path} was trained on others)")
+    model_settings = OmegaConf.create({**config["model"], **architecture, "drop_path_rate": 0.0})
+    teacher = build_model(model_settings, state.get("num_classes", len(classes)), config["img_size"],
+                          initial_weights=False)
+    load_weights(teacher, state["model"])
+    return teacher, (config["img_size"], config["data"]["mean"], config["data"]["std"])
+
+
+def _load_state(path: Path) -> Dict[str, Any]:
+    try:
+        state = ckpt._safe_load(path)
+    except Exception as error:  # torch raises many types for foreign files
+        raise UserError(f"distill.teacher_checkpoint {path} is corrupt or not a torch checkpoint "
+                        f"({type(error).__name__})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"distill.teacher_checkpoint {path} holds no state dict")
+    return state
+
+
+def _state_dict_of(state: Dict[str, Any]) -> Dict[str, Tensor]:
+    for key in ("model", "state_dict"):
+        if isinstance(state.get(key), dict):
+            return state[key]
+    return state

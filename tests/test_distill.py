@@ -1,0 +1,223 @@
+"""DeiT distillation (distill=soft|hard, *_distilled students) and starting LION from a softmax ViT
+(model.init_from / lion_vit.init_from_vit), on the embedded digits: CPU, no network."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import lion_vit
+from lion_vit.engine.distill import DistillationLoss, TeacherInput
+from runs import assert_clean_error, assert_ok, kill_after_first_epoch, read_metrics, run_train
+
+# a softmax DeiT of the digits model's width, depth and heads (configs/model/digits.yaml)
+DIGITS_DEIT = ["model=deit", "model.patch_size=2", "+model.kwargs.embed_dim=64", "+model.kwargs.depth=4",
+               "+model.kwargs.num_heads=4"]
+QUIET = ["progress=false"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """The checkpoint of a softmax DeiT trained by train.py on the digits (about 70 % top-1 in 8 epochs)."""
+    out = tmp_path_factory.mktemp("teacher")
+    assert_ok(run_train(*DIGITS_DEIT, *QUIET, "epochs=8", f"output_dir={out}"))
+    return out / "checkpoint-best.pt"
+
+
+def forms_agree(checkpoint):
+    """The checkpoint's model gives the same predictions (and accuracy) on the digits' validation split in
+    the attention, rnn and chunk forms; returns that accuracy."""
+    from lion_vit.data import build_dataset, build_transform
+    from omegaconf import OmegaConf
+    state = torch.load(checkpoint, weights_only=True)
+    cfg = OmegaConf.create(state["config"])
+    model = timm.create_model(cfg.model.name, img_size=cfg.img_size, patch_size=cfg.model.patch_size,
+                              num_classes=10, **cfg.model.kwargs).eval()
+    model.load_state_dict(state["model"])
+    val = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
+    images = torch.stack([val[i][0] for i in range(len(val))])
+    labels = torch.tensor(val.targets)
+    with torch.no_grad():
+        logits = {form: model.set_attn_form(form, chunk_size=5 if form == "chunk" else None)(images)
+                  for form in ("attention", "rnn", "chunk")}
+    for form in ("rnn", "chunk"):
+        torch.testing.assert_close(logits[form], logits["attention"], rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits[form].argmax(1), logits["attention"].argmax(1)), form
+    return (logits["attention"].argmax(1) == labels).float().mean().item()
+
+
+def test_hard_distillation_trains_the_default_student_and_logs_both_losses(teacher, tmp_path):
+    assert_ok(run_train(*QUIET, "distill=hard", f"distill.teacher_checkpoint={teacher}", "epochs=2",
+                        f"output_dir={tmp_path}"))
+    for line in read_metrics(tmp_path):  # DeiT's mix: (1 - alpha) * classification + alpha * distillation
+        assert line["train_loss"] == pytest.approx(0.5 * line["train_loss_cls"] + 0.5 * line["train_loss_dist"])
+    assert forms_agree(tmp_path / "checkpoint-last.pt") > 0.15  # above chance (0.1) after 2 epochs
+
+
+def test_soft_distillation_into_a_student_with_a_distillation_token(teacher, tmp_path):
+    assert_ok(run_train(*QUIET, "distill.type=soft", "distill.tau=2.0", "distill.alpha=0.3",
+                        f"distill.teacher_checkpoint={teacher}", "model.name=lion_d_natural_tiny_distilled",
+                        "epochs=2", f"output_dir={tmp_path}"))
+    line = read_metrics(tmp_path)[-1]
+    assert line["train_loss"] == pytest.approx(0.7 * line["train_loss_cls"] + 0.3 * line["train_loss_dist"])
+    state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)
+    assert {"dist_token", "head_dist.weight"} <= set(state["model"])
+    forms_agree(tmp_path / "checkpoint-last.pt")
+
+
+def test_killed_and_resumed_distillation_ends_with_the_weights_of_an_uninterrupted_run(teacher, tmp_path):
+    args = [*QUIET, "distill=hard", f"distill.teacher_checkpoint={teacher}", "aug=deit", "img_size=8",
+            "batch_size=128"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert_ok(run_train(*args, "epochs=3", f"output_dir={straight}"))
+    kill_after_first_epoch(*args, output_dir=resumed, epochs=3)
+    assert_ok(run_train(*args, "epochs=3", f"output_dir={resumed}", "resume=auto"))
+    a, b = (torch.load(run / "checkpoint-last.pt", weights_only=True)["model"] for run in (straight, resumed))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses = ("train_loss", "train_loss_cls", "train_loss_dist", "val_acc1")
+    assert [[m[k] for k in losses] for m in read_metrics(straight)] == \
+        [[m[k] for k in losses] for m in read_metrics(resumed)]
+
+
+def test_init_from_a_softmax_vit_copies_its_weights_and_beats_random_init(teacher, tmp_path):
+    """Measured here: after one epoch on the digits, 34.4 % top-1 from the DeiT teacher's weights against
+    17.8 % from random weights (seed 0)."""
+    model = timm.create_model("lion_d_natural_tiny", img_size=8, patch_size=2, num_classes=10, embed_dim=64,
+                              depth=4, num_heads=4)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    report = lion_vit.init_from_vit(model, str(teacher))
+    source = torch.load(teacher, weights_only=True)["model"]
+    assert len(report.copied) == 52 and all(torch.equal(model.state_dict()[k], source[k]) for k in report.copied)
+    assert torch.equal(model.fc_norm.weight, source["norm.weight"])  # the final norm, where the pooling reads it
+    assert report.fresh == [f"blocks.{i}.attn.decay_logit" for i in range(4)]
+    assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in report.fresh)  # as a new model's
+    assert report.unused == ["cls_token"]
+
+    accuracy = {}
+    for init in ("null", str(teacher)):
+        out = tmp_path / ("random" if init == "null" else "deit")
+        proc = run_train(*QUIET, f"model.init_from={init}", "epochs=1", f"output_dir={out}")
+        assert_ok(proc)
+        accuracy[out.name] = read_metrics(out)[0]["val_acc1"]
+    assert "init_from" in proc.stdout and "copied 52 tensors" in proc.stdout
+    assert accuracy["deit"] > accuracy["random"] + 5, accuracy
+
+
+def small_vit(name, **kwargs):
+    return timm.create_model(name, **{**dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                                             num_classes=5), **kwargs})
+
+
+def test_init_from_adapts_positional_embeddings_and_prefix_tokens(tmp_path):
+    from timm.layers import resample_abs_pos_embed
+    deit = small_vit("deit_tiny_distilled_patch16_224")  # class and distillation tokens, pos_embed entries for both
+    path = tmp_path / "deit.pth"
+    torch.save(deit.state_dict(), path)
+
+    lit = timm.create_model("lion_lit_tiny", img_size=48, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                            num_classes=5)  # mean pooling, no class token, a 6x6 grid
+    report = lion_vit.init_from_vit(lit, str(path))
+    expected = resample_abs_pos_embed(deit.pos_embed[:, 2:], new_size=[6, 6], old_size=(4, 4), num_prefix_tokens=0)
+    torch.testing.assert_close(lit.pos_embed, expected)
+    assert dict(report.adapted)["pos_embed"] == "4x4 -> 6x6 grid, cls_token entry dropped, dist_token entry dropped"
+
+    token = timm.create_model("lion_lit_tiny_distilled", img_size=32, patch_size=8, embed_dim=32, depth=2,
+                              num_heads=2, num_classes=5, global_pool="token")
+    lion_vit.init_from_vit(token, str(path))
+    assert torch.equal(token.pos_embed, deit.pos_embed) and torch.equal(token.dist_token, deit.dist_token)
+    assert torch.equal(token.head_dist.weight, deit.head_dist.weight) and torch.equal(token.norm.weight, deit.norm.weight)
+
+    other_classes = small_vit("lion_s_tiny", num_classes=7)
+    report = lion_vit.init_from_vit(other_classes, str(path))
+    assert "head.weight" in report.fresh and "blocks.0.attn.decay_proj.weight" in report.fresh
+    assert dict(report.adapted)["head"] == "5 classes in the source, 7 here: fresh"
+
+    for wider, needle in ((dict(embed_dim=64), "width 32"), (dict(depth=3), "depth 2")):
+        with pytest.raises(ValueError, match=f"does not fit: the source has .*{needle}"):
+            lion_vit.init_from_vit(timm.create_model("lion_d_tiny", img_size=32, patch_size=8, num_classes=5,
+                                                     **{**dict(embed_dim=32, depth=2, num_heads=2), **wider}), str(path))
+
+
+def test_distillation_loss_follows_deits_definitions():
+    torch.manual_seed(0)
+    images, labels = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 1])
+    teacher = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 3))
+    student_cls, student_dist = torch.randn(4, 3), torch.randn(4, 3)
+    teacher_logits = teacher(images)
+    ce = torch.nn.CrossEntropyLoss()
+
+    def loss(kind, alpha, tau=1.0, outputs=(student_cls, student_dist)):
+        return DistillationLoss(ce, teacher, lambda x: x, kind, alpha, tau)(images, outputs, labels)
+
+    torch.testing.assert_close(loss("hard", 1.0), F.cross_entropy(student_dist, teacher_logits.argmax(1)))
+    torch.testing.assert_close(loss("hard", 0.0), ce(student_cls, labels))  # the class head takes the labels
+    torch.testing.assert_close(loss("soft", 0.5, 1.0, outputs=teacher_logits.detach()), 0.5 * ce(teacher_logits, labels))
+    kl = sum(F.kl_div(F.log_softmax(student_dist[i] / 2, 0), F.softmax(teacher_logits[i] / 2, 0), reduction="sum")
+             for i in range(4)) * 4 / student_dist.numel()
+    torch.testing.assert_close(loss("soft", 1.0, 2.0), kl)
+
+
+def test_the_teacher_sees_the_batch_at_its_own_size_and_normalisation():
+    raw = torch.rand(2, 3, 8, 8)
+    student_mean, student_std, teacher_mean, teacher_std = [0.5] * 3, [0.5] * 3, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    to_teacher = TeacherInput((8, student_mean, student_std), (16, teacher_mean, teacher_std))
+    normalised = (raw - 0.5) / 0.5
+    expected = (F.interpolate(raw, size=(16, 16), mode="bicubic", align_corners=False) -
+                torch.tensor(teacher_mean).view(1, 3, 1, 1)) / torch.tensor(teacher_std).view(1, 3, 1, 1)
+    torch.testing.assert_close(to_teacher(normalised), expected)
+    same = TeacherInput((8, student_mean, student_std), (8, student_mean, student_std))
+    assert same(normalised) is normalised
+
+
+def test_a_distilled_student_trains_both_heads_and_evaluates_their_mean():
+    model = timm.create_model("lion_s_natural_tiny_distilled", img_size=16, patch_size=4, num_classes=3).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    model.set_distilled_training(True)
+    cls_logits, dist_logits = model.train()(x)
+    model.eval()
+    outputs = {form: model.set_attn_form(form, chunk_size=3)(x) for form in ("attention", "rnn", "chunk")}
+    for form in ("rnn", "chunk"):
+        torch.testing.assert_close(outputs[form], outputs["attention"], rtol=1e-10, atol=1e-10)
+    model.set_distilled_training(False)
+    features = model.forward_features(x)
+    torch.testing.assert_close(outputs["attention"], (model.head(model.fc_norm(features[:, 1:].mean(1))) +
+                                                      model.head_dist(model.fc_norm(features[:, 0]))) / 2)
+    assert model.num_prefix_tokens == 1 and features.shape[1] == 1 + 16
+    model.reset_classifier(7)
+    assert model(x).shape == (2, 7) and model.get_classifier()[1].out_features == 7
+
+
+def test_distillation_without_a_teacher_is_refused_before_anything_is_built():
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    from runs import ROOT
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["distill=hard"])
+        check_settings(compose("config", overrides=["distill=hard", "distill.teacher=resnet18"]))
+    with pytest.raises(UserError, match="^distill.type=hard needs a teacher: set distill.teacher"):
+        check_settings(cfg)
+
+
+def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
+    not_a_deit = tmp_path / "resnet.pth"
+    torch.save({"fc.weight": torch.zeros(3, 3)}, not_a_deit)
+    cases = [
+        (("distill=hard", "distill.teacher=not_a_model"), ("unknown teacher 'not_a_model'",)),
+        (("distill=hard", f"distill.teacher_checkpoint={tmp_path / 'missing.pt'}"), ("does not exist",)),
+        (("distill=hard", "distill.teacher=resnet18", f"distill.teacher_checkpoint={not_a_deit}"),
+         ("cannot load teacher resnet18",)),
+        (("model=lion", "img_size=32", f"model.init_from={teacher}"), ("does not fit", "width 64", "width 384")),
+        ((f"model.init_from={tmp_path / 'nowhere.pt'}",), ("does not exist",)),
+    ]
+    runs = [(*overrides, *QUIET, "epochs=1", f"output_dir={tmp_path / f'run{i}'}") for i, (overrides, _) in enumerate(cases)]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = list(pool.map(lambda overrides: run_train(*overrides), runs))
+    for (_, needles), proc in zip(cases, procs):
+        assert proc.returncode == 2
+        assert_clean_error(proc, *needles)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("run")]
