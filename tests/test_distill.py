@@ -204,20 +204,30 @@ def test_distillation_without_a_teacher_is_refused_before_anything_is_built():
 
 
 def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
-    not_a_deit = tmp_path / "resnet.pth"
-    torch.save({"fc.weight": torch.zeros(3, 3)}, not_a_deit)
+    """train.py's one error line and exit status 2, leaving no folder; the other bad sources in-process."""
+    from omegaconf import OmegaConf
+    from lion_vit.engine.distill import build_teacher
+    from lion_vit.engine.trainer import _init_from_vit
+    from lion_vit.errors import UserError
     cases = [
         (("distill=hard", "distill.teacher=not_a_model"), ("unknown teacher 'not_a_model'",)),
-        (("distill=hard", f"distill.teacher_checkpoint={tmp_path / 'missing.pt'}"), ("does not exist",)),
-        (("distill=hard", "distill.teacher=resnet18", f"distill.teacher_checkpoint={not_a_deit}"),
-         ("cannot load teacher resnet18",)),
         (("model=lion", "img_size=32", f"model.init_from={teacher}"), ("does not fit", "width 64", "width 384")),
-        ((f"model.init_from={tmp_path / 'nowhere.pt'}",), ("does not exist",)),
     ]
     runs = [(*overrides, *QUIET, "epochs=1", f"output_dir={tmp_path / f'run{i}'}") for i, (overrides, _) in enumerate(cases)]
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         procs = list(pool.map(lambda overrides: run_train(*overrides), runs))
     for (_, needles), proc in zip(cases, procs):
         assert proc.returncode == 2
         assert_clean_error(proc, *needles)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("run")]
+
+    not_a_deit = tmp_path / "resnet.pth"
+    torch.save({"fc.weight": torch.zeros(3, 3)}, not_a_deit)
+    for settings, message in (
+            (dict(teacher_checkpoint=str(tmp_path / "missing.pt")), "does not exist"),
+            (dict(teacher="resnet18", teacher_checkpoint=str(not_a_deit)), f"^cannot load teacher resnet18 from {not_a_deit}"),
+            (dict(teacher_checkpoint=str(not_a_deit)), "holds no train.py config; also set distill.teacher")):
+        with pytest.raises(UserError, match=message):
+            build_teacher(OmegaConf.create({"teacher": None, **settings}), 10, [str(d) for d in range(10)])
+    with pytest.raises(UserError, match="^model.init_from=.*nowhere.pt: init_from file .* does not exist"):
+        _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path / "nowhere.pt"))
