@@ -261,8 +261,8 @@ def test_selective_mask_in_slab_groups(group_bytes, monkeypatch):
     """On a CPU the selective mask walks its (batch, head) slabs in cache-sized groups: groups of
     one and of three slabs (3 x 2 heads leave a short last group), single and multi-scan, forward
     and gradients, against the float64 oracle."""
-    import lion_vit.ops.masks as masks
-    monkeypatch.setattr(masks, "CPU_GROUP_BYTES", group_bytes)
+    from lion_vit.ops.cpu import budgets
+    monkeypatch.setattr(budgets, "MASK_GROUP_BYTES", group_bytes)
     height, width, prefix = 3, 4, 1
     length = height * width + prefix
     orders = snake_orders(height, width, prefix)
@@ -292,13 +292,14 @@ def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
     """On a CPU the masked product with autograd walks groups of (batch, head) slabs: one slab each,
     two of a sample's three heads (then the third alone), two whole samples (then one): outputs and
     gradients against the float64 oracle, for one scan and for two snake scans."""
-    import lion_vit.ops.attention as attention
+    import lion_vit.ops.cpu.attention as cpu_attention
+    from lion_vit.ops.cpu import budgets
     height, width, prefix = 3, 4, 1
     length = height * width + prefix
-    monkeypatch.setattr(attention, "CPU_TRAIN_GROUP_BYTES", slabs * length * length * torch.finfo(dtype).bits // 8)
+    monkeypatch.setattr(budgets, "TRAIN_GROUP_BYTES", slabs * length * length * torch.finfo(dtype).bits // 8)
     groups_run = []
-    grouped_backward = attention._grouped_masked_backward
-    monkeypatch.setattr(attention, "_grouped_masked_backward",
+    grouped_backward = cpu_attention.grouped_masked_backward
+    monkeypatch.setattr(cpu_attention, "grouped_masked_backward",
                         lambda *args: groups_run.append(len(args[-1])) or grouped_backward(*args))
     q, k, v, lam = make_inputs(3, 3, length, 5, decay, torch.float64, seed=19)
     other_lam = make_inputs(3, 3, length, 5, decay, torch.float64, seed=20)[3]
@@ -323,21 +324,17 @@ def test_training_attention_in_slab_groups(decay, slabs, dtype, monkeypatch):
 @pytest.fixture
 def gpu_branches(monkeypatch):
     """Run the ops' GPU eager branches on this CPU: whole tensors, no cache-sized groups of rows or
-    slabs and no row-block mask builder (`rows.cpu_tuned` false, as on a GPU); the CPU-only helpers
-    fail the test if anything still reaches them. (No GPU has run the current code yet.)"""
-    import sys
-    import lion_vit.ops.attention as attention
-    import lion_vit.ops.masks as masks
-    patched = [module for name, module in list(sys.modules.items())
-               if name.startswith("lion_vit.ops") and hasattr(module, "cpu_tuned")]
-    assert {m.__name__ for m in patched} >= {"lion_vit.ops.rows", "lion_vit.ops.masks", "lion_vit.ops.attention"}
-    for module in patched:
-        monkeypatch.setattr(module, "cpu_tuned", lambda device: False)
+    slabs and no row-block mask builder (`lion_vit.ops.cpu.groups.tuned` false, as on a GPU); the
+    CPU-only helpers fail the test if anything still reaches them. (No GPU has run the current code yet.)"""
+    import lion_vit.ops.cpu.attention as cpu_attention
+    import lion_vit.ops.cpu.masks as cpu_masks
+    from lion_vit.ops.cpu import groups
+    monkeypatch.setattr(groups, "tuned", lambda device: False)
 
     def cpu_only(*args, **kwargs):
         raise AssertionError("a CPU-only path ran where a GPU takes whole tensors")
-    for module, name in [(masks, "_fill_in_blocks"), (attention, "_grouped_masked_forward"),
-                         (attention, "_grouped_masked_backward")]:
+    for module, name in [(cpu_masks, "fill_in_blocks"), (cpu_attention, "grouped_masked_forward"),
+                         (cpu_attention, "grouped_masked_backward")]:
         monkeypatch.setattr(module, name, cpu_only)
 
 
@@ -383,13 +380,15 @@ def test_selective_mask_in_row_blocks(decay, block, scan, monkeypatch):
     blocks of one row, blocks that leave a short last one, and one block of the whole sequence; in
     token order and, for the two snake scans of a 3 x 13 grid after a class token, in token order
     from decays in scan order (the column snake takes the whole-matrix path). A mask this small is
-    built whole unless CPU_MASK_BLOCK_MIN_ENTRIES says otherwise, as here."""
+    built whole unless budgets.MASK_BLOCK_MIN_ENTRIES says otherwise, as here."""
+    import lion_vit.ops.cpu.masks as cpu_masks
     import lion_vit.ops.masks as masks
-    monkeypatch.setattr(masks, "CPU_MASK_BLOCK", block)
-    monkeypatch.setattr(masks, "CPU_MASK_BLOCK_MIN_ENTRIES", 0)
+    from lion_vit.ops.cpu import budgets
+    monkeypatch.setattr(budgets, "MASK_BLOCK", block)
+    monkeypatch.setattr(budgets, "MASK_BLOCK_MIN_ENTRIES", 0)
     filled_in_blocks = []
-    fill_in_blocks = masks._fill_in_blocks
-    monkeypatch.setattr(masks, "_fill_in_blocks", lambda *args: filled_in_blocks.append(1) or fill_in_blocks(*args))
+    fill_in_blocks = cpu_masks.fill_in_blocks
+    monkeypatch.setattr(cpu_masks, "fill_in_blocks", lambda *args: filled_in_blocks.append(1) or fill_in_blocks(*args))
     *_, lam = make_inputs(2, 3, 40, 1, decay, torch.float64, seed=15)  # in scan order
     positions = None if scan == "token_order" else \
         torch.argsort(snake_orders(3, 13, 1)[int(scan == "column_snake")])
@@ -397,7 +396,7 @@ def test_selective_mask_in_row_blocks(decay, block, scan, monkeypatch):
     if positions is not None:
         expected = expected[..., positions, :][..., positions]
     if scan == "row_snake" and block == 32:  # a row snake factorises in blocks (the training case)
-        bounds = masks._row_blocks(40, positions, block)
+        bounds = cpu_masks.row_blocks(40, positions, block)
         assert len(bounds) > 2 and max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * block, bounds
     # float32: the exponents are differences of float32 cumulative sums (error ~ eps * L * |log lam|)
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
@@ -417,7 +416,8 @@ def test_selective_mask_gradient_long_fp32(monkeypatch):
     """Above FLOAT64_CUMSUM_ABOVE tokens the exponents are formed in float64 and the float32 mask is
     filled group by group: its gradient still matches the float64 oracle."""
     import lion_vit.ops.masks as masks
-    monkeypatch.setattr(masks, "CPU_GROUP_BYTES", 1)
+    from lion_vit.ops.cpu import budgets
+    monkeypatch.setattr(budgets, "MASK_GROUP_BYTES", 1)
     length = masks.FLOAT64_CUMSUM_ABOVE + 88
     q, k, v, lam = make_inputs(1, 2, length, 4, "selective", torch.float64, seed=13)
     lam = lam * 0.2 + 0.79  # decays in [0.79, 0.99]: entries far from the diagonal still count
@@ -438,8 +438,8 @@ def test_chunk_inference_in_row_groups(decay, group_bytes, monkeypatch):
     whole batch entries (3 batch entries, groups of 1), with decays broadcast over batch, heads or
     tokens, and a short last chunk, against the float64 oracle; multi-scan too (each scan of each
     group summed into token order in place)."""
-    import lion_vit.ops.rows as rows
-    monkeypatch.setattr(rows, "INFERENCE_GROUP_BYTES", group_bytes)
+    from lion_vit.ops.cpu import budgets
+    monkeypatch.setattr(budgets, "INFERENCE_GROUP_BYTES", group_bytes)
     q, k, v, lam = make_inputs(3, 2, 13, 6, "selective" if decay == "per_batch" else decay, torch.float64, seed=15)
     if decay == "per_batch":  # one decay per batch entry, shared by heads and tokens
         lam = lam[:, :1, :1]

@@ -18,7 +18,8 @@ from .dispatch import BACKENDS, FORM_CHOICES, Plan, check_backend, check_form, p
 from .features import FEATURE_MAPS, get_feature_map
 from .masks import decay_mask, mask_dtype
 from .recurrent import recurrent_unnormalized
-from .rows import needs_grad, row_groups, take_rows, tracing
+from .cpu.groups import row_groups
+from .rows import needs_grad, take_rows, tracing
 from .scans import column_snake, row_snake, snake_orders
 
 # (numerator, normaliser) of each form, per backend; the triton forms are imported on first use

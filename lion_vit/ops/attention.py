@@ -7,17 +7,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .masks import decay_mask, decay_mask_backward
-from .rows import cpu_tuned, needs_grad, row_groups, take_rows
+from .cpu import attention as cpu_attention
+from .masks import decay_mask, decay_mask_backward, positions_per_scan
+from .rows import needs_grad
 
-# On a CPU, in training, the masked product runs a group of (batch, head) slabs of about this many
-# bytes of L x L weights at a time, so that its elementwise passes between the matmuls (the mask
-# product and row sums; in the backward the normaliser's gradient, the decays' gradient and the
-# mask product) read the group from the last-level cache instead of memory (a few groups fit one;
-# the sizes tried are in docs/benchmarks.md).
-CPU_TRAIN_GROUP_BYTES = 4 << 20
-
-Rows = Tuple[slice, slice]
 
 
 def attention_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
@@ -65,16 +58,11 @@ def _masked_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tuple[Tens
     return numerator, weights.sum(-1, keepdim=True), weights  # the row sums stay in float32
 
 
-def _scan_positions(positions: Optional[Tensor], num_scans: int) -> List[Optional[Tensor]]:
-    """Each scan's positions [L] (scan position of each token), or None for token order."""
-    return [None] * num_scans if positions is None else list(positions.unbind(0))
-
-
 def _scan_masks(log_decays: Tensor, length: int, positions: Optional[Tensor]) -> List[Tensor]:
     """Each scan's mask in token order (called without autograd): log_decays [S, ...] in scan order,
     positions [S, L] or None for one scan in token order."""
     return [decay_mask(a, length, pos)
-            for a, pos in zip(log_decays.unbind(0), _scan_positions(positions, len(log_decays)))]
+            for a, pos in zip(log_decays.unbind(0), positions_per_scan(positions, len(log_decays)))]
 
 
 class _DecayMaskedAttention(torch.autograd.Function):
@@ -88,7 +76,7 @@ class _DecayMaskedAttention(torch.autograd.Function):
     R_s = M_s / M (R = 1 for one scan), never S itself. The backward allocates one L x L tensor,
     dW, and updates it in place. Matmuls run in the dtype the forward's matmul produced (bf16
     under autocast), masks and weights in float32/64. On a CPU both passes walk cache-sized
-    groups of (batch, head) slabs (_grouped_masked_forward / _grouped_masked_backward): the same
+    groups of (batch, head) slabs (lion_vit.ops.cpu.attention): the same
     operations per slab, and dW is then only ever a group's size.
     """
 
@@ -103,9 +91,9 @@ class _DecayMaskedAttention(torch.autograd.Function):
             # number (like the float32 CPU floor of each mask) and R_s = 0: in place, no L x L temporary
             mask.clamp_min_(torch.finfo(mask.dtype).tiny)
             ratios = [m.div_(mask) for m in masks]
-        ctx.groups = _training_groups(q, k, v, mask)
+        ctx.groups = cpu_attention.training_groups(q, k, v, mask)
         if len(ctx.groups) > 1:
-            numerator, normaliser, weights = _grouped_masked_forward(q, k, v, mask, ctx.groups)
+            numerator, normaliser, weights = cpu_attention.grouped_masked_forward(q, k, v, mask, ctx.groups)
         else:
             numerator, normaliser, weights = _masked_forward(q, k, v, mask)
         ctx.compute_dtype = numerator.dtype
@@ -117,8 +105,9 @@ class _DecayMaskedAttention(torch.autograd.Function):
     def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor):
         q, k, v, mask, weights, log_decays, positions, *ratios = ctx.saved_tensors
         if len(ctx.groups) > 1:
-            return (*_grouped_masked_backward(q, k, v, mask, weights, ratios, log_decays, positions, grad_numerator,
-                                              grad_normaliser, ctx.needs_input_grad, ctx.groups), None)
+            return (*cpu_attention.grouped_masked_backward(q, k, v, mask, weights, ratios, log_decays, positions,
+                                                           grad_numerator, grad_normaliser, ctx.needs_input_grad,
+                                                           ctx.groups), None)
         compute = ctx.compute_dtype
         grad_numerator = grad_numerator.to(compute)
         grad_v = None
@@ -129,7 +118,7 @@ class _DecayMaskedAttention(torch.autograd.Function):
         grad_weights.add_(grad_normaliser.to(weights.dtype))
         grad_log_decays = None
         if ctx.needs_input_grad[3]:  # the weights are not needed after this: dW * W is formed in them
-            scans, scan_positions = log_decays.unbind(0), _scan_positions(positions, len(log_decays))
+            scans, scan_positions = log_decays.unbind(0), positions_per_scan(positions, len(log_decays))
             if not ratios:
                 grads = [decay_mask_backward(weights, grad_weights, scans[0], scan_positions[0])]
             else:
@@ -141,83 +130,6 @@ class _DecayMaskedAttention(torch.autograd.Function):
         grad_q = (grad_scores @ k.to(compute)).to(q.dtype) if ctx.needs_input_grad[0] else None
         grad_k = (grad_scores.transpose(-1, -2) @ q.to(compute)).to(k.dtype) if ctx.needs_input_grad[1] else None
         return grad_q, grad_k, grad_v, grad_log_decays, None
-
-
-def _cpu_autocast() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-
-
-def _training_groups(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> List[Rows]:
-    """The (batch, head) groups the masked product walks with autograd: cache-sized on a CPU when its
-    matmuls run in the masks' dtype (float32/64, no autocast), else one group of every slab (a GPU,
-    torch.compile / torch.export, half precision)."""
-    batch, heads, length, _ = q.shape
-    if not cpu_tuned(q.device) or {q.dtype, k.dtype, v.dtype} != {mask.dtype} or _cpu_autocast():
-        return [(slice(None), slice(None))]
-    return list(row_groups(batch, heads, length * length * mask.element_size(), q.device, CPU_TRAIN_GROUP_BYTES))
-
-
-def _grouped_masked_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
-                            groups: List[Rows]) -> Tuple[Tensor, Tensor, Tensor]:
-    """_masked_forward one group of slabs at a time, each group written into its rows of the outputs."""
-    batch, heads, length, _ = q.shape
-    weights = mask.new_empty(batch, heads, length, length)
-    numerator = v.new_empty(batch, heads, length, v.shape[-1])
-    normaliser = mask.new_empty(batch, heads, length, 1)
-    for rows in groups:
-        group_weights = torch.matmul(take_rows(q, rows), take_rows(k, rows).transpose(-1, -2),
-                                     out=take_rows(weights, rows))
-        group_weights.mul_(take_rows(mask, rows))
-        torch.matmul(group_weights, take_rows(v, rows), out=take_rows(numerator, rows))
-        torch.sum(group_weights, -1, keepdim=True, out=take_rows(normaliser, rows))
-    return numerator, normaliser, weights
-
-
-def _grouped_masked_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, weights: Tensor, ratios: List[Tensor],
-                             log_decays: Tensor, positions: Optional[Tensor], grad_numerator: Tensor,
-                             grad_normaliser: Tensor, needs_input_grad: Tuple[bool, ...],
-                             groups: List[Rows]) -> Tuple[Optional[Tensor], ...]:
-    """_DecayMaskedAttention's backward one group of slabs at a time (all in the masks' dtype): per
-    group the same steps as the whole-batch backward, with dW a group's size. A decay gradient is
-    reduced per group, except that of masks shared by the batch in a multi-scan layer (fixed
-    decays), whose dL/d(log M) is summed over the batch first and reduced once at the end."""
-    grad_q, grad_k, grad_v = (torch.empty_like(t) if need else None for t, need in zip((q, k, v), needs_input_grad))
-    scans, scan_positions = log_decays.unbind(0), _scan_positions(positions, len(log_decays))
-    grad_decays = torch.zeros_like(log_decays) if needs_input_grad[3] else None
-    shared = needs_input_grad[3] and bool(ratios) and ratios[0].shape[0] == 1
-    grad_log_mask_sum = torch.zeros_like(ratios[0]) if shared else None
-    for rows in groups:
-        group_weights, group_grad = take_rows(weights, rows), take_rows(grad_numerator, rows)
-        if grad_v is not None:
-            torch.matmul(group_weights.transpose(-1, -2), group_grad, out=take_rows(grad_v, rows))
-        grad_weights = torch.matmul(group_grad, take_rows(v, rows).transpose(-1, -2))
-        grad_weights.add_(take_rows(grad_normaliser, rows))
-        if needs_input_grad[3]:  # the group's weights are not needed after this: overwritten
-            if not ratios:
-                take_rows(grad_decays[0], rows).add_(
-                    decay_mask_backward(group_weights, grad_weights, take_rows(scans[0], rows), scan_positions[0]))
-            elif shared:
-                total = take_rows(grad_log_mask_sum, rows)
-                total.add_(group_weights.mul_(grad_weights).sum_to_size(total.shape))
-            else:
-                grad_log_mask = group_weights.mul_(grad_weights)
-                for grad, ratio, a, pos in zip(grad_decays, ratios, scans, scan_positions):
-                    # (a multi-scan layer's ratios have every head: each group's rows are read once, then overwritten)
-                    ratio = take_rows(ratio, rows)
-                    take_rows(grad, rows).add_(decay_mask_backward(ratio, grad_log_mask.sum_to_size(ratio.shape),
-                                                                   take_rows(a, rows), pos))
-        grad_scores = grad_weights.mul_(take_rows(mask, rows))
-        if grad_q is not None:
-            torch.matmul(grad_scores, take_rows(k, rows), out=take_rows(grad_q, rows))
-        if grad_k is not None:
-            torch.matmul(grad_scores.transpose(-1, -2), take_rows(q, rows), out=take_rows(grad_k, rows))
-    if shared:
-        for grad, ratio, a, pos in zip(grad_decays, ratios, scans, scan_positions):
-            grad.copy_(decay_mask_backward(ratio, grad_log_mask_sum, a, pos))
-    return grad_q, grad_k, grad_v, grad_decays
 
 
 def decay_masked_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor,

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask, mask_dtype
-from .rows import needs_grad, row_groups, take_rows
+from .cpu.groups import row_groups
+from .rows import needs_grad, take_rows
 
 
 def _with_ones(v: Tensor, pad: int = 0) -> Tensor:

@@ -3,8 +3,9 @@
 Every form computes the same function (docs/design.md section 1); the plan only picks the cheapest
 exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64),
-  "torch" otherwise; "torch" is the portable PyTorch forms (cache-blocked on a CPU); "triton" the
-  GPU kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
+  "torch" otherwise; "torch" is the portable PyTorch forms, which on a CPU, eagerly, work in the
+  cache-sized groups and row blocks of lion_vit.ops.cpu (its groups.tuned is the switch); "triton"
+  the GPU kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
@@ -13,13 +14,14 @@ exact way to get it:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from . import triton as triton_backend
 from .chunk import chunk_count, whole_product_is_cheaper
+from .cpu import groups as cpu_groups
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
@@ -43,13 +45,15 @@ class Plan:
 
     form: the form that runs (attention | rnn | chunk); backend: torch | triton; whole: the chunk form
     runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
-    the chunk form).
+    the chunk form); cpu_tuned: the torch backend on a CPU, eagerly, where the forms work in
+    cache-sized groups of rows (lion_vit.ops.cpu; the same function either way, so not compared).
     """
 
     form: str
     backend: str
     whole: bool = False
     chunks: int = 1
+    cpu_tuned: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -59,7 +63,7 @@ class Plan:
                 (" (FLA kernels)" if self.backend == "triton" else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
-        return f"{self.form} form, {self.backend} backend: {what}"
+        return f"{self.form} form, {self.backend} backend: {what}" + (", CPU row groups" if self.cpu_tuned else "")
 
 
 def check_form(form: str, chunk_size: Optional[int] = None) -> None:
@@ -109,14 +113,15 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
+    tuned = backend == "torch" and cpu_groups.tuned(device)
     if form == "attention":
-        return Plan("attention", "torch", whole=True)
-    if form == "rnn":
+        return Plan("attention", "torch", whole=True, cpu_tuned=cpu_groups.tuned(device))
+    if form == "rnn":  # (one token at a time: no groups)
         return Plan("rnn", backend)
     if backend == "triton":
         chunk_size = TRITON_CHUNK
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # a product of torch matmuls either way
-        return Plan("chunk", "torch", whole=True)
-    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size))
+        return Plan("chunk", "torch", whole=True, cpu_tuned=cpu_groups.tuned(device))
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=tuned)

@@ -13,44 +13,15 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .rows import cpu_tuned, group_size, tracing
+from . import cpu
+from .cpu import masks as cpu_masks
+from .exponents import exact_exponent_exp, exp_nonpositive
+from .rows import tracing
 
 # Above this length the cumulative sums are formed in float64: the exponent of an entry is a
 # difference of two sums of up to L terms, whose float32 rounding error (~eps * L * |a|) would
 # otherwise reach 1e-4 relative for the entries that matter (|a| ~ 1, L ~ 6000).
 FLOAT64_CUMSUM_ABOVE = 512
-
-# On a CPU the selective mask's L x L passes walk (batch, head) slabs in groups of about this many
-# bytes (a few per group fit a 16 MiB last-level cache), so that its backward's product and four
-# reductions read each group from cache instead of memory after the first pass.
-CPU_GROUP_BYTES = 4 << 20
-
-
-# On a CPU a selective mask is built a block of about this many rows at a time where its scan allows
-# (token order, a row snake; see _row_blocks, _fill_in_blocks), so that each block's passes stay in cache.
-CPU_MASK_BLOCK = 32
-
-# ... when it has at least this many entries: on smaller masks (batch-1 inference) the blocks' fixed
-# cost per op outweighs what they save. (The timings behind both numbers: docs/benchmarks.md.)
-CPU_MASK_BLOCK_MIN_ENTRIES = 1 << 20
-
-
-# Just above the log of float32's smallest normal number (-87.34): exp() below it gives a denormal
-# or 0, which a CPU's vectorised exp computes on a slow path, 5-14x slower than the normal range
-# (and so it does right at the boundary: hence a margin).
-_FLOAT32_EXP_FLOOR = -87.0
-
-
-def _exp_nonpositive(exponent: Tensor) -> Tensor:
-    """exp of a mask exponent (<= 0). In float32 on a CPU the exponent is first raised to at least
-    -87, so no entry takes exp's slow underflow path: entries below exp(-87) = 1.6e-38 (next to the
-    diagonal's 1, nothing a float32 sum can see) become 1.6e-38. In place when autograd does not
-    need the exponent."""
-    if exponent.dtype == torch.float32 and exponent.device.type == "cpu":
-        exponent = exponent.clamp_min(_FLOAT32_EXP_FLOOR) if exponent.requires_grad else \
-            exponent.clamp_min_(_FLOAT32_EXP_FLOOR)
-    return exponent.exp() if exponent.requires_grad else exponent.exp_()
-
 
 def mask_dtype(dtype: torch.dtype) -> torch.dtype:
     """Masks and normalisers stay in float32 (or float64) even for half-precision inputs."""
@@ -78,7 +49,7 @@ def toeplitz_mask(log_decay: Tensor, length: int, positions: Optional[Tensor] = 
     positions: scan position of each token (default: the identity order).
     """
     distance = _distance(length, positions, log_decay.dtype, log_decay.device)
-    return _exp_nonpositive(log_decay.to(distance.dtype)[..., None] * distance)
+    return exp_nonpositive(log_decay.to(distance.dtype)[..., None] * distance)
 
 
 def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -95,78 +66,16 @@ def _selective_log_parts(log_decay: Tensor, positions: Optional[Tensor]) -> Tupl
 def _slab_groups(count: int, length: int, dtype: torch.dtype, device: torch.device) -> Iterator[slice]:
     """Slices of `count` L x L slabs that the selective mask's several passes walk one after the other.
 
-    On a CPU each group is about CPU_GROUP_BYTES, so that every pass after the first finds the group
+    On a CPU each group is about cpu.budgets.MASK_GROUP_BYTES, so that every pass after the first finds the group
     in the last-level cache instead of memory; a GPU takes all slabs at once.
     """
     if tracing():  # all at once: a traced graph must not depend on the batch size it was traced with
         yield slice(None)
         return
-    per_group = group_size(count, length * length * torch.finfo(dtype).bits // 8, CPU_GROUP_BYTES, device)
+    slab_bytes = length * length * torch.finfo(dtype).bits // 8
+    per_group = cpu.groups.group_size(count, slab_bytes, cpu.budgets.MASK_GROUP_BYTES, device)
     for start in range(0, count, per_group):
         yield slice(start, start + per_group)
-
-
-def _exact_exponent_exp(before: Tensor, at: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """The mask [n, l, l] among l tokens of one scan (in any order, e.g. token order) from their
-    exclusive (`before`, c_{i-1}) and inclusive (`at`, c_i) log-decay sums along the scan, [n, l].
-
-    Below the diagonal the exponent is c_{i-1} - c_{j-1} <= 0, above it c_j - c_i <= 0; the other
-    expression is >= 0 on each side (the sums are monotone), so their minimum is the exponent
-    everywhere, with no position test.
-    """
-    upper = at[:, None, :] - at[:, :, None]
-    if tracing():
-        return _exp_nonpositive(torch.minimum(before[:, :, None] - before[:, None, :], upper))
-    lower = torch.sub(before[:, :, None], before[:, None, :], out=out)
-    return _exp_nonpositive(torch.minimum(lower, upper, out=lower))
-
-
-def _row_blocks(length: int, positions: Optional[Tensor], block: int) -> List[int]:
-    """Boundaries 0 = b_0 < b_1 < ... < b_n = L of blocks of rows (tokens) of about `block` rows, each
-    block's tokens consecutive along the scan, with every token before it coming before it along
-    the scan: where the mask factorises off the diagonal (see _fill_in_blocks).
-
-    Token order: any b; a row snake: a grid row ends one, as may any token of a row read left to
-    right; a column snake: none but 0 and L (a token-order block spans every column).
-    """
-    if positions is None:  # every b qualifies
-        return list(range(0, length, block)) + [length]
-    # b qualifies when tokens [0, b) are the scan's first b: their largest scan position is b - 1
-    first_b = positions.cummax(0).values == torch.arange(length, device=positions.device)
-    valid = [0] + (first_b.nonzero().flatten() + 1).tolist()
-    bounds = [0]
-    for index, b in enumerate(valid[1:], start=1):
-        following = valid[index + 1] if index + 1 < len(valid) else None
-        if following is None or following - bounds[-1] > block:
-            bounds.append(b)
-    return bounds
-
-
-def _fill_in_blocks(mask: Tensor, exclusive: Tensor, inclusive: Tensor, bounds: List[int]) -> None:
-    """The mask in token order, a block of rows at a time (bounds from _row_blocks): exact on the
-    diagonal blocks, and off them an outer product of two factors that are each <= 0 in the
-    exponent. With e = c_{.-1} and c non-increasing along the scan, for rows i of a block (scan
-    positions [s, t) by _row_blocks) and r, R the block's first and last tokens along the scan:
-
-        j before the block:  exp(e_i - e_j) = exp(e_i - e_r) exp(e_r - e_j)
-        j after the block:   exp(c_j - c_i) = exp(c_R - c_i) exp(c_j - c_R)
-
-    One multiplication per entry instead of two subtractions, a minimum and an exp (whose slow path
-    for results that underflow made small decays cost several times more). Neither factor can
-    overflow; where one underflows the product underflows too.
-    """
-    length = mask.shape[-1]
-    for s, t in zip(bounds[:-1], bounds[1:]):
-        before, at = exclusive[:, s:t], inclusive[:, s:t]
-        mask[:, s:t, s:t] = _exact_exponent_exp(before, at)
-        if s > 0:
-            ref = before.amax(-1, keepdim=True)  # e at the block's first token along the scan
-            torch.mul(torch.exp(before - ref).to(mask.dtype)[:, :, None],
-                      torch.exp(ref - exclusive[:, :s]).to(mask.dtype)[:, None, :], out=mask[:, s:t, :s])
-        if t < length:
-            ref = at.amin(-1, keepdim=True)  # c at its last token along the scan
-            torch.mul(torch.exp(ref - at).to(mask.dtype)[:, :, None],
-                      torch.exp(inclusive[:, t:] - ref).to(mask.dtype)[:, None, :], out=mask[:, s:t, t:])
 
 
 def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Tensor:
@@ -178,15 +87,12 @@ def _selective_mask_values(log_decay: Tensor, positions: Optional[Tensor]) -> Te
     mask = torch.empty(*lead, length, length, dtype=mask_dtype(log_decay.dtype), device=inclusive.device)
     slabs = mask.view(-1, length, length)
     # (a GPU or a compiler: a few kernels beat a loop over blocks)
-    if cpu_tuned(mask.device) and slabs.numel() >= CPU_MASK_BLOCK_MIN_ENTRIES:
-        bounds = _row_blocks(length, positions, CPU_MASK_BLOCK)
-        if max(t - s for s, t in zip(bounds[:-1], bounds[1:])) <= 2 * CPU_MASK_BLOCK:  # else: grouped below
-            _fill_in_blocks(slabs, exclusive, inclusive, bounds)
-            return mask
+    if cpu.groups.tuned(mask.device) and cpu_masks.fill_in_row_blocks(slabs, exclusive, inclusive, positions):
+        return mask
     in_place = mask.dtype == inclusive.dtype and not tracing()
     for group in _slab_groups(slabs.shape[0], length, inclusive.dtype, mask.device):
         before, at = exclusive[group], inclusive[group]
-        values = _exact_exponent_exp(before, at, out=slabs[group] if in_place else None)
+        values = exact_exponent_exp(before, at, out=slabs[group] if in_place else None)
         if not in_place:
             slabs[group] = values
     return mask
@@ -291,3 +197,8 @@ def decay_mask_backward(buffer: Tensor, factor: Tensor, log_decay: Tensor,
     distance = _distance(length, positions, buffer.dtype, buffer.device)
     grad_log = buffer.mul_(factor).flatten(-2) @ distance.flatten()  # [..., ] over every slab
     return grad_log.sum_to_size(log_decay.shape[:-1]).unsqueeze(-1).to(log_decay.dtype)
+
+
+def positions_per_scan(positions: Optional[Tensor], num_scans: int) -> List[Optional[Tensor]]:
+    """Each scan's positions [L] (scan position of each token), or None for token order."""
+    return [None] * num_scans if positions is None else list(positions.unbind(0))

@@ -1,19 +1,11 @@
-"""Inference in groups of (batch, head) rows: the rows of a LION layer are independent, so without
-autograd they can run a cache-sized group at a time and keep temporaries a group's size."""
+"""Helpers of every form: whether a compiler or torch.fx is tracing, a group's rows of a [B, H, ...]
+tensor (the rows of a LION layer are independent), whether autograd records."""
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-
-# On a CPU, without autograd, the chunk form (and each scan of a multi-scan one) runs a group of
-# (batch, head) rows at a time, each group about this many bytes of [L, Dv+1] values, so that its
-# temporaries (scan-ordered inputs, values with the ones column, chunk scores, per-chunk states,
-# updates) are a group's size, not the whole batch's: at 1248 px, batch 1, they would otherwise
-# lift the model's peak memory above that of its MLP.
-INFERENCE_GROUP_BYTES = 2 << 20
-
 
 def tracing() -> bool:
     """Whether torch.compile or torch.export is tracing this code. Their graphs are planned and fused
@@ -29,38 +21,6 @@ def fx_tracing() -> bool:
     Python branches on them and autograd Functions give way to plain tensor ops or leaf functions."""
     fx = torch.fx._symbolic_trace
     return getattr(fx, "is_fx_symbolic_tracing", fx.is_fx_tracing)()  # (the latter: torch < 2.6, export too)
-
-
-def cpu_tuned(device: torch.device) -> bool:
-    """Whether the CPU's cache-sized groups and blocks apply: on a CPU, eagerly. A GPU takes whole
-    tensors (every group or block would cost a chain of kernel launches; the CPU budgets are not
-    measured there), and so does a compiler. The one switch between the two, so that tests can run
-    a GPU's eager branches on a CPU."""
-    return device.type == "cpu" and not tracing()
-
-
-def group_size(count: int, item_bytes: int, budget_bytes: int, device: torch.device) -> int:
-    """How many of `count` items of item_bytes each one group takes: about budget_bytes where
-    cpu_tuned (at least one), else all of them."""
-    return max(1, budget_bytes // item_bytes) if cpu_tuned(device) else count
-
-
-def row_groups(batch: int, heads: int, row_bytes: int, device: torch.device,
-               budget_bytes: int = INFERENCE_GROUP_BYTES) -> Iterator[Tuple[slice, slice]]:
-    """(batch slice, head slice) pairs covering [B, H] in groups of about budget_bytes on a CPU, for
-    rows of row_bytes each; one group of all rows on a GPU."""
-    if tracing():  # one group: a traced graph must not depend on the batch size it was traced with
-        yield slice(None), slice(None)
-        return
-    rows_per_group = group_size(batch * heads, row_bytes, budget_bytes, device)
-    if rows_per_group >= heads:
-        per_group = rows_per_group // heads
-        for b in range(0, batch, per_group):
-            yield slice(b, b + per_group), slice(None)
-        return
-    for b in range(batch):
-        for h in range(0, heads, rows_per_group):
-            yield slice(b, b + 1), slice(h, h + rows_per_group)
 
 
 def take_rows(t: Tensor, rows: Tuple[slice, slice]) -> Tensor:
