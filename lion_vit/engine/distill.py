@@ -53,7 +53,8 @@ class DistillationLoss(nn.Module):
         outputs_kd = outputs_kd.float()
         if self.kind == "soft":
             t = self.tau
-            distillation_loss = F.kl_div(F.log_softmax(outputs_kd / t, dim=1), F.log_softmax(teacher_outputs / t, dim=1),
+            distillation_loss = F.kl_div(F.log_softmax(outputs_kd / t, dim=1),
+                                         F.log_softmax(teacher_outputs / t, dim=1),
                                          reduction="sum", log_target=True) * (t * t) / outputs_kd.numel()
         else:
             distillation_loss = F.cross_entropy(outputs_kd, teacher_outputs.argmax(dim=1))
