@@ -130,7 +130,8 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
             teacher = timm.create_model(name, pretrained=True)
     except (RuntimeError, OSError, ValueError) as error:
         source = path or "timm's pretrained weights (the hub)"
-        raise UserError(f"cannot load teacher {name} from {source}: {first_line(error)}") from None
+        hint = "" if path else " (without the hub, pass the teacher's weights: distill.teacher_checkpoint=<path>)"
+        raise UserError(f"cannot load teacher {name} from {source}: {first_line(error)}{hint}") from None
     if teacher.num_classes != num_classes:
         raise UserError(f"teacher {name} predicts {teacher.num_classes} classes, the data has {num_classes}; use a "
                         f"teacher trained on these classes (distill.teacher_checkpoint=<its weights>)")

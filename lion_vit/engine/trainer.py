@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import timm
 import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
@@ -219,8 +220,11 @@ def _init_from_vit(model: nn.Module, source: str) -> None:
     """model.init_from: a softmax ViT's weights (lion_vit.init_from_vit), its errors as one line."""
     try:
         init_from_vit(model, source)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as error:
-        raise UserError(f"model.init_from={source}: {first_line(error)}") from None
+    except (ValueError, RuntimeError, OSError) as error:
+        from_hub = not Path(source).exists() and timm.is_model(source)  # the hub out of reach, say
+        hint = " (without the hub, fetch the weights elsewhere and pass the file: model.init_from=<path>)" \
+            if from_hub and isinstance(error, OSError) else ""
+        raise UserError(f"model.init_from={source}: {first_line(error)}{hint}") from None
 
 
 def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optional[ModelEmaV3],
