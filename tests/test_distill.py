@@ -191,6 +191,20 @@ def test_a_distilled_student_trains_both_heads_and_evaluates_their_mean():
     assert model(x).shape == (2, 7) and model.get_classifier()[1].out_features == 7
 
 
+def test_a_timm_teacher_takes_its_weights_from_a_torch_or_safetensors_file(tmp_path):
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+    from lion_vit.engine.distill import build_teacher
+    trained = timm.create_model("resnet18", num_classes=10)
+    torch.save({"model": trained.state_dict()}, tmp_path / "teacher.pth")  # DeiT's checkpoint layout
+    save_file(trained.state_dict(), tmp_path / "teacher.safetensors")
+    for name in ("teacher.pth", "teacher.safetensors"):
+        teacher, (size, mean, std) = build_teacher(
+            OmegaConf.create({"teacher": "resnet18", "teacher_checkpoint": str(tmp_path / name)}), 10, [])
+        assert torch.equal(teacher.fc.weight, trained.fc.weight) and size == 224
+        assert tuple(mean) == trained.pretrained_cfg["mean"]
+
+
 def test_distillation_without_a_teacher_is_refused_before_anything_is_built():
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import check_settings

@@ -107,7 +107,8 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
                   ) -> Tuple[nn.Module, Tuple[int, Sequence[float], Sequence[float]]]:
     """The teacher model and its input (size, mean, std): from a checkpoint of this project's train.py
     (its config gives the architecture, size and normalisation), or a timm model with its pretrained_cfg
-    (weights from distill.teacher_checkpoint, a state dict, or else from the hub)."""
+    (weights from distill.teacher_checkpoint, a state dict in a torch or .safetensors file, or else from
+    the hub)."""
     path = distill.teacher_checkpoint
     if path and not Path(path).is_file():
         raise UserError(f"distill.teacher_checkpoint {path} does not exist; pass the path to the teacher's weights")
@@ -155,7 +156,11 @@ def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, cla
 
 
 def _load_state(path: Path) -> Dict[str, Any]:
+    """The file's dict: a torch checkpoint (loaded weights_only) or a .safetensors state dict."""
     try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(path))
         state = ckpt._safe_load(path)
     except Exception as error:  # torch raises many types for foreign files
         raise UserError(f"distill.teacher_checkpoint {path} is corrupt or not a torch checkpoint "
