@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -253,15 +254,14 @@ def _not_allowed(name: str, value: Any, expected: str) -> UserError:
 
 def _fields(schema: type, prefix: str = ""):
     """(dotted name, field) for every leaf setting of a schema dataclass."""
+    types = typing.get_type_hints(schema)  # (the annotations are strings: from __future__ import annotations)
     for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type.endswith("Config")):
-            yield from _fields(_SCHEMAS[f.type if isinstance(f.type, str) else f.type.__name__], f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(types[f.name]):
+            yield from _fields(types[f.name], f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", f
 
 
-_SCHEMAS = {cls.__name__: cls for cls in (ModelConfig, DataConfig, OptimConfig, AugConfig, DistillConfig, EmaConfig,
-                                           WandbConfig, LoggerConfig, RunConfig)}
 _ABSENT = object()
 
 
@@ -277,7 +277,8 @@ def check_settings(cfg: DictConfig) -> None:
         name = re.sub(r"\[\d+\]$", "", str(error.full_key))
         value = OmegaConf.select(cfg, name, default=None)
         expected = rules[name].metadata.get("expected") if name in rules else ""
-        raise _not_allowed(name, value, expected or _type_name(rules.get(name))) from None
+        raise _not_allowed(name, value, expected or _type_name(str(rules[name].type) if name in rules else "")) \
+            from None
     except ConfigKeyError as error:
         raise UserError(f"{error.full_key} is not a setting of train.py; see configs/ for the settings "
                         f"(model.kwargs takes any timm.create_model argument)") from None
@@ -293,9 +294,12 @@ def check_settings(cfg: DictConfig) -> None:
         _check_related(cfg)
 
 
-def _type_name(f: Optional[dataclasses.Field]) -> str:
-    kind = str(getattr(f, "type", "a value of its type"))
-    return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(kind, kind)
+def _type_name(annotation: str) -> str:
+    """How an error names a field's type: `Optional[int]` -> "null or an integer"."""
+    optional = annotation.startswith("Optional[")
+    kind = annotation.removeprefix("Optional[").removesuffix("]") if optional else annotation
+    name = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(kind, kind)
+    return f"null or {name}" if optional else name or "a value of its type"
 
 
 def _check_related(cfg: DictConfig) -> None:
