@@ -195,3 +195,19 @@ def test_nonfinite_loss_stops_training():
         train_one_epoch(Training(model, optimizer, classification_loss(torch.nn.CrossEntropyLoss()), None,
                                  Precision(torch.device("cpu"))), loader, 4, show_progress=False)
     assert torch.equal(model.w.detach(), torch.ones(1)), "no step is taken on a non-finite loss"
+
+
+def test_a_setting_that_does_not_exist_or_has_the_wrong_type_is_named():
+    """The schema (lion_vit/engine/config.py) knows every setting and its type: Hydra's `+key=value`
+    can add a key to a group, which the checks name instead of ignoring it."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        unknown = compose("config", overrides=["+data.foo=1"])
+        listed = compose("config", overrides=["data.root=[1,2]"])
+        check_settings(compose("config", overrides=["+model.kwargs.qkv_bias=false"]))  # any timm argument
+    with pytest.raises(UserError, match=r"^data.foo is not a setting of train.py"):
+        check_settings(unknown)
+    with pytest.raises(UserError, match=r"^data.root=\[1, 2\] is not allowed; set data.root to null or a string$"):
+        check_settings(listed)
