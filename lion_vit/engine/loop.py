@@ -128,8 +128,9 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
         with contextlib.nullcontext() if need_update or no_sync is None else no_sync():
             with t.precision.autocast():
                 loss = t.criterion(images, model(images), targets)
-            values = {"train_loss": loss.item(),
-                      **{f"train_{name}": part.item() for name, part in getattr(t.criterion, "parts", {}).items()}}
+            parts = getattr(t.criterion, "parts", {})  # one device-to-host copy for the loss and its parts
+            values = dict(zip(["train_loss", *(f"train_{name}" for name in parts)],
+                              torch.stack([loss.detach().float(), *(p.float() for p in parts.values())]).tolist()))
             if not math.isfinite(values["train_loss"]):  # counted from 1, as the log's
                 raise NonFiniteLoss(f"loss is {values['train_loss']} at epoch {epoch + 1}, step {step + 1}")
             _backward(t, loss / group if group > 1 else loss, need_update)
