@@ -72,22 +72,13 @@ def load_vit_weights(source: str) -> Tuple[Dict[str, Tensor], Optional[int]]:
 
 
 def _load_file(path: Path) -> Tuple[Dict[str, Tensor], Optional[int]]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return clean_state_dict(load_file(str(path))), None
-    from .engine.checkpoint import _safe_load  # weights_only, also for checkpoints of earlier versions
-    try:
-        state = _safe_load(path)
-    except Exception as error:  # torch raises many types for foreign files
-        raise ValueError(f"init_from file {path} is not a torch checkpoint ({type(error).__name__})") from None
+    from .engine.checkpoint import read_weights, state_dict_of
+    state = read_weights(path)
     heads = None
-    if isinstance(state, dict) and isinstance(state.get("config"), dict):  # this project's train.py
+    if isinstance(state.get("config"), dict):  # this project's train.py
         heads = _configured_heads(state["config"].get("model", {}))
-    for key in ("model", "state_dict"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+    state = state_dict_of(state)
+    if not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"init_from file {path} holds no state dict of tensors")
     return clean_state_dict(state), heads
 

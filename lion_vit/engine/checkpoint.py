@@ -124,6 +124,30 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     return state
 
 
+def read_weights(path: Path) -> Dict[str, Any]:
+    """Any file of weights as a dict: a torch checkpoint (loaded weights_only, as load_checkpoint does) or a
+    .safetensors state dict. ValueError, saying which, for anything else."""
+    try:
+        if Path(path).suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(path))
+        state = _safe_load(path)
+    except Exception as error:  # torch raises many types for foreign files
+        raise ValueError(f"{path} is corrupt or not a torch checkpoint ({type(error).__name__})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds no dict of weights")
+    return state
+
+
+def state_dict_of(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The weights of a checkpoint dict: its "model" entry (this project's, DeiT's), its "state_dict"
+    entry, or the dict itself (a bare state dict)."""
+    for key in ("model", "state_dict"):
+        if isinstance(state.get(key), dict):
+            return state[key]
+    return state
+
+
 def _safe_load(path: Path) -> Any:
     """torch.load(weights_only=True), also accepting numpy arrays (checkpoints of earlier lion-vit
     versions stored numpy's RNG state)."""

@@ -126,7 +126,7 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     try:
         if path:
             teacher = timm.create_model(name, num_classes=num_classes)
-            teacher.load_state_dict(clean_state_dict(_state_dict_of(state)))
+            teacher.load_state_dict(clean_state_dict(ckpt.state_dict_of(state)))
         else:
             teacher = timm.create_model(name, pretrained=True)
     except (RuntimeError, OSError, ValueError) as error:
@@ -156,22 +156,7 @@ def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, cla
 
 
 def _load_state(path: Path) -> Dict[str, Any]:
-    """The file's dict: a torch checkpoint (loaded weights_only) or a .safetensors state dict."""
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            return load_file(str(path))
-        state = ckpt._safe_load(path)
-    except Exception as error:  # torch raises many types for foreign files
-        raise UserError(f"distill.teacher_checkpoint {path} is corrupt or not a torch checkpoint "
-                        f"({type(error).__name__})") from None
-    if not isinstance(state, dict):
-        raise UserError(f"distill.teacher_checkpoint {path} holds no state dict")
-    return state
-
-
-def _state_dict_of(state: Dict[str, Any]) -> Dict[str, Tensor]:
-    for key in ("model", "state_dict"):
-        if isinstance(state.get(key), dict):
-            return state[key]
-    return state
+        return ckpt.read_weights(path)
+    except ValueError as error:
+        raise UserError(f"distill.teacher_checkpoint {error}") from None
