@@ -59,8 +59,20 @@ def non_negative_int(v: Any) -> bool:
     return _is_int(v) and v >= 0
 
 
+def positive(v: Any) -> bool:
+    return _is_number(v) and v > 0
+
+
+def non_negative(v: Any) -> bool:
+    return _is_number(v) and v >= 0
+
+
 def fraction(v: Any) -> bool:
     return _is_number(v) and 0 <= v <= 1
+
+
+def optional(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or test(v)
 
 
 def switch(v: Any) -> bool:
@@ -99,12 +111,18 @@ def _is_timm_auto_augment(value: Any) -> bool:
     return True
 
 
+# how an error states the common rules (a field may say more)
+_WORDING = {positive_int: "a positive integer", non_negative_int: "an integer >= 0", positive: "a positive number",
+            non_negative: "a number >= 0", fraction: "a probability in [0, 1]", switch: "true or false"}
+
+
 def setting(test: Optional[Callable[[Any], bool]] = None, expected: str = "", *, training: bool = False,
             default: Any = MISSING, choices: tuple = ()) -> Any:
     """A schema field. test / expected: the rule a value must meet and how the error line states it;
     choices: the allowed values (rule and wording both); training: checked for training runs only."""
     if choices:
         test, expected = one_of(*choices), " | ".join(choices)
+    expected = expected or _WORDING.get(test, "")
     metadata = {"test": test, "expected": expected, "training": training}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -116,9 +134,9 @@ class ModelConfig:
     name: str = setting(lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small")
     attn_form: str = setting(choices=tuple(FORM_CHOICES))
     attn_backend: str = setting(choices=tuple(BACKENDS), default="auto")
-    chunk_size: Optional[int] = setting(lambda v: v is None or positive_int(v), "null or a positive integer",
+    chunk_size: Optional[int] = setting(optional(positive_int), "null or a positive integer",
                                         default=None)
-    patch_size: Optional[int] = setting(lambda v: v is None or positive_int(v),
+    patch_size: Optional[int] = setting(optional(positive_int),
                                         "a positive integer that divides img_size (null for timm models without "
                                         "patches)", default=None)
     drop_path_rate: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1) (stochastic depth)",
@@ -133,7 +151,7 @@ class DataConfig:
     root: Optional[str] = None
     train_split: Optional[str] = None
     val_split: Optional[str] = None
-    download: bool = setting(switch, "true or false", default=False)
+    download: bool = setting(switch, default=False)
     mean: List[float] = MISSING
     std: List[float] = MISSING
     interpolation: str = "bicubic"
@@ -144,18 +162,18 @@ class DataConfig:
 class OptimConfig:
     opt: str = setting(_is_timm_optimizer, "a timm optimizer name such as adamw, sgd or lamb "
                        "(timm.optim.list_optimizers())", training=True)
-    lr: float = setting(lambda v: _is_number(v) and v > 0, "a finite positive number", training=True)
-    lr_base_batch: Optional[int] = setting(lambda v: v is None or positive_int(v),
+    lr: float = setting(positive, "a finite positive number", training=True)
+    lr_base_batch: Optional[int] = setting(optional(positive_int),
                                            "null (lr as is) or a positive integer", training=True, default=None)
-    weight_decay: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0", training=True)
+    weight_decay: float = setting(non_negative, training=True)
     betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1),
                                  "two numbers in [0, 1)", training=True)
-    eps: float = setting(lambda v: _is_number(v) and v > 0, "a positive number", training=True)
+    eps: float = setting(positive, training=True)
     sched: str = setting(choices=SCHEDULES, training=True)
-    warmup_epochs: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0", training=True)
-    warmup_lr: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0", training=True)
-    min_lr: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0", training=True)
-    clip_grad: Optional[float] = setting(lambda v: v is None or (_is_number(v) and v > 0),
+    warmup_epochs: float = setting(non_negative, training=True)
+    warmup_lr: float = setting(non_negative, training=True)
+    min_lr: float = setting(non_negative, training=True)
+    clip_grad: Optional[float] = setting(optional(positive),
                                          "null or a positive max norm", training=True, default=None)
     layer_decay: Optional[float] = setting(lambda v: v is None or (_is_number(v) and 0 < v <= 1),
                                            "null (off) or a number in (0, 1], e.g. 0.75 for fine-tuning",
@@ -164,22 +182,22 @@ class OptimConfig:
 
 @dataclass
 class AugConfig:
-    enabled: bool = setting(switch, "true or false")
+    enabled: bool = setting(switch)
     auto_augment: Optional[str] = setting(
         _is_timm_auto_augment, "null (off) or a timm policy whose options are each a key and a number: "
         "rand-m9-mstd0.5-inc1 (RandAugment, DeiT's), augmix-m5-w3-d2, original, v0 or 3a", training=True, default=None)
-    color_jitter: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0", training=True)
+    color_jitter: float = setting(non_negative, training=True)
     scale: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 < x <= 1) and v[0] <= v[1],
                                  "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)",
                                  training=True)
-    hflip: float = setting(fraction, "a probability in [0, 1]", training=True)
-    reprob: float = setting(fraction, "a probability in [0, 1]", training=True)
+    hflip: float = setting(fraction, training=True)
+    reprob: float = setting(fraction, training=True)
     remode: str = "pixel"
     recount: int = 1
-    mixup: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: off)", training=True)
-    cutmix: float = setting(lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: off)", training=True)
-    mixup_prob: float = setting(fraction, "a probability in [0, 1]", training=True)
-    mixup_switch_prob: float = setting(fraction, "a probability in [0, 1]", training=True)
+    mixup: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
+    cutmix: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
+    mixup_prob: float = setting(fraction, training=True)
+    mixup_switch_prob: float = setting(fraction, training=True)
     mixup_mode: str = setting(choices=MIXUP_MODES, training=True)
     smoothing: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)", training=True)
     repeated_aug: int = setting(non_negative_int, "an integer >= 0 (0 or 1: off)", training=True)
@@ -192,15 +210,15 @@ class DistillConfig:
     teacher_checkpoint: Optional[str] = None  # a train.py checkpoint, or the teacher's state dict
     alpha: float = setting(fraction, "a number in [0, 1] (the distillation loss's share)", training=True,
                            default=0.5)
-    tau: float = setting(lambda v: _is_number(v) and v > 0, "a positive number (the soft distillation's "
+    tau: float = setting(positive, "a positive number (the soft distillation's "
                          "temperature)", training=True, default=1.0)
 
 
 @dataclass
 class EmaConfig:
-    enabled: bool = setting(switch, "true or false")
+    enabled: bool = setting(switch)
     decay: float = setting(lambda v: _is_number(v) and 0 < v < 1, "a number between 0 and 1")
-    eval_ema: bool = setting(switch, "true or false")
+    eval_ema: bool = setting(switch)
 
 
 @dataclass
@@ -221,23 +239,23 @@ class LoggerConfig:
 @dataclass
 class RunConfig:
     """configs/config.yaml and its groups."""
-    img_size: int = setting(positive_int, "a positive integer")
-    epochs: int = setting(positive_int, "a positive integer", training=True)
-    batch_size: int = setting(positive_int, "a positive integer")
+    img_size: int = setting(positive_int)
+    epochs: int = setting(positive_int, training=True)
+    batch_size: int = setting(positive_int)
     grad_accum_steps: int = setting(positive_int, "a positive integer (1: no accumulation)", default=1)
-    seed: int = setting(non_negative_int, "an integer >= 0")
+    seed: int = setting(non_negative_int)
     device: str = setting(choices=DEVICES)
-    num_workers: int = setting(non_negative_int, "an integer >= 0")
+    num_workers: int = setting(non_negative_int)
     output_dir: str = MISSING
     resume: Optional[str] = None
-    eval_only: bool = setting(switch, "true or false")
+    eval_only: bool = setting(switch)
     checkpoint: Optional[str] = None
-    amp: bool = setting(switch, "true or false")
+    amp: bool = setting(switch)
     amp_dtype: str = setting(choices=AMP_DTYPES)
-    compile: bool = setting(switch, "true or false")
-    tf32: bool = setting(switch, "true or false")
-    cpu_keep_freed_memory: bool = setting(switch, "true or false")
-    progress: bool = setting(switch, "true or false")
+    compile: bool = setting(switch)
+    tf32: bool = setting(switch)
+    cpu_keep_freed_memory: bool = setting(switch)
+    progress: bool = setting(switch)
     log_interval: int = setting(non_negative_int, "an integer >= 0 (0: no progress lines)")
     ema: EmaConfig = field(default_factory=EmaConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
