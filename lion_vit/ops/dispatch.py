@@ -113,9 +113,9 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
-    tuned = backend == "torch" and cpu_groups.tuned(device)
+    on_cpu = cpu_groups.tuned(device)  # (the torch backend's CPU tuning applies)
     if form == "attention":
-        return Plan("attention", "torch", whole=True, cpu_tuned=cpu_groups.tuned(device))
+        return Plan("attention", "torch", whole=True, cpu_tuned=on_cpu)
     if form == "rnn":  # (one token at a time: no groups)
         return Plan("rnn", backend)
     if backend == "triton":
@@ -123,5 +123,5 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # a product of torch matmuls either way
-        return Plan("chunk", "torch", whole=True, cpu_tuned=cpu_groups.tuned(device))
-    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=tuned)
+        return Plan("chunk", "torch", whole=True, cpu_tuned=on_cpu)
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=on_cpu and backend == "torch")
