@@ -98,10 +98,13 @@ def _num_heads(model: nn.Module) -> Optional[int]:
     return getattr(blocks[0].attn, "num_heads", None) if blocks else None
 
 
+def _depth(state: Dict[str, Tensor]) -> int:
+    return len({k.split(".")[1] for k in state if k.startswith("blocks.")})
+
+
 def _architecture(state: Dict[str, Tensor], heads: Optional[int]) -> str:
     width = state["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in state else "?"
-    depth = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
-    return f"width {width}, depth {depth}, {heads if heads is not None else 'unknown'} heads"
+    return f"width {width}, depth {_depth(state)}, {heads if heads is not None else 'unknown'} heads"
 
 
 @torch.no_grad()
@@ -112,15 +115,13 @@ def init_from_vit(model: nn.Module, source: str) -> InitReport:
     weights, heads = load_vit_weights(source)
     target = model.state_dict()
     model_heads = _num_heads(model)
-    mismatch = ("patch_embed.proj.weight" not in weights or
-                weights["patch_embed.proj.weight"].shape != target["patch_embed.proj.weight"].shape or
-                _architecture(weights, None) != _architecture(target, None) or
-                (heads is not None and heads != model_heads))
-    if mismatch:
+    patch = "patch_embed.proj.weight"  # [width, channels, patch, patch]
+    if (patch not in weights or weights[patch].shape != target[patch].shape or _depth(weights) != _depth(target)
+            or (heads is not None and heads != model_heads)):
         raise ValueError(f"init_from {source} does not fit: the source has {_architecture(weights, heads)}, "
-                         f"patch embedding {list(weights.get('patch_embed.proj.weight', torch.empty(0)).shape)}; "
+                         f"patch embedding {list(weights.get(patch, torch.empty(0)).shape)}; "
                          f"the model has {_architecture(target, model_heads)}, patch embedding "
-                         f"{list(target['patch_embed.proj.weight'].shape)}; choose a LION model of the source's size")
+                         f"{list(target[patch].shape)}; choose a LION model of the source's size")
     report = InitReport(str(source))
     weights, moved = _final_norm_where_pooled(weights, target, report)
     new: Dict[str, Tensor] = {}
