@@ -6,9 +6,12 @@ machine noise hits them all alike.
     python scripts/benchmark_train.py                                    # small scale, batch 32, CPU fp32
     python scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 256
 
+    python scripts/benchmark_train.py --device cuda --dtype bfloat16 --img-size 512 \
+        --models deit_small_patch16_224 lion_d_small:attention lion_d_small:chunk   # which form trains faster
+
 Prints each model's step time as a ratio to the baseline (the first model): the ratio of best steps,
 and the median of the per-round ratios (paired: robust to a machine whose speed drifts), and writes
-<out>/train.{csv,json,png}.
+<out>/train.{csv,json,png}. A model that runs out of GPU memory is recorded as such and left out.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 import lion_vit  # noqa: F401  (registers the LION models)
 from lion_vit.benchmark import (HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
-                                output_folder, paired_ratio, positive_int, write_table)
+                                output_folder, paired_ratio, positive_int, run_spec, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
 from lion_vit.ops import FORM_CHOICES
@@ -33,9 +36,16 @@ DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "l
                   "lion_d_natural_small", "lion_s_natural_small"]
 
 
+def train_spec(text: str):
+    """argparse type: model[:form[:chunk_size]] as benchmark_resolution.py's --runs, where a LION model
+    without a form takes --attn-form."""
+    return run_spec(text) if ":" in text else (model_name(text), None, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--models", nargs="+", type=model_name, default=DEFAULT_MODELS, help="the first is the baseline")
+    parser.add_argument("--models", nargs="+", type=train_spec, default=[(m, None, None) for m in DEFAULT_MODELS],
+                        metavar="MODEL[:FORM[:CHUNK]]", help="the first is the baseline; a LION model may name its form")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
@@ -63,18 +73,23 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, device=device)
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
-    setups = {}
-    for name in args.models:
+    labels = [":".join(str(part) for part in spec if part is not None) for spec in args.models]
+    if len(set(labels)) < len(labels):
+        parser.error(f"{max(labels, key=labels.count)} is named twice in --models; name each model (and form) once")
+    setups, plans = {}, {}
+    for label, (name, form, chunk_size) in zip(labels, args.models):
         try:
-            lion = dict(attn_form=args.attn_form, attn_backend=args.attn_backend) if name.startswith("lion_") else {}
+            lion = dict(attn_form=form or args.attn_form, chunk_size=chunk_size,
+                        attn_backend=args.attn_backend) if name.startswith("lion_") else {}
             model = create_model_at_size(name, args.img_size, **lion).to(device).train()
         except (ValueError, AssertionError) as error:  # e.g. a size the patch does not divide
             parser.error(f"{name} at --img-size {args.img_size}: {error}")
         if lion:
-            print(f"{name}: {model.attn_plan((args.img_size, args.img_size), device)}", flush=True)
+            plans[label] = model.attn_plan((args.img_size, args.img_size), device)
+            print(f"{label}: {plans[label]}", flush=True)
         step_model = torch.compile(model) if args.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        setups[name] = (step_model, optimizer)
+        setups[label] = (step_model, optimizer)
 
     def step(name: str) -> float:
         model, optimizer = setups[name]
@@ -90,37 +105,51 @@ def main() -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    peaks = {}
-    for name in args.models:  # warm-up, and peak memory of one step on CUDA
+    baseline = labels[0]
+    peaks, failed = {}, {}
+    for name in labels:  # warm-up, and peak memory of one step on CUDA
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        step(name)
+        try:
+            step(name)
+        except torch.cuda.OutOfMemoryError:  # this model does not fit at this batch and size; the others may
+            if name == baseline:
+                sys.exit(f"benchmark_train.py: the baseline {name} runs out of memory at --batch-size "
+                         f"{args.batch_size} and --img-size {args.img_size}; lower them")
+            failed[name] = "out of memory"
+            del setups[name]
+            torch.cuda.empty_cache()
+            print(f"{name}: out of memory at batch {args.batch_size}, {args.img_size} px: left out", flush=True)
+            continue
         peaks[name] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    times = {name: [] for name in args.models}
+    times = {name: [] for name in setups}
     for _ in range(args.steps):
-        for name in args.models:
+        for name in setups:
             times[name].append(step(name))
 
     # best of the timed steps: on a shared machine noise only ever adds time; and the median of the
     # per-round ratios, which a machine whose speed drifts between rounds moves less
-    baseline_times = times[args.models[0]]
+    baseline_times = times[baseline]
     base = min(baseline_times)
     rows = []
-    for name in args.models:
-        best, paired = min(times[name]), paired_ratio(times[name], baseline_times)
-        rows.append(dict(model=name, batch_size=args.batch_size, img_size=args.img_size, device=args.device,
-                         dtype=args.dtype, malloc=args.malloc if args.device == "cpu" else None,
-                         step_s=best, step_median_s=statistics.median(times[name]),
-                         imgs_per_s=args.batch_size / best, x_baseline=best / base, x_baseline_paired=paired,
-                         peak_mem_mb=peaks[name]))
-        print(f"{name:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}  "
-              f"(paired x{paired:.2f})", flush=True)
+    for label, (name, _, _) in zip(labels, args.models):
+        row = dict(model=name, form=plans[label].form if label in plans else None, batch_size=args.batch_size,
+                   img_size=args.img_size, device=args.device, dtype=args.dtype,
+                   malloc=args.malloc if args.device == "cpu" else None, status=failed.get(label, "ok"))
+        if label in times:
+            best, paired = min(times[label]), paired_ratio(times[label], baseline_times)
+            row.update(step_s=best, step_median_s=statistics.median(times[label]), imgs_per_s=args.batch_size / best,
+                       x_baseline=best / base, x_baseline_paired=paired, peak_mem_mb=peaks[label])
+            print(f"{label:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}  "
+                  f"(paired x{paired:.2f})", flush=True)
+        rows.append(row)
     write_table(rows, args.out, "train")
-    _plot(rows, args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, "
-                                        f"{args.device} {args.dtype}")
-    print(markdown_table(rows, ["model", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired", "peak_mem_mb"]))
+    _plot([(label, row["x_baseline"]) for label, row in zip(labels, rows) if label in times], baseline,
+          args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, {args.device} {args.dtype}")
+    print(markdown_table(rows, ["model", "form", "status", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired",
+                                "peak_mem_mb"]))
     if args.profile:
-        for name in args.models:
+        for name in setups:
             _print_profile(name, lambda: step(name))
 
 
@@ -137,14 +166,14 @@ def _print_profile(name: str, run_step) -> None:
               f"x{event.count:<4d} {event.key}")
 
 
-def _plot(rows, path: Path, title: str) -> None:
+def _plot(ratios, baseline: str, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh([r["model"] for r in rows][::-1], [r["x_baseline"] for r in rows][::-1])
+    ax.barh([label for label, _ in ratios][::-1], [ratio for _, ratio in ratios][::-1])
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel(f"train step time / {rows[0]['model']}")
+    ax.set_xlabel(f"train step time / {baseline}")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -89,6 +89,38 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert "lion_d_tiny:" in out and "aten::" in out
 
 
+def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monkeypatch):
+    """A form that does not fit on the GPU (the attention form at high resolution) is recorded as out of
+    memory and the others are still timed against the baseline; a baseline that does not fit is one line.
+    Simulated on the CPU by models whose forward raises CUDA's out-of-memory error."""
+    import lion_vit.models
+    build = lion_vit.models.create_model_at_size
+
+    def create(name, img_size, **kwargs):
+        model = build(name, img_size, **kwargs)
+        if kwargs.get("attn_form") == "attention" or name == "deit_tiny_patch16_224":
+            def forward(x):
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            model.forward = forward
+        return model
+
+    def run(*models):
+        monkeypatch.setattr(sys, "argv", ["benchmark_train.py", "--models", *models, "--batch-size", "2",
+                                          "--img-size", "32", "--steps", "1", "--malloc", "default", "--out",
+                                          str(tmp_path)])
+        runpy.run_path(str(ROOT / "scripts" / "benchmark_train.py"), run_name="__main__")
+
+    monkeypatch.setattr(lion_vit.models, "create_model_at_size", create)
+    run("lion_d_tiny:chunk", "lion_d_tiny:attention", "lion_s_tiny")
+    rows = read_rows(tmp_path / "train.csv")
+    # (lion_s_tiny takes --attn-form auto, which is the attention form on a CPU: the form column says what ran)
+    assert [(r["model"], r["form"], r["status"]) for r in rows] == [
+        ("lion_d_tiny", "chunk", "ok"), ("lion_d_tiny", "attention", "out of memory"), ("lion_s_tiny", "attention", "ok")]
+    assert rows[1]["step_s"] == "" and float(rows[0]["x_baseline"]) == 1.0 and float(rows[2]["x_baseline"]) > 0
+    with pytest.raises(SystemExit, match="the baseline deit_tiny_patch16_224 runs out of memory at --batch-size 2"):
+        run("deit_tiny_patch16_224", "lion_d_tiny:chunk")
+
+
 def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
     """--compile: the compiling first call is reported as compile_s, the measured forward after it
     runs the compiled model (one configuration, no timing repeats: one compile)."""
