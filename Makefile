@@ -1,4 +1,5 @@
 # One command sets everything up and runs the tests:  make test
+# make gpu-check takes GPU_OUT=<folder>, GPU_PARTS="<parts>" and GPU_BUNDLE=<file.tar.gz> (scripts/gpu_check.sh)
 PYTHON ?= python3
 export WANDB_MODE ?= disabled
 
@@ -21,5 +22,6 @@ bench: install  ## the three benchmarks with their default small CPU settings (1
 gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check installs on a GPU machine without network, into .whl/
 	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6"
 
-gpu-check:  ## on a CUDA machine: Triton tests, equivalence, train and inference benchmarks -> docs/benchmarks/gpu/
-	bash scripts/gpu_check.sh $(GPU_OUT)
+GPU_OUT ?= docs/benchmarks/gpu
+gpu-check:  ## on a CUDA machine: Triton tests, equivalence, train and inference benchmarks -> $(GPU_OUT)/
+	bash scripts/gpu_check.sh --out $(GPU_OUT) $(if $(GPU_BUNDLE),--bundle $(GPU_BUNDLE)) $(GPU_PARTS)

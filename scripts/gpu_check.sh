@@ -1,40 +1,102 @@
 #!/usr/bin/env bash
 # The GPU checks in one command (make gpu-check), for a CUDA machine with PyTorch, timm and matplotlib
 # and no network: wheels in .whl/ (make gpu-wheels, run where pip reaches PyPI) are installed first.
-# Writes CSVs, PNGs and logs to $1 (default docs/benchmarks/gpu); on an H100 it fits one 10-minute call.
+#
+#   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
+#
+# PART: tests equivalence inference train forms compile (all of them by default, in this order: the
+# costliest, compiling six models, last). Each part's CSVs, PNGs and logs go to DIR (default
+# docs/benchmarks/gpu); --bundle packs DIR into one archive after every part, so that a run cut short
+# still returns what it finished. --commit names the code measured where the copy has no git history.
+# --dry-run prints the commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
+usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
+all_parts="tests equivalence inference train forms compile"
+out="" bundle="" commit="" dry="" parts=()
+while (($#)); do
+    case $1 in
+        --out|--bundle|--commit) (($# > 1)) || usage "$1 needs a value"
+            declare "${1#--}=$2"; shift 2 ;;
+        --dry-run) dry=1; shift ;;
+        -*) usage "unknown option $1" ;;
+        *) [[ " $all_parts " == *" $1 "* ]] || usage "unknown part '$1' (parts: $all_parts)"
+            parts+=("$1"); shift ;;
+    esac
+done
+((${#parts[@]})) || read -ra parts <<<"$all_parts"
+absolute() { [[ -z $1 || $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }  # paths given are the caller's
+out=$(absolute "$out") bundle=$(absolute "$bundle")
 cd "$(dirname "$0")/.."
-out=${1:-docs/benchmarks/gpu}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lion-vit-site .whl/*.whl
-    export PYTHONPATH=/tmp/lion-vit-site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-python3 - <<'PY' | tee "$out/environment.txt"
-import subprocess, torch, timm
+out=${out:-docs/benchmarks/gpu}
+
+failed=()
+run() {  # one measurement: its command, its output to the screen and to $out/<log>.log, its duration;
+    # a failure is reported at the end and does not stop the measurements after it
+    local log=$1; shift
+    if [[ -n $dry ]]; then printf '%q ' "$@"; echo; return; fi
+    echo "== $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$out/$log.log" || failed+=("$log")
+    echo "-- $log: $((SECONDS - start)) s"
+}
+
+if [[ -z $dry ]]; then
+    python3 -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_check.sh: no CUDA device here \
+(torch.cuda.is_available() is False); run it on a GPU machine')" || exit 2
+    export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PIP_ROOT_USER_ACTION=ignore
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lion-vit-site .whl/*.whl
+        export PYTHONPATH=/tmp/lion-vit-site:${PYTHONPATH:-}
+    fi
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    commit=${commit:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    environment=$(COMMIT=$commit python3 - <<'PY'
+import os, torch, timm
 from lion_vit.ops import triton
-print(f"commit {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
+print(f"commit {os.environ['COMMIT']}")
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, timm {timm.__version__}, "
       f"flash-linear-attention {'installed' if triton.available() else 'MISSING'}")
 PY
-bench() { echo "== $*"; "$@"; }
-# the triton backend against the float64 reference on CUDA tensors (TF32 off), and the dispatcher
-bench python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_dispatch.py 2>&1 | tee "$out/tests.log"
-bench python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json" > "$out/equivalence.log"
-tail -n 1 "$out/equivalence.log"
-lion_train="lion_lit_small lion_d_small lion_s_small lion_d_natural_small lion_s_natural_small"
-bench python3 scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 256 --steps 10 \
-    --models deit_small_patch16_224 $lion_train --out "$out/train"
-bench python3 scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 256 --steps 10 --compile \
-    --models deit_small_patch16_224 $lion_train --out "$out/train_compile"
-bench python3 scripts/benchmark_train.py --device cuda --dtype bfloat16 --batch-size 32 --img-size 896 --steps 5 \
-    --models deit_small_patch16_224 lion_d_small lion_d_natural_small --out "$out/train_896"
-for batch in 1 16; do
-    bench python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --batch-size "$batch" --rounds 3 \
-        --resolutions 224 448 896 1248 1792 --runs deit_small_patch16_224 lion_d_small:attention \
-        lion_d_small:chunk:64 lion_d_small:rnn lion_d_natural_small:chunk:64 lion_d_natural_small:rnn \
-        --out "$out/resolution_b$batch"
+) || exit 2
+    mkdir -p "$out"
+    echo "$environment" | tee "$out/environment.txt"
+fi
+
+deit=deit_small_patch16_224
+lion="lion_lit_small lion_d_small lion_s_small lion_d_natural_small lion_s_natural_small"
+train=(python3 scripts/benchmark_train.py --device cuda --dtype bfloat16)
+for part in "${parts[@]}"; do
+    start=$SECONDS
+    case $part in
+        tests)  # the triton backend against the float64 reference on CUDA tensors (TF32 off), the dispatcher
+            run tests python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_dispatch.py ;;
+        equivalence)
+            run equivalence python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json" ;;
+        inference)  # time and peak memory against DeiT-S (flash attention) up to 1792 px
+            for batch in 1 16; do
+                run "resolution_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
+                    --batch-size "$batch" --rounds 3 --resolutions 224 448 896 1248 1792 --runs $deit \
+                    lion_d_small:attention lion_d_small:chunk:64 lion_d_small:rnn lion_d_natural_small:chunk:64 \
+                    lion_d_natural_small:rnn --out "$out/resolution_b$batch"
+            done ;;
+        train)  # a training step, eager, --attn-form auto: 224 px batch 256, and 896 px batch 32
+            run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
+            run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 \
+                --models $deit lion_d_small lion_d_natural_small --out "$out/train_896" ;;
+        forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
+            for size in 384 512 640 896; do
+                run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \
+                    lion_d_small:attention lion_d_small:chunk lion_d_natural_small:attention lion_d_natural_small:chunk \
+                    --out "$out/forms_$size"
+            done ;;
+        compile)  # both sides compiled: the training targets at 224 px batch 256
+            run train_compile "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit $lion \
+                --out "$out/train_compile" ;;
+    esac
+    if [[ -z $dry ]]; then
+        echo "-- part $part: $((SECONDS - start)) s"
+        [[ -z $bundle ]] || tar czf "$bundle" -C "$(dirname "$out")" "$(basename "$out")"
+    fi
 done
-echo "written: $out"
+[[ -n $dry ]] || echo "written: $out${bundle:+ (packed into $bundle)}"
+if ((${#failed[@]})); then echo "FAILED: ${failed[*]} (their logs are in $out)"; exit 1; fi

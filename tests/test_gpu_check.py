@@ -1,0 +1,106 @@
+"""`make gpu-check` is ready before a GPU runs it: every command scripts/gpu_check.sh would run is one
+the scripts accept (models, forms, sizes, folders), each part is there, and bad use is one line."""
+from __future__ import annotations
+
+import argparse
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ["tests", "equivalence", "inference", "train", "forms", "compile"]
+
+
+def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+class Parsed(Exception):
+    pass
+
+
+def parsed_arguments(monkeypatch, argv) -> argparse.Namespace:
+    """The arguments a script's parser makes of argv on a machine with CUDA (the script stops there)."""
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise Parsed(parse_args(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(Parsed) as stop:
+        runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+    return stop.value.args[0]
+
+
+def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
+    out = tmp_path / "gpu"
+    proc = gpu_check("--dry-run", "--out", str(out))
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert not out.exists()  # a dry run writes nothing
+    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
+    assert all(c[0] == "python3" for c in commands)
+
+    tests = [c for c in commands if c[1:3] == ["-m", "pytest"]]
+    assert len(tests) == 1 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
+    assert all((ROOT / arg).is_file() for arg in tests[0] if arg.startswith("tests/"))
+
+    seen = []
+    for command in commands:
+        if command in tests:
+            continue
+        args = parsed_arguments(monkeypatch, command[1:])
+        assert args.device == "cuda" and ("benchmark_" not in command[1] or args.dtype == "bfloat16"), command
+        folder = getattr(args, "out", None) or getattr(args, "json", None)
+        assert Path(folder).is_relative_to(out), command  # every result lands in --out
+        seen.append((command[1], args))
+    by_script = {script: [a for s, a in seen if s == script] for script, _ in seen}
+
+    assert len(by_script["scripts/check_equivalence.py"]) == 1
+    resolution = by_script["scripts/benchmark_resolution.py"]  # the inference targets: 1248 and 1792 px
+    assert sorted(a.batch_size for a in resolution) == [1, 16]
+    for args in resolution:
+        assert {1248, 1792} <= set(args.resolutions)
+        assert args.runs[0] == ("deit_small_patch16_224", None, None)
+        assert {("lion_d_small", "chunk"), ("lion_d_small", "rnn"), ("lion_d_natural_small", "chunk")} <= {
+            run[:2] for run in args.runs}
+    train = by_script["scripts/benchmark_train.py"]
+    five = {"lion_lit_small", "lion_d_small", "lion_s_small", "lion_d_natural_small", "lion_s_natural_small"}
+    at_224 = [a for a in train if a.img_size == 224]  # the training targets, eager and both sides compiled
+    assert sorted(a.compile for a in at_224) == [False, True]
+    for args in at_224:
+        assert args.batch_size == 256 and {m for m, _, _ in args.models[1:]} == five
+    assert any(a.img_size == 896 and a.batch_size == 32 and ("lion_d_small", None, None) in a.models for a in train)
+    forms = [a for a in train if any(form for _, form, _ in a.models)]  # the crossover of the two forms
+    assert len({a.img_size for a in forms}) >= 3
+    for args in forms:
+        assert {("lion_d_small", "attention", None), ("lion_d_small", "chunk", None)} <= set(args.models)
+    assert all(a.models[0] == ("deit_small_patch16_224", None, None) for a in train)
+
+
+def test_parts_run_alone_in_the_order_given():
+    whole = gpu_check("--dry-run").stdout.splitlines()
+    assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) for part in PARTS) == len(whole)
+    compile_then_tests = gpu_check("--dry-run", "compile", "tests").stdout.splitlines()
+    assert "--compile" in compile_then_tests[0] and "pytest" in compile_then_tests[1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench"], "unknown part 'bench' (parts: tests equivalence inference train forms compile)"),
+    (["--out"], "--out needs a value"),
+    (["--fast"], "unknown option --fast"),
+    ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),
+])
+def test_bad_use_is_one_line_and_leaves_nothing(args, message, tmp_path):
+    if not args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = gpu_check("--out", "gpu", *args, cwd=tmp_path) if args != ["--out"] else gpu_check(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not list(tmp_path.iterdir())
