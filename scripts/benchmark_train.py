@@ -45,7 +45,8 @@ def train_spec(text: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", type=train_spec, default=[(m, None, None) for m in DEFAULT_MODELS],
-                        metavar="MODEL[:FORM[:CHUNK]]", help="the first is the baseline; a LION model may name its form")
+                        metavar="MODEL[:FORM[:CHUNK]]",
+                        help="the first is the baseline; a LION model may name its form")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of the patch size (16)")
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")

@@ -86,8 +86,8 @@ for part in "${parts[@]}"; do
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
             for size in 384 512 640 896; do
                 run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \
-                    lion_d_small:attention lion_d_small:chunk lion_d_natural_small:attention lion_d_natural_small:chunk \
-                    --out "$out/forms_$size"
+                    lion_d_small:attention lion_d_small:chunk lion_d_natural_small:attention \
+                    lion_d_natural_small:chunk --out "$out/forms_$size"
             done ;;
         compile)  # both sides compiled: the training targets at 224 px batch 256
             run train_compile "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit $lion \
