@@ -87,6 +87,47 @@ def test_models_give_the_same_logits_on_both_backends(name):
             assert rel_err(model(x), expected) < TOL, form
 
 
+HALF = torch.bfloat16 if interpret.ON_GPU else torch.float16  # (the interpreter's numpy has no bfloat16)
+
+
+@pytest.mark.parametrize("form, head_dim, decay_dtype", [("chunk", 16, torch.float32), ("chunk", 15, HALF),
+                                                         ("rnn", 16, HALF)])
+def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
+    """16-bit q, k, v as autocast makes them, decays in float32 (LION-d's parameter) or 16-bit (LION-s's
+    projection): outputs and gradients within half precision's rounding of the same inputs in float64.
+    FLA's 16-bit backward refuses odd key or value widths, and the normaliser's column makes the value
+    width odd for every even head width."""
+    q, k, v, lam = make_inputs(1, 2, 70, head_dim, "selective", torch.float32)
+    tensors = [t.to(HALF) for t in (q, k, v)] + [torch.log(lam).to(decay_dtype)]
+
+    def triton(q, k, v, log_decay):
+        return lion_attention(q, k, v, log_decay, form=form, backend="triton")
+
+    _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
+
+
+def test_a_mixed_precision_training_step_matches_the_torch_backend():
+    """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
+    CPU), through the chunk kernels, against the torch backend's chunk form on the same weights."""
+    model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=64, patch_size=4, embed_dim=32,
+                              depth=1, num_heads=2).to(DEVICE)
+    randomize_decays(model)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    y = torch.tensor([0, 2], device=DEVICE)
+    losses, grads = [], []
+    for backend in ("torch", "triton"):
+        model.zero_grad()
+        model.set_attn_form("chunk", backend=backend)
+        with torch.autocast(DEVICE.type, dtype=HALF):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    assert model.attn_plan((64, 64)).backend == "triton"
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
+
+
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):

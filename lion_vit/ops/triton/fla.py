@@ -32,14 +32,22 @@ def _shifted(a: Tensor) -> Tensor:
     return F.pad(a[..., :-1], (1, 0))
 
 
+def _to_even_width(t: Tensor) -> Tensor:
+    """t with a zero column appended when its last dimension is odd. FLA refuses odd key or value widths
+    in 16-bit backward passes (a Triton miscompile, fla/ops/common/chunk_o.py); zero columns of q and k
+    leave every q . k unchanged, and one of v1 gives an output column that is dropped. The kernels' tiles
+    are powers of two, so the column costs no work."""
+    return F.pad(t, (0, t.shape[-1] % 2))
+
+
 def _operands(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]):
-    """q, k, v1 = [v, 1] in one dtype, and log decays [B, H, L] in float32 (or None)."""
+    """q, k, v1 = [v, 1] in one dtype and of even widths, and log decays [B, H, L] in float32 (or None)."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
     v1 = torch.cat([v.to(dtype), v.new_ones(*v.shape[:-1], 1, dtype=dtype)], dim=-1)
     a = None if log_decay is None else log_decay.float().expand(*q.shape[:3])
-    return q.to(dtype), k.to(dtype), v1, a
+    return _to_even_width(q.to(dtype)), _to_even_width(k.to(dtype)), _to_even_width(v1), a
 
 
 def _tokens_major(t: Tensor) -> Tensor:
@@ -47,11 +55,13 @@ def _tokens_major(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-def _combine(forward: Tensor, backward: Tensor, q: Tensor, k: Tensor, v1: Tensor) -> Tuple[Tensor, Tensor]:
-    """Both passes' [B, L, H, Dv+1] outputs in token order -> numerator [B, H, L, Dv], normaliser [B, H, L, 1]."""
+def _combine(forward: Tensor, backward: Tensor, q: Tensor, k: Tensor, v1: Tensor,
+             value_dim: int) -> Tuple[Tensor, Tensor]:
+    """Both passes' [B, L, H, width of v1] outputs in token order -> numerator [B, H, L, Dv], normaliser
+    [B, H, L, 1]."""
     diagonal = (q.float() * k.float()).sum(-1, keepdim=True)  # counted in both passes
     total = _tokens_major(forward.float() + backward.float()) - diagonal * v1.float()
-    return total[..., :-1], total[..., -1:]
+    return total[..., :value_dim], total[..., value_dim:value_dim + 1]
 
 
 def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
@@ -68,7 +78,7 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     both = [_tokens_major(torch.cat([t, t.flip(2)])) for t in (q, k, v1)]  # [2B, L, H, D]
     g = None if a is None else _tokens_major(_shifted(torch.cat([a, a.flip(-1)])))  # [2B, L, H]
     out, _ = chunk_simple_gla(*both, g=g, scale=1.0)
-    return _combine(out[:batch], out[batch:].flip(1), q, k, v1)
+    return _combine(out[:batch], out[batch:].flip(1), q, k, v1, v.shape[-1])
 
 
 def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
@@ -86,4 +96,4 @@ def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[
         g_backward = _tokens_major(F.pad(a[..., 1:], (0, 1)))  # g_t = a_{t+1}, g_{L-1} = 0
     forward, _ = fused_recurrent_simple_gla(*operands, g=g_forward, scale=1.0)
     backward, _ = fused_recurrent_simple_gla(*operands, g=g_backward, scale=1.0, reverse=True)
-    return _combine(forward, backward, q, k, v1)
+    return _combine(forward, backward, q, k, v1, v.shape[-1])
