@@ -174,12 +174,14 @@ class LionAttention(nn.Module):
 
     def attn_plan(self, num_tokens: int, device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None) -> Plan:
-        """What this layer runs for num_tokens tokens on device / dtype (default: its weights'):
-        form, backend, and whether the chunk form runs chunks or one product (ops.dispatch.plan)."""
+        """What this layer runs for num_tokens tokens on device / dtype (default: its weights'), in
+        training if the module is in training mode with gradients on: form, backend, and whether the
+        chunk form runs chunks or one product (ops.dispatch.plan)."""
         weight = self.qkv.weight
         return plan(self.attn_form, self.chunk_size, num_tokens, self.head_dim, self.head_dim,
                     num_scans=self.num_scans, decayed=self.decay != "lit", device=device or weight.device,
-                    dtype=dtype or weight.dtype, backend=self.attn_backend)
+                    dtype=dtype or weight.dtype, backend=self.attn_backend,
+                    training=self.training and torch.is_grad_enabled() and weight.requires_grad)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay}, scans={self.num_scans}, "

@@ -218,7 +218,8 @@ class LionViT(VisionTransformer):
     def attn_plan(self, img_size: Tuple[int, int], device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None) -> Plan:
         """What every LION layer runs for an image of img_size (H, W) on device / dtype (default: the
-        weights'): form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it."""
+        weights'), in training when the model is in training mode: form, backend, and chunks or one
+        product (lion_vit.ops.dispatch.plan). print() it."""
         height, width = self.patch_embed.dynamic_feat_size(img_size)
         return next(self.lion_attentions()).attn_plan(height * width + self.num_prefix_tokens, device, dtype)
 

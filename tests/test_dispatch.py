@@ -18,7 +18,7 @@ def kernels(monkeypatch):
     """Pretend flash-linear-attention is (True) or is not (False) installed; the plan never imports it."""
     def set_available(value: bool):
         monkeypatch.setattr(dispatch.triton_backend, "available", lambda: value)
-        monkeypatch.setattr(dispatch, "_warned_no_kernels", False)
+        monkeypatch.setattr(dispatch, "_warned", set())
     return set_available
 
 
@@ -92,3 +92,33 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     assert all(attn.attn_backend == "auto" for attn in model.lion_attentions())
     model.set_attn_form("rnn")  # backend None: kept
     assert str(model.attn_plan((896, 896), device=CUDA)) == "rnn form, triton backend: fused recurrent kernels"
+
+
+def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
+    from lion_vit.ops.triton import fla
+    for capability, version, fails in [((9, 0), "3.6.0", True), ((9, 0), "3.4.0", True), ((9, 0), "3.7.0", True),
+                                       ((9, 0), "3.7.1", False), ((9, 0), "3.3.1", False), ((10, 0), "3.6.0", False),
+                                       ((8, 0), "3.6.0", False), ((9, 0), "3.8.0+git1a2b", False)]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(fla, "_installed_triton_version", lambda: version)
+        assert fla.chunk_backward_fails(CUDA) is fails, (capability, version)
+    assert not fla.chunk_backward_fails(CPU)
+
+
+def test_training_where_the_chunk_backward_fails_runs_the_recurrent_kernels(kernels, monkeypatch):
+    """Inference keeps the chunk kernels; training runs the fused recurrent ones (the same function) and
+    says once why and how to get the chunk kernels back."""
+    kernels(True)
+    monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49)
+    with pytest.warns(UserWarning, match="Triton 3.4.0 to 3.7.0.*fused recurrent kernels.*3.7.1 or later"):
+        assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == dispatch.Plan("rnn", "triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        assert plan("auto", None, 3136, 64, 64, num_scans=2, device=CUDA, training=True).form == "rnn"
+    assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA, training=True).whole  # torch matmuls
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU, training=True).form == "chunk"
+    model = timm.create_model("lion_d_small", attn_form="chunk")
+    assert model.attn_plan((896, 896), device=CUDA).form == "rnn"  # a model in training mode
+    assert model.eval().attn_plan((896, 896), device=CUDA).form == "chunk"

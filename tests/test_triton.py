@@ -128,6 +128,21 @@ def test_a_mixed_precision_training_step_matches_the_torch_backend():
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
 
 
+def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch):
+    """Where FLA's chunk backward fails (Hopper with Triton 3.4.0-3.7.0), training in the chunk form runs
+    the fused recurrent kernels: the same outputs and gradients."""
+    from lion_vit.ops import dispatch
+    monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: True)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    q, k, v, lam = make_inputs(1, 2, 70, 16, "selective", torch.float32)
+
+    def triton(q, k, v, log_decay):
+        return lion_attention(q, k, v, log_decay, form="chunk", backend="triton")
+
+    with pytest.warns(UserWarning, match="fused recurrent kernels"):
+        _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
+
+
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):

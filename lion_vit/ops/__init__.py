@@ -124,7 +124,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
     """
     _check_inputs(q, k, v, log_decay)
     run = plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1], decayed=log_decay is not None,
-               device=q.device, dtype=q.dtype, backend=backend)
+               device=q.device, dtype=q.dtype, backend=backend, training=needs_grad(q, k, v, log_decay))
     form = "attention" if run.whole else run.form
     numerator, normaliser = _form(form, run.backend)(q, k, v, _as_bhl(log_decay), chunk_size=chunk_size)
     return _normalize(numerator, normaliser, v.dtype)
@@ -146,7 +146,8 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     num_scans, length = orders.shape
     batch, heads = q.shape[:2]
     run = plan(form, chunk_size, length, q.shape[-1], v.shape[-1], num_scans=num_scans,
-               decayed=log_decays is not None, device=q.device, dtype=q.dtype, backend=backend)
+               decayed=log_decays is not None, device=q.device, dtype=q.dtype, backend=backend,
+               training=needs_grad(q, k, v, log_decays))
     a = None
     if log_decays is not None:  # [S, B|1, H, L|1]
         a = torch.stack([_as_bhl(d).expand(-1, heads, -1) for d in log_decays.unbind(0)])

@@ -9,7 +9,9 @@ exact way to get it:
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
-  chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)).
+  chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
+- training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
+  Triton 3.4.0-3.7.0) runs the fused recurrent kernels instead, and says so once.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ AUTO_CHUNK_MIN_TOKENS = 1024
 TRITON_CHUNK = 64
 
 _INSTALL_HINT = 'pip install "lion-vit[gpu]" (flash-linear-attention)'
-_warned_no_kernels = False
+_warned = set()
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,6 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     "triton" asked for without flash-linear-attention, or for float64, is a ValueError; "auto" on CUDA
     without it warns once how to get the kernels.
     """
-    global _warned_no_kernels
     check_backend(backend)
     if backend == "triton":
         if not triton_backend.available():
@@ -98,17 +99,21 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     if backend == "auto" and device.type == "cuda" and dtype != torch.float64:
         if triton_backend.available():
             return "triton"
-        if not _warned_no_kernels:
-            _warned_no_kernels = True
-            warnings.warn(f"LION layers run their portable PyTorch forms on CUDA; for the GPU kernels: "
-                          f"{_INSTALL_HINT}", stacklevel=3)
+        _warn_once(f"LION layers run their portable PyTorch forms on CUDA; for the GPU kernels: {_INSTALL_HINT}")
     return "torch"
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_dim: int, *,
          num_scans: int = 1, decayed: bool = True, device: torch.device = torch.device("cpu"),
-         dtype: torch.dtype = torch.float32, backend: str = "auto") -> Plan:
-    """What runs for a call of `form` on sequences of `length` tokens (see the module docstring)."""
+         dtype: torch.dtype = torch.float32, backend: str = "auto", training: bool = False) -> Plan:
+    """What runs for a call of `form` on sequences of `length` tokens (see the module docstring).
+    training: autograd records the call (its backward will run)."""
     check_form(form, chunk_size)
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
@@ -124,4 +129,9 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # a product of torch matmuls either way
         return Plan("chunk", "torch", whole=True, cpu_tuned=on_cpu)
+    if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
+        _warn_once("flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
+                   "(fla-org/flash-linear-attention#640): LION layers train through its fused recurrent kernels "
+                   "instead (the same function, slower); for the chunk kernels, upgrade Triton to 3.7.1 or later")
+        return Plan("rnn", "triton")
     return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=on_cpu and backend == "torch")

@@ -13,6 +13,7 @@ pass runs on the mirrored sequence, stacked with the forward one on the batch ax
 from __future__ import annotations
 
 import importlib.util
+import re
 from functools import lru_cache
 from typing import Optional, Tuple
 
@@ -25,6 +26,24 @@ from torch import Tensor
 def available() -> bool:
     """Whether flash-linear-attention and Triton are installed (`pip install "lion-vit[gpu]"`)."""
     return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+
+
+def chunk_backward_fails(device: torch.device) -> bool:
+    """Whether FLA's gated chunk backward refuses to run on this device: on Hopper GPUs (H100, H200)
+    Triton 3.4.0 to 3.7.0 miscompile it (fla-org/flash-linear-attention#640) and FLA raises instead."""
+    return device.type == "cuda" and torch.cuda.is_available() and _hopper_triton_bug(
+        torch.cuda.get_device_capability(device), _installed_triton_version())
+
+
+def _hopper_triton_bug(capability: Tuple[int, int], triton_version: str) -> bool:
+    version = tuple(int(part) for part in re.findall(r"\d+", triton_version)[:3])
+    return capability[0] == 9 and (3, 4, 0) <= version < (3, 7, 1)
+
+
+@lru_cache(maxsize=None)
+def _installed_triton_version() -> str:
+    import triton
+    return triton.__version__
 
 
 def _shifted(a: Tensor) -> Tensor:
