@@ -106,9 +106,10 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-def test_a_mixed_precision_training_step_matches_the_torch_backend():
+def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend():
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
-    CPU), through the chunk kernels, against the torch backend's chunk form on the same weights."""
+    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels, against the torch
+    backend's chunk form, eager, on the same weights."""
     model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=64, patch_size=4, embed_dim=32,
                               depth=1, num_heads=2).to(DEVICE)
     randomize_decays(model)
@@ -118,8 +119,9 @@ def test_a_mixed_precision_training_step_matches_the_torch_backend():
     for backend in ("torch", "triton"):
         model.zero_grad()
         model.set_attn_form("chunk", backend=backend)
+        step = torch.compile(model, backend="aot_eager") if backend == "triton" else model
         with torch.autocast(DEVICE.type, dtype=HALF):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(step(x), y)
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))

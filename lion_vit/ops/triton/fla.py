@@ -22,12 +22,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-@lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # (a compiled model's plan calls it instead of tracing into it)
 def available() -> bool:
     """Whether flash-linear-attention and Triton are installed (`pip install "lion-vit[gpu]"`)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+    return _installed("fla") and _installed("triton")
 
 
+@lru_cache(maxsize=None)
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@torch.compiler.assume_constant_result
 def chunk_backward_fails(device: torch.device) -> bool:
     """Whether FLA's gated chunk backward refuses to run on this device: on Hopper GPUs (H100, H200)
     Triton 3.4.0 to 3.7.0 miscompile it (fla-org/flash-linear-attention#640) and FLA raises instead."""
