@@ -124,8 +124,10 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", default="steady", choices=MEMORY_MODES,
                         help="peak memory of a second forward (steady) or of the first call, one-time costs "
                              "such as library code paged in included (first)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile every model; its first, compiling call is timed on its own (compile_s)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        choices=COMPILE_BACKENDS,
+                        help="torch.compile every model (backend inductor, or aot_eager: Dynamo and AOTAutograd "
+                             "without Inductor's code); its first, compiling call is timed on its own (compile_s)")
     add_backend_argument(parser)
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
 
@@ -146,7 +148,8 @@ def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
 
 def describe_settings(args: argparse.Namespace) -> str:
     """Those settings for a plot title, e.g. "batch 1, cpu float32, compiled"."""
-    return f"batch {args.batch_size}, {args.device} {args.dtype}" + (", compiled" if args.compile else "")
+    return f"batch {args.batch_size}, {args.device} {args.dtype}" + \
+        (f", compiled ({args.compile})" if args.compile else "")
 
 
 def result_columns(args: argparse.Namespace) -> List[str]:
@@ -203,16 +206,19 @@ def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_s
 
 
 MEMORY_MODES = ("steady", "first")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
-                      memory: str = "steady", compile: bool = False, attn_backend: str = "auto") -> Dict[str, Any]:
+                      memory: str = "steady", compile: Optional[str] = None,
+                      attn_backend: str = "auto") -> Dict[str, Any]:
     """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process
     (and, for a LION model's chunk form, its chunks per sequence).
 
     memory: "steady" measures the peak of a second forward, "first" that of the first call.
-    compile: torch.compile the model; its compiling first call is timed as compile_s.
+    compile: None, or the torch.compile backend for the model ("inductor", "aot_eager"); its compiling
+    first call is timed as compile_s.
     attn_backend: the LION models' (lion_vit.ops.dispatch).
     """
     if memory not in MEMORY_MODES:
@@ -226,7 +232,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         # as in a fresh process: no graphs of earlier configurations (CUDA sweeps run in one process,
         # where they would count towards Dynamo's recompile limit, beyond which it runs eagerly)
         torch._dynamo.reset()
-        model = torch.compile(model)
+        model = torch.compile(model, backend=compile)
     x = torch.randn(batch_size, 3, img_size, img_size, device=dev,
                     dtype=torch.float64 if torch_dtype == torch.float64 else torch.float32)
     autocast = torch.autocast(dev.type, dtype=torch_dtype) if torch_dtype in (torch.bfloat16, torch.float16) \
@@ -341,7 +347,7 @@ def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, time
     measurement, and add the result (status, time_s, peak_mem_mb; compile_s when compiled) to the row."""
     configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
                     batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
-                    memory=r["memory"], compile=r.get("compile", False),
+                    memory=r["memory"], compile=r.get("compile"),
                     attn_backend=r.get("attn_backend", "auto")) for r in rows]
     results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
         progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
