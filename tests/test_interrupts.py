@@ -15,6 +15,15 @@ import torch
 from runs import ENV, ROOT, SMALL_LION, assert_ok, read_metrics, run_train
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Ctrl-C raises KeyboardInterrupt here and in the runs started from here, as in a terminal, also
+    where the suite runs in the background (`make test &` ignores SIGINT, and children inherit that)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_says_how_to_continue(folder, tmp_path):
     """Ctrl-C (SIGINT) ends the run with exit status 130 and one line saying where it stands, not a
     KeyboardInterrupt traceback; resume=auto then continues it."""
