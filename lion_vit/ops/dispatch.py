@@ -132,6 +132,6 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
         _warn_once("flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
                    "(fla-org/flash-linear-attention#640): LION layers train through its fused recurrent kernels "
-                   "instead (the same function, slower); for the chunk kernels, upgrade Triton to 3.7.1 or later")
+                   "instead (the same function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
         return Plan("rnn", "triton")
     return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=on_cpu and backend == "torch")
