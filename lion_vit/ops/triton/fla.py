@@ -57,22 +57,21 @@ def _shifted(a: Tensor) -> Tensor:
     return F.pad(a[..., :-1], (1, 0))
 
 
-def _to_even_width(t: Tensor) -> Tensor:
-    """t with a zero column appended when its last dimension is odd. FLA refuses odd key or value widths
-    in 16-bit backward passes (a Triton miscompile, fla/ops/common/chunk_o.py); zero columns of q and k
-    leave every q . k unchanged, and one of v1 gives an output column that is dropped. The kernels' tiles
-    are powers of two, so the column costs no work."""
-    return F.pad(t, (0, t.shape[-1] % 2))
-
-
 def _operands(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]):
-    """q, k, v1 = [v, 1] in one dtype and of even widths, and log decays [B, H, L] in float32 (or None)."""
+    """q, k, v1 = [v, 1] in one dtype, and log decays [B, H, L] in float32 (or None).
+
+    Every width is made even with a zero column: FLA refuses odd key or value widths in 16-bit backward
+    passes (a Triton miscompile, fla/ops/common/chunk_o.py), and the normaliser's column makes v1 odd
+    for every even head width. Zero columns of q and k leave every q . k unchanged, and v1's gives an
+    output column that is dropped; the kernels' tiles are powers of two, so it costs no work."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
-    v1 = torch.cat([v.to(dtype), v.new_ones(*v.shape[:-1], 1, dtype=dtype)], dim=-1)
+    ones = v.new_ones(*v.shape[:-1], 1, dtype=dtype)
+    v1 = torch.cat([v.to(dtype), ones] + ([torch.zeros_like(ones)] if v.shape[-1] % 2 == 0 else []), dim=-1)
+    q, k = (t.to(dtype) if t.shape[-1] % 2 == 0 else F.pad(t.to(dtype), (0, 1)) for t in (q, k))
     a = None if log_decay is None else log_decay.float().expand(*q.shape[:3])
-    return _to_even_width(q.to(dtype)), _to_even_width(k.to(dtype)), _to_even_width(v1), a
+    return q, k, v1, a
 
 
 def _tokens_major(t: Tensor) -> Tensor:
