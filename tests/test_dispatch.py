@@ -122,3 +122,21 @@ def test_training_where_the_chunk_backward_fails_runs_the_recurrent_kernels(kern
     model = timm.create_model("lion_d_small", attn_form="chunk")
     assert model.attn_plan((896, 896), device=CUDA).form == "rnn"  # a model in training mode
     assert model.eval().attn_plan((896, 896), device=CUDA).form == "chunk"
+
+
+def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
+    """torch.export's programs are torch ops, which the kernels are not: "auto" exports the PyTorch forms,
+    and "triton" while exporting is one clear error instead of a failure deep inside the tracer."""
+    from lion_vit.ops.rows import exporting
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if exporting() else x - 1
+
+    assert torch.export.export(Probe(), (torch.zeros(1),)).module()(torch.zeros(1)).item() == 1
+    assert Probe()(torch.zeros(1)).item() == -1
+    kernels(True)
+    monkeypatch.setattr(dispatch, "exporting", lambda: True)
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"
+    with pytest.raises(ValueError, match="torch.export cannot trace the triton kernels; export with attn_backend='torch'"):
+        plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")

@@ -2,8 +2,8 @@
 
 Every form computes the same function (docs/design.md section 1); the plan only picks the cheapest
 exact way to get it:
-- backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64),
-  "torch" otherwise; "torch" is the portable PyTorch forms, which on a CPU, eagerly, work in the
+- backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
+  under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable PyTorch forms, which on a CPU, eagerly, work in the
   cache-sized groups and row blocks of lion_vit.ops.cpu (its groups.tuned is the switch); "triton"
   the GPU kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
@@ -24,6 +24,7 @@ import torch
 from . import triton as triton_backend
 from .chunk import chunk_count, whole_product_is_cheaper
 from .cpu import groups as cpu_groups
+from .rows import exporting
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
@@ -86,8 +87,8 @@ def check_backend(backend: str) -> None:
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """"torch" or "triton" for a call on this device and dtype (see the module docstring).
 
-    "triton" asked for without flash-linear-attention, or for float64, is a ValueError; "auto" on CUDA
-    without it warns once how to get the kernels.
+    "triton" asked for without flash-linear-attention, for float64 or under torch.export is a ValueError;
+    "auto" on CUDA without it warns once how to get the kernels.
     """
     check_backend(backend)
     if backend == "triton":
@@ -95,8 +96,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
             raise ValueError(f"attn_backend='triton' needs flash-linear-attention: {_INSTALL_HINT}")
         if dtype == torch.float64:
             raise ValueError("attn_backend='triton' has no float64 kernels; use attn_backend='torch' for float64")
+        if exporting():
+            raise ValueError("torch.export cannot trace the triton kernels; export with attn_backend='torch' "
+                             "(or 'auto', which exports the PyTorch forms)")
         return "triton"
-    if backend == "auto" and device.type == "cuda" and dtype != torch.float64:
+    if backend == "auto" and device.type == "cuda" and dtype != torch.float64 and not exporting():
         if triton_backend.available():
             return "triton"
         _warn_once(f"LION layers run their portable PyTorch forms on CUDA; for the GPU kernels: {_INSTALL_HINT}")

@@ -16,6 +16,13 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def exporting() -> bool:
+    """Whether torch.export is tracing this code: its program is made of torch ops, which the GPU
+    kernels (opaque to its tracer) are not."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # (torch >= 2.5)
+    return bool(is_exporting and is_exporting())
+
+
 def fx_tracing() -> bool:
     """Whether torch.fx symbolic tracing is running this code: shapes and dtypes are then symbols, so
     Python branches on them and autograd Functions give way to plain tensor ops or leaf functions."""
