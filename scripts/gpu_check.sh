@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
 # PART: tests equivalence inference train forms compile (all of them by default, in this order: the
-# costliest, compiling six models, last). Each part's CSVs, PNGs and logs go to DIR (default
+# costliest, compiling six models, last), then the table of the targets met (scripts/gpu_targets.py).
+# Each part's CSVs, PNGs and logs go to DIR (default
 # docs/benchmarks/gpu); --bundle packs DIR into one archive after every part, so that a run cut short
 # still returns what it finished. --commit names the code measured where the copy has no git history.
 # --dry-run prints the commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
@@ -39,6 +40,8 @@ run() {  # one measurement: its command, its output to the screen and to $out/<l
     "$@" 2>&1 | tee "$out/$log.log" || failed+=("$log")
     echo "-- $log: $((SECONDS - start)) s"
 }
+
+pack() { [[ -z $bundle ]] || tar czf "$bundle" -C "$(dirname "$out")" "$(basename "$out")"; }
 
 if [[ -z $dry ]]; then
     python3 -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_check.sh: no CUDA device here \
@@ -95,8 +98,9 @@ for part in "${parts[@]}"; do
     esac
     if [[ -z $dry ]]; then
         echo "-- part $part: $((SECONDS - start)) s"
-        [[ -z $bundle ]] || tar czf "$bundle" -C "$(dirname "$out")" "$(basename "$out")"
+        pack
     fi
 done
-[[ -n $dry ]] || echo "written: $out${bundle:+ (packed into $bundle)}"
+run targets python3 scripts/gpu_targets.py "$out"  # the issue's targets against what was measured
+[[ -n $dry ]] || { pack; echo "written: $out${bundle:+ (packed into $bundle)}"; }
 if ((${#failed[@]})); then echo "FAILED: ${failed[*]} (their logs are in $out)"; exit 1; fi

@@ -57,6 +57,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command in tests:
             continue
         args = parsed_arguments(monkeypatch, command[1:])
+        if command[1] == "scripts/gpu_targets.py":  # reads what the others wrote
+            assert args.folder == out and command is commands[-1]
+            continue
         assert args.device == "cuda" and ("benchmark_" not in command[1] or args.dtype == "bfloat16"), command
         folder = getattr(args, "out", None) or getattr(args, "json", None)
         assert Path(folder).is_relative_to(out), command  # every result lands in --out
@@ -86,10 +89,36 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
 
 
 def test_parts_run_alone_in_the_order_given():
+    """Each part alone, then the targets' table (one line)."""
     whole = gpu_check("--dry-run").stdout.splitlines()
-    assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) for part in PARTS) == len(whole)
+    assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) - 1 for part in PARTS) == len(whole) - 1
     compile_then_tests = gpu_check("--dry-run", "compile", "tests").stdout.splitlines()
     assert "--compile" in compile_then_tests[0] and "pytest" in compile_then_tests[1]
+    assert "gpu_targets.py" in compile_then_tests[2]
+
+
+def test_targets_table_reads_the_measurements(tmp_path):
+    """Met, missed, failed (out of memory) and never measured targets, from CSVs as the scripts write them."""
+    def write(name, header, *rows):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("\n".join([header, *rows]) + "\n")
+
+    write("train_compile/train.csv", "model,form,status,x_baseline", "deit_small_patch16_224,,ok,1.0",
+          "lion_d_small,attention,ok,1.1", "lion_s_small,attention,ok,1.5", "lion_s_natural_small,,out of memory,")
+    write("resolution_b1/resolution.csv", "model,form,resolution,status,time_s,time_x_baseline,mem_x_baseline",
+          "deit_small_patch16_224,,1248,ok,0.01,,", "lion_d_small,chunk,1248,ok,0.004,0.4,1.2",
+          "lion_d_small,rnn,1248,ok,0.02,2.0,1.0")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["target_lines"](tmp_path)
+    row = {cells[1].strip(): cells[2:] for cells in (line.split("|") for line in lines[2:])}
+    assert [c.strip() for c in row["train 224 px b256 compiled, lion_d_small x DeiT-S"][1:3]] == ["1.1", "yes"]
+    assert [c.strip() for c in row["train 224 px b256 compiled, lion_s_small x DeiT-S"][1:3]] == ["1.5", "NO"]
+    for missing in ("train 224 px b256 compiled, lion_s_natural_small x DeiT-S",
+                    "train 896 px b32, lion_d_small x DeiT-S", "1248 px b16, lion_d_small chunk time x DeiT-S"):
+        assert row[missing][1].strip() == "not measured", missing
+    assert [c.strip() for c in row["1248 px b1, lion_d_small chunk time x DeiT-S"][1:3]] == ["0.4", "yes"]
+    assert [c.strip() for c in row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:3]] == ["1.2", "NO"]
+    assert [c.strip() for c in row["1248 px b1, lion_d_small rnn time x chunk"][1:3]] == ["5", "NO"]
+    assert len(lines) == 2 + 5 + 1 + 2 * 2 * 2 * 2 + 2 * 2  # every target has its line
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Issue 26's GPU targets against what `make gpu-check` measured: one line per target with the measured
+ratio and whether it is met, read from the CSVs in the gpu-check folder (scripts/gpu_check.sh runs this
+last). A target whose measurement is missing or failed says so.
+
+    python scripts/gpu_targets.py docs/benchmarks/gpu
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# training step against DeiT-S, both compiled, 224 px batch 256
+COMPILED_TRAINING = {"lion_lit_small": 1.0, "lion_d_small": 1.2, "lion_s_small": 1.3, "lion_d_natural_small": 1.25,
+                     "lion_s_natural_small": 1.4}
+TRAINING_896 = {"lion_d_small": 0.7}  # training step against DeiT-S at 896 px batch 32
+INFERENCE_TIME = {1248: 0.5, 1792: 0.3}  # chunk form's time against DeiT-S's, batch 1 and 16
+INFERENCE_MODELS = ("lion_d_small", "lion_d_natural_small")
+RNN_OVER_CHUNK = 3.0  # the rnn form's time against the chunk form's
+
+
+def read(path: Path) -> List[Dict[str, str]]:
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def number(row: Optional[Dict[str, str]], column: str) -> Optional[float]:
+    value = (row or {}).get(column) or ""
+    return float(value) if value and (row or {}).get("status", "ok") == "ok" else None
+
+
+def line(target: str, measured: Optional[float], limit: float) -> str:
+    if measured is None:
+        return f"| {target} | <= {limit:g} | not measured | - |"
+    return f"| {target} | <= {limit:g} | {measured:.3g} | {'yes' if measured <= limit else 'NO'} |"
+
+
+def target_lines(folder: Path) -> List[str]:
+    lines = ["| target | limit | measured | met |", "|---|---|---|---|"]
+    for csv_name, limits, what in (("train_compile/train.csv", COMPILED_TRAINING, "train 224 px b256 compiled"),
+                                   ("train_896/train.csv", TRAINING_896, "train 896 px b32")):
+        rows = {r["model"]: r for r in read(folder / csv_name)}
+        for model, limit in limits.items():
+            lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
+    for batch in (1, 16):
+        rows = read(folder / f"resolution_b{batch}" / "resolution.csv")
+        for resolution, limit in INFERENCE_TIME.items():
+            for model in INFERENCE_MODELS:
+                found = {r["form"]: r for r in rows if r["model"] == model and int(r["resolution"]) == resolution}
+                chunk, rnn = found.get("chunk"), found.get("rnn")
+                where = f"{resolution} px b{batch}, {model}"
+                lines.append(line(f"{where} chunk time x DeiT-S", number(chunk, "time_x_baseline"), limit))
+                if resolution == 1248:
+                    lines.append(line(f"{where} chunk peak memory x DeiT-S", number(chunk, "mem_x_baseline"), 1.0))
+                rnn_time, chunk_time = number(rnn, "time_s"), number(chunk, "time_s")
+                lines.append(line(f"{where} rnn time x chunk", rnn_time / chunk_time if rnn_time and chunk_time
+                                  else None, RNN_OVER_CHUNK))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="the gpu-check folder (its --out)")
+    args = parser.parse_args()
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder; give the folder gpu_check.sh wrote (its --out)")
+    print("\n".join(target_lines(args.folder)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
