@@ -9,13 +9,18 @@ all-ones. Prints one line per model/size/form: max |logits - reference| / max |r
 the chunk form how many chunks a sequence is cut into: 1 where it runs one product over the whole
 sequence because chunks would cost more (LION-lit always, the two-scan models at 224 px), which
 then matches the attention form exactly (or, for one chunk of one scan, to float rounding).
+On CUDA the GPU kernels' float32 dots run in full precision (TRITON_F32_DEFAULT=ieee) rather than
+Triton's default TF32, whose rounding would hide the forms' own disagreement.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # (read when a kernel compiles: before any does)
 
 import timm
 import torch
