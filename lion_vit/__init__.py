@@ -3,11 +3,12 @@
 `import lion_vit` registers lion_{lit,d,s}_{tiny,small,base} and lion_{d,s}_natural_{tiny,small,base},
 and each of them with DeiT's distillation token as <name>_distilled.
 """
-from .init import init_from_vit
+from .convert import from_official, to_official
+from .from_vit import init_from_vit
 from .layers import LionAttention
 from .models import DISTILLED_MODEL_NAMES, LION_MODEL_NAMES, LionViT
 from .ops import lion_attention, lion_attention_multiscan
 
 __version__ = "0.1.0"
 __all__ = ["LionAttention", "LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "init_from_vit",
-           "lion_attention", "lion_attention_multiscan"]
+           "from_official", "to_official", "lion_attention", "lion_attention_multiscan"]

@@ -22,7 +22,7 @@ from timm.models import clean_state_dict
 from torch import Tensor, nn
 
 from ..errors import UserError, first_line
-from . import checkpoint as ckpt
+from ..weights import read_weights, state_dict_of
 from .build import build_model, check_same_classes, load_weights, trained_architecture
 
 log = logging.getLogger("lion_vit")
@@ -126,7 +126,7 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     try:
         if path:
             teacher = timm.create_model(name, num_classes=num_classes)
-            teacher.load_state_dict(clean_state_dict(ckpt.state_dict_of(state)))
+            teacher.load_state_dict(clean_state_dict(state_dict_of(state)))
         else:
             teacher = timm.create_model(name, pretrained=True)
     except (RuntimeError, OSError, ValueError) as error:
@@ -157,6 +157,6 @@ def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, cla
 
 def _load_state(path: Path) -> Dict[str, Any]:
     try:
-        return ckpt.read_weights(path)
+        return read_weights(path)
     except ValueError as error:
         raise UserError(f"distill.teacher_checkpoint {error}") from None

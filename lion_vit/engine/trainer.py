@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
-from ..init import init_from_vit
+from ..from_vit import init_from_vit
 from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory

@@ -72,7 +72,7 @@ def load_vit_weights(source: str) -> Tuple[Dict[str, Tensor], Optional[int]]:
 
 
 def _load_file(path: Path) -> Tuple[Dict[str, Tensor], Optional[int]]:
-    from .engine.checkpoint import read_weights, state_dict_of
+    from .weights import read_weights, state_dict_of
     state = read_weights(path)
     heads = None
     if isinstance(state.get("config"), dict):  # this project's train.py
