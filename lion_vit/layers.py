@@ -12,12 +12,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
-from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan, plan,
-                  snake_orders)
-from .ops.masks import mask_dtype
-from .ops.rows import fx_tracing
+from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan,
+                  mask_dtype, plan, snake_orders)
 
 DECAYS = ("lit", "fixed", "selective")
 
@@ -30,32 +27,11 @@ def initial_decays(num_heads: int) -> Tensor:
     return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
 
 
-def _head_major(qkv: Tensor, heads: int) -> Tensor:
-    """[B, L, 3 * H * D] projection -> [3, B, H, L, D] view (q, k, v)."""
-    return qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
-
-
-class _SplitHeads(torch.autograd.Function):
-    """[B, L, 3 * H * D] projection -> contiguous q, k, v [B, H, L, D] (head-major), for training.
-
-    The feature maps' backward runs several times faster on a CPU on contiguous tensors than on
-    strided views; and the backward writes the three gradients straight into the projection's
-    layout (one pass) instead of autograd's stack and then a copy out of the permuted stack (two).
-    """
-
-    @staticmethod
-    def forward(ctx, qkv: Tensor, heads: int) -> Tuple[Tensor, Tensor, Tensor]:
-        return tuple(part.contiguous() for part in _head_major(qkv, heads).unbind(0))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grads: Tensor) -> Tuple[Tensor, None]:
-        # (autograd materialises the gradient of an unused output as zeros: none is None)
-        batch, heads, length, head_dim = grads[0].shape
-        grad = grads[0].new_empty(batch, length, 3, heads, head_dim)
-        for index, part in enumerate(grads):
-            grad[:, :, index].copy_(part.transpose(1, 2))
-        return grad.flatten(2), None
+def fx_tracing() -> bool:
+    """Whether torch.fx symbolic tracing is running this code: shapes and arguments are then symbols,
+    which Python checks cannot read."""
+    fx = torch.fx._symbolic_trace
+    return getattr(fx, "is_fx_symbolic_tracing", fx.is_fx_tracing)()  # (the latter: torch < 2.6)
 
 
 # torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
@@ -212,13 +188,7 @@ class LionAttention(nn.Module):
         grid = self.grid_size
         if fx_tracing():  # the traced grid is symbols, part of the graph: not kept on the module
             self.grid_size = None
-        qkv = self.qkv(x)
-        if torch.is_grad_enabled() and not fx_tracing():
-            q, k, v = _SplitHeads.apply(qkv, self.num_heads)
-        else:  # the feature maps read q and k strided; only v is copied
-            q, k, v = _head_major(qkv, self.num_heads).unbind(0)
-            v = v.contiguous()
-        del qkv  # without autograd the [B, L, 3 * dim] projection is freed once q, k, v are
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
         q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]
         log_decay = self.log_decay(x)
         if self.num_scans == 1:

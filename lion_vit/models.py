@@ -24,9 +24,8 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 from torch import Tensor, nn
 
-from .layers import LionAttention
+from .layers import LionAttention, fx_tracing
 from .ops import Plan, check_backend, check_form
-from .ops.rows import fx_tracing
 
 __all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "create_model_at_size"]
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 from lion_vit.benchmark import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
                                 inference_settings, label, markdown_table, measure_rows, model_name, plot_lines,
                                 positive_int, result_columns, write_table)
-from lion_vit.ops import FORMS
+from lion_vit.ops import FORM_NAMES
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--resolution", type=positive_int, default=1248, help="a multiple of the patch size (16)")
     parser.add_argument("--baseline", default="deit_small_patch16_224", type=lambda text: text and model_name(text),
                         help="'' to skip")
-    parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORMS) - {"chunk"}), default=["rnn"],
+    parser.add_argument("--reference-forms", nargs="*", choices=sorted(set(FORM_NAMES) - {"chunk"}), default=["rnn"],
                         help="other forms to measure too")
     add_inference_arguments(parser)
     args = parser.parse_args()

@@ -82,10 +82,10 @@ def test_bad_form_and_backend_are_one_line_errors():
 def test_model_reports_its_plan_and_switches_backend(kernels):
     kernels(True)
     model = timm.create_model("lion_d_natural_tiny", attn_form="chunk", chunk_size=64, attn_backend="torch")
-    assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product, CPU row groups"
-    assert str(model.attn_plan((896, 896))) == "chunk form, torch backend: 49 chunks, CPU row groups"
+    assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product"
+    assert str(model.attn_plan((896, 896))) == "chunk form, torch backend: 49 chunks"
     one_scan = timm.create_model("lion_d_tiny", attn_form="chunk", chunk_size=5000, attn_backend="torch")
-    assert str(one_scan.attn_plan((896, 896))) == "chunk form, torch backend: one chunk, CPU row groups"
+    assert str(one_scan.attn_plan((896, 896))) == "chunk form, torch backend: one chunk"
     assert model.attn_plan((896, 896), device=CUDA).backend == "torch"  # asked for torch
     model.set_attn_form("chunk", 64, backend="auto")
     assert str(model.attn_plan((896, 896), device=CUDA)) == "chunk form, triton backend: 49 chunks (FLA kernels)"
@@ -127,7 +127,7 @@ def test_training_where_the_chunk_backward_fails_runs_the_recurrent_kernels(kern
 def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
     """torch.export's programs are torch ops, which the kernels are not: "auto" exports the PyTorch forms,
     and "triton" while exporting is one clear error instead of a failure deep inside the tracer."""
-    from lion_vit.ops.rows import exporting
+    from lion_vit.ops.dispatch import exporting
 
     class Probe(torch.nn.Module):
         def forward(self, x):

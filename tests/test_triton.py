@@ -160,3 +160,16 @@ def test_triton_bfloat16_is_within_its_rounding(form):
                          form=form, backend="triton")
     assert out.dtype == torch.bfloat16
     assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
+
+
+@pytest.mark.parametrize("form", ["chunk", "rnn"])
+def test_triton_backend_refuses_double_backward_in_one_line(form):
+    """FLA's hand-written backwards have no double backward: a second-order gradient is one clear error,
+    while first-order gradients (and backward twice) still work."""
+    q, k, v, lam = make_inputs(1, 1, 20, 16, "selective", torch.float32)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam))]
+    out = lion_attention(*leaves, form=form, backend="triton")
+    with pytest.raises(RuntimeError, match="no double backward; for second-order gradients use attn_backend='torch'"):
+        torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+    out = lion_attention(*leaves, form=form, backend="triton")
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.square().sum(), leaves))

@@ -37,13 +37,13 @@ def test_whole_product_is_cheaper_where_it_takes_fewer_multiply_adds(length, chu
 def chunk_calls(monkeypatch):
     """Counts the calls of the chunk algorithm (directly, per scan, or per row group)."""
     calls = []
-    chunk_form = ops.FORMS["chunk"]
+    chunk_form = ops.TORCH_FORMS["chunk"]
 
     def counted(*args, **kwargs):
         calls.append(1)
         return chunk_form(*args, **kwargs)
 
-    monkeypatch.setitem(ops.FORMS, "chunk", counted)
+    monkeypatch.setitem(ops.TORCH_FORMS, "chunk", counted)
     return calls
 
 

@@ -29,7 +29,8 @@ def estimate_peak_bytes(model: nn.Module, img_size: int, batch_size: int, traini
     heads = getattr(blocks[0].attn, "num_heads", 1)
     per_value = TRAINING_VALUES_PER_TOKEN_CHANNEL if training else INFERENCE_VALUES_PER_TOKEN_CHANNEL
     activations = batch_size * tokens * width * per_value * value_bytes * (depth if training else 1)
-    square = batch_size * heads * tokens * tokens * 4 * (depth if training else 1)  # float32 weights
+    # float32 L x L tensors: in training the scores, masks and weights that autograd keeps for backward
+    square = batch_size * heads * tokens * tokens * 4 * (3 * depth if training else 1)
     if hasattr(model, "attn_plan"):
         attn = blocks[0].attn
         run = model.attn_plan((img_size, img_size))

@@ -2,7 +2,7 @@
 
 The sequence is cut into N = ceil(L / chunk_size) chunks of C = ceil(L / N) <= chunk_size tokens
 (when C does not divide L, the last one is padded with fewer than N zero keys and values, which
-change nothing; see _chunk_rows). For a query at local
+change nothing). For a query at local
 position p of chunk n (local inclusive log-decay cumsum c_p, exclusive e_p = c_p - a_p, chunk
 total T_n):
 
@@ -13,7 +13,7 @@ total T_n):
 with v1 = [v, 1] (the normaliser rides along). Every exponent is a sum of log decays, so <= 0.
 The states entering every chunk are computed at once (one small [N, N] decay matmul, or a loop
 over chunks when N is large): peak memory O(L C + (L / C) d^2), linear in L for a fixed chunk
-size. Any chunk size >= 1 works (above L: one chunk).
+size. Any chunk size >= 1 works (above L: one chunk). Several scans: each along its order (scans.over_scans).
 """
 from __future__ import annotations
 
@@ -24,18 +24,62 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask, mask_dtype
-from .cpu.groups import row_groups
-from .rows import needs_grad, take_rows
+from .scans import over_scans
 
 
-def _with_ones(v: Tensor, pad: int = 0) -> Tensor:
-    """[v, 1] followed by `pad` rows of zeros: [B, H, L + pad, Dv+1], built in one allocation."""
-    length = v.shape[-2]
-    v1 = v.new_zeros(*v.shape[:-2], length + pad, v.shape[-1] + 1) if pad else \
-        v.new_empty(*v.shape[:-1], v.shape[-1] + 1)
-    v1[..., :length, :-1] = v
-    v1[..., :length, -1] = 1.0
-    return v1
+def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
+               orders: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see the module docstring).
+
+    q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decays: None or [S, B|1, H|1, L|1] in token order;
+    orders: [S, L], or None for one scan in token order; chunk_size: None for one chunk.
+    """
+    return over_scans(_one_scan, q, k, v, log_decays, orders, chunk_size=chunk_size)
+
+
+def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
+              chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """The chunk form along one scan in token order.
+
+    When C does not divide L the last chunk is padded with zero keys, values and log decays: a padded
+    key adds nothing to any state or score, and the padded queries' rows are dropped. One shape of
+    equal chunks takes half the operations of full chunks plus a shorter last one.
+    """
+    length = q.shape[-2]
+    num_chunks = chunk_count(length, chunk_size)
+    size = -(-length // num_chunks)
+    pad = num_chunks * size - length
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along as a column
+    qc, kc, v1c = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (num_chunks, size)) for t in (q, k, v1))  # [B, H, N, C, D]
+    if log_decay is None:
+        out = (qc @ kc.transpose(-1, -2)) @ v1c
+    else:
+        a = log_decay.to(mask_dtype(q.dtype))
+        a = F.pad(a.expand(*a.shape[:-1], length), (0, pad)).unflatten(-1, (num_chunks, size))  # [B|1, H|1, N, C]
+        # one decay per head: every chunk shares one [C, C] Toeplitz block
+        intra_mask = decay_mask(log_decay[..., None, :] if log_decay.shape[-1] == 1 else a, size)
+        out = ((qc @ kc.transpose(-1, -2)).to(intra_mask.dtype) * intra_mask) @ v1c.to(intra_mask.dtype)
+    if num_chunks > 1:
+        out = out + _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse=False) + \
+            _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse=True)
+    out = out.flatten(-3, -2)[..., :length, :]
+    return out[..., :-1], out[..., -1:]
+
+
+def _across_chunks(qc: Tensor, kc: Tensor, v1c: Tensor, a: Optional[Tensor], reverse: bool) -> Tensor:
+    """What each query reads from the other chunks in one direction: q_p . (state entering its chunk),
+    weighted (see the module docstring). qc, kc, v1c: [B, H, N, C, D]; a: [B|1, H|1, N, C] or None."""
+    if a is None:
+        contributions = kc.transpose(-1, -2) @ v1c  # [B, H, N, Dk, Dv+1]
+        return qc @ _carried_states(contributions, None, reverse)
+    inclusive = a.cumsum(-1)
+    exclusive = inclusive - a
+    total = inclusive[..., -1:]  # [B|1, H|1, N, 1]: each chunk's summed log decay
+    # key r enters its chunk's state, query p reads the state entering its chunk
+    key_log, query_log = (inclusive, total - inclusive) if reverse else (total - exclusive, exclusive)
+    contributions = (kc * torch.exp(key_log)[..., None].to(kc.dtype)).transpose(-1, -2) @ v1c
+    states = _carried_states(contributions, total[..., 0], reverse)
+    return (qc @ states) * torch.exp(query_log)[..., None].to(states.dtype)
 
 
 # Up to this many chunks the carried states come from one matmul with an [N, N] decay matrix
@@ -106,81 +150,3 @@ def whole_product_is_cheaper(length: int, chunk_size: Optional[int], key_dim: in
     size, dv1 = -(-length // num_chunks), value_dim + 1
     states = 4 * key_dim * dv1 if num_chunks > 1 else 0
     return length * (key_dim + dv1) < num_scans * (size * (key_dim + dv1) + states)
-
-
-def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
-                       chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see module docstring).
-
-    q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decay: None or broadcastable to [B, H, L].
-    """
-    batch, heads, length, _ = q.shape
-    # N = ceil(L / chunk_size) chunks of equal size C <= chunk_size, as few padded tokens (< N) as N allows
-    num_chunks = chunk_count(length, chunk_size)
-    size = -(-length // num_chunks)
-    padded = num_chunks * size
-    out = v.new_empty(batch, heads, padded, v.shape[-1] + 1)  # [numerator, normaliser], whole chunks
-    # a row's temporaries: values with the ones column (and states, updates) of its size, and the
-    # padded copies of q and k when C does not divide L
-    row_bytes = padded * (out.shape[-1] * out.element_size() + (2 * q.shape[-1] * q.element_size()
-                                                                 if padded > length else 0))
-    groups = [(slice(None), slice(None))] if needs_grad(q, k, v, log_decay) else \
-        row_groups(batch, heads, row_bytes, out.device)
-    for rows in groups:
-        _chunk_rows(*(None if t is None else take_rows(t, rows) for t in (q, k, v, log_decay)), size,
-                    take_rows(out, rows))
-    return out[:, :, :length, :-1], out[:, :, :length, -1:]
-
-
-def _chunk_rows(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor], size: int, out: Tensor) -> None:
-    """The chunk form for [b, h] rows, numerator and normaliser written into out [b, h, N * C, Dv+1].
-
-    When C does not divide L the last chunk is padded with zero keys and values and zero log decays:
-    a padded key adds nothing to any state or score, a zero log decay scales nothing, and the padded
-    queries' rows of out are never read. One group of equal chunks takes half the operations of full
-    chunks plus a shorter last one, and at 224 px those operations are most of the form's time. The
-    price is a padded copy of q and k (a row group's size without autograd; with autograd the
-    copies are what the backward keeps instead of views of q and k).
-    """
-    batch, heads, length, _ = q.shape
-    pad = out.shape[2] - length
-    num_chunks = out.shape[2] // size
-    v1 = _with_ones(v, pad)  # the normaliser rides along as a column
-    if pad:
-        q, k = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad))
-    a = None
-    if log_decay is not None:
-        a = log_decay.to(mask_dtype(q.dtype)).expand(batch, heads, length)
-        a = F.pad(a, (0, pad)) if pad else a
-    qc, kc, v1c, outc = (t.unflatten(2, (num_chunks, size)) for t in (q, k, v1, out))  # [b, h, N, C, D]
-
-    scores = qc @ kc.transpose(-1, -2)  # [b, h, N, C, C]
-    if a is not None:
-        ac = a.unflatten(2, (num_chunks, size))  # [b, h, N, C]
-        inclusive = ac.cumsum(-1)
-        exclusive = inclusive - ac
-        total = inclusive[..., -1:]  # [b, h, N, 1]: each chunk's summed log decay
-        # one decay per head (LION-d): every chunk shares one [C, C] Toeplitz block
-        fixed = log_decay.shape[-1] == 1
-        intra_mask = decay_mask(log_decay[..., None, :] if fixed else ac, size)  # [b|1, h, N|1, C, C]
-        scores = scores.to(intra_mask.dtype)
-        # in place when nothing needs the unmasked scores for a backward pass
-        scores = scores * intra_mask if scores.requires_grad else scores.mul_(intra_mask)
-        del intra_mask
-    outc.copy_(scores @ v1c.to(scores.dtype))  # intra-chunk part (autograd follows writes into views of out)
-    del scores
-    if num_chunks == 1:
-        return
-    for reverse in (False, True):  # one direction at a time: its states are O(N d^2) memory
-        key_weight = query_weight = None
-        if a is not None:  # key r enters its chunk's state, query p reads the state entering its chunk
-            key_log, query_log = (inclusive, total - inclusive) if reverse else (total - exclusive, exclusive)
-            key_weight, query_weight = torch.exp(key_log)[..., None].to(q.dtype), torch.exp(query_log)[..., None]
-        contributions = (kc if key_weight is None else kc * key_weight).transpose(-1, -2) @ v1c  # [b, h, N, Dk, Dv+1]
-        states = _carried_states(contributions, None if a is None else total[..., 0], reverse)
-        del contributions
-        update = qc @ states
-        del states
-        # in place: neither tensor is saved for backward, and each is as large as the output
-        outc.add_(update if query_weight is None else update.mul_(query_weight))
-        del update

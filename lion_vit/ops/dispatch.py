@@ -3,9 +3,9 @@
 Every form computes the same function (docs/design.md section 1); the plan only picks the cheapest
 exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
-  under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable PyTorch forms, which on a CPU, eagerly, work in the
-  cache-sized groups and row blocks of lion_vit.ops.cpu (its groups.tuned is the switch); "triton"
-  the GPU kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
+  under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable
+  PyTorch forms (attention.py, recurrent.py, chunk.py: plain autograd, any device), "triton" the GPU
+  kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
@@ -16,15 +16,16 @@ exact way to get it:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from . import triton as triton_backend
-from .chunk import chunk_count, whole_product_is_cheaper
-from .cpu import groups as cpu_groups
-from .rows import exporting
+from .attention import attention_form
+from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
+from .recurrent import recurrent_form
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
@@ -48,15 +49,13 @@ class Plan:
 
     form: the form that runs (attention | rnn | chunk); backend: torch | triton; whole: the chunk form
     runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
-    the chunk form); cpu_tuned: the torch backend on a CPU, eagerly, where the forms work in
-    cache-sized groups of rows (lion_vit.ops.cpu; the same function either way, so not compared).
+    the chunk form).
     """
 
     form: str
     backend: str
     whole: bool = False
     chunks: int = 1
-    cpu_tuned: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -66,7 +65,7 @@ class Plan:
                 (" (FLA kernels)" if self.backend == "triton" else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
-        return f"{self.form} form, {self.backend} backend: {what}" + (", CPU row groups" if self.cpu_tuned else "")
+        return f"{self.form} form, {self.backend} backend: {what}"
 
 
 def check_form(form: str, chunk_size: Optional[int] = None) -> None:
@@ -122,20 +121,65 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
-    on_cpu = cpu_groups.tuned(device)  # (the torch backend's CPU tuning applies)
     if form == "attention":
-        return Plan("attention", "torch", whole=True, cpu_tuned=on_cpu)
-    if form == "rnn":  # (one token at a time: no groups)
+        return Plan("attention", "torch", whole=True)
+    if form == "rnn":
         return Plan("rnn", backend)
     if backend == "triton":
         chunk_size = TRITON_CHUNK
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # a product of torch matmuls either way
-        return Plan("chunk", "torch", whole=True, cpu_tuned=on_cpu)
+        return Plan("chunk", "torch", whole=True)
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
         _warn_once("flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
                    "(fla-org/flash-linear-attention#640): LION layers train through its fused recurrent kernels "
                    "instead (the same function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
         return Plan("rnn", "triton")
-    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), cpu_tuned=on_cpu and backend == "torch")
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size))
+
+
+Form = Callable[..., Tuple[Tensor, Tensor]]
+# (q, k, v, log_decays [S, B|1, H|1, L|1] or None, orders [S, L] or None, chunk_size=) -> (numerator, normaliser)
+TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chunk_form}
+
+
+def implementation(run: Plan) -> Form:
+    """The function that computes a plan: a portable form, or the triton backend's kernels."""
+    if run.backend == "triton":
+        return {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+    return TORCH_FORMS["attention" if run.whole else run.form]
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing: its programs are torch ops, which the GPU kernels are not."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # (torch >= 2.5)
+    return bool(is_exporting and is_exporting())
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
+                 orders: Optional[Tensor] = None) -> None:
+    """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
+    decays, broadcast into a wrong result), and, on a CPU, for decays above 1: the log-space masks
+    assume log(lam) <= 0. (A GPU skips the value check, which would synchronise every layer; so does
+    a compiler.) log_decays: one scan's, or with orders [S, L] a multi-scan call's [S, ...]."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, heads, length = q.shape[:3]
+    if orders is not None and orders.shape[-1] != length:
+        raise ValueError(f"orders [S, L] has L = {orders.shape[-1]} but q has {length} tokens")
+    if log_decays is None:
+        return
+    scans = [log_decays] if orders is None else list(log_decays)
+    if orders is not None and len(scans) != len(orders):
+        raise ValueError(f"log_decays has {len(scans)} scans but orders has {len(orders)}")
+    for log_decay in scans:
+        shape = tuple(log_decay.shape)
+        if (len(shape) > 3 or shape[-1] not in (1, length)
+                or any(size not in (1, full) for size, full in zip(shape[::-1][1:], (heads, batch)))):
+            raise ValueError(f"log decays must broadcast to [B, H, L] = [{batch}, {heads}, {length}] with a last "
+                             f"dimension of 1 (one decay per head) or L (one per token); got {list(shape)}")
+    if log_decays.device.type == "cpu" and not torch.compiler.is_compiling() and bool((log_decays > 0).any()):
+        raise ValueError(f"log decays must be <= 0 (decays in (0, 1]), got up to {log_decays.max().item():.3g}; "
+                         "pass log(lam), e.g. F.logsigmoid(logits)")

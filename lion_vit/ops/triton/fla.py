@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -88,15 +88,67 @@ def _combine(forward: Tensor, backward: Tensor, q: Tensor, k: Tensor, v1: Tensor
     return total[..., :value_dim], total[..., value_dim:value_dim + 1]
 
 
-def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
-                       chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`).
+def _scans_on_batch(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
+                    log_decays: Optional[Tensor], orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Every scan in one kernel call: q, k, v and decays gathered into each scan's order and stacked on the
+    batch axis, the results put back in token order and summed. log_decays: None or [S, B|1, H|1, L|1] in
+    token order; orders: [S, L], or None for one scan in token order."""
+    if orders is None:
+        return one_scan(q, k, v, None if log_decays is None else log_decays[0])
+    (num_scans, length), (batch, heads) = orders.shape, q.shape[:2]
 
-    chunk_size is the torch backend's; the kernels use their own tile of 64 tokens.
-    """
+    def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
+        return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
+
+    a = None
+    if log_decays is not None:
+        a = log_decays.expand(num_scans, batch, heads, log_decays.shape[-1])
+        if a.shape[-1] != 1:  # per-token decays follow their tokens into scan order
+            a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
+        a = a.flatten(0, 1)
+    parts = one_scan(to_scans(q), to_scans(k), to_scans(v), a)
+    inverse = torch.argsort(orders, dim=-1)
+    numerator, normaliser = (sum(t.unflatten(0, (num_scans, batch))[s].index_select(2, inverse[s])
+                                 for s in range(num_scans)) for t in parts)
+    return numerator, normaliser
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity, whose backward refuses to be differentiated: FLA's hand-written backwards have no
+    double backward, and without this a second-order gradient fails deep inside autograd or comes
+    back silently missing."""
+
+    @staticmethod
+    def forward(ctx, numerator: Tensor, normaliser: Tensor) -> Tuple[Tensor, Tensor]:
+        return numerator.view_as(numerator), normaliser.view_as(normaliser)
+
+    @staticmethod
+    def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor) -> Tuple[Tensor, Tensor]:
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
+            raise RuntimeError("the triton backend (flash-linear-attention) has no double backward; for "
+                               "second-order gradients use attn_backend='torch'")
+        return grad_numerator, grad_normaliser
+
+
+def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
+               chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`),
+    every scan in one call. chunk_size is the torch backend's; the kernels use their own tile of 64 tokens."""
+    del chunk_size
+    return _FirstOrderOnly.apply(*_scans_on_batch(_chunk_one_scan, q, k, v, log_decays, orders))
+
+
+def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
+                   chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator and normaliser by FLA's fused recurrent kernel, once forward and once in reverse:
+    one kernel per direction instead of a chain of launches per token, O(L d) memory."""
+    del chunk_size
+    return _FirstOrderOnly.apply(*_scans_on_batch(_recurrent_one_scan, q, k, v, log_decays, orders))
+
+
+def _chunk_one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     from fla.ops.simple_gla import chunk_simple_gla
 
-    del chunk_size
     batch = q.shape[0]
     q, k, v1, a = _operands(q, k, v, log_decay)
     both = [_tokens_major(torch.cat([t, t.flip(2)])) for t in (q, k, v1)]  # [2B, L, H, D]
@@ -105,13 +157,9 @@ def chunk_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tens
     return _combine(out[:batch], out[batch:].flip(1), q, k, v1, v.shape[-1])
 
 
-def recurrent_unnormalized(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
-                           chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator and normaliser by FLA's fused recurrent kernel, once forward and once in reverse:
-    one kernel per direction instead of a chain of launches per token, O(L d) memory."""
+def _recurrent_one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     from fla.ops.simple_gla import fused_recurrent_simple_gla
 
-    del chunk_size
     q, k, v1, a = _operands(q, k, v, log_decay)
     operands = [_tokens_major(t) for t in (q, k, v1)]
     g_forward = g_backward = None
