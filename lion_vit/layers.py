@@ -1,7 +1,8 @@
 """LionAttention: a drop-in replacement for timm's `Attention` built on the LION ops.
 
-One module covers every variant: `decay` picks the mask (lit: all ones, fixed: one learnable
-decay per head, selective: an input-dependent decay per token and head) and `num_scans` picks
+One module covers every variant: `decay` names the kind of mask (lion_vit.decays: lit, all ones;
+fixed, one learnable decay per head; selective, an input-dependent decay per token and head; or a
+kind registered there) and `num_scans` picks
 single-scan (raster order) or the two snake scans of the "natural" models. The form
 (attention | rnn | chunk) can be switched at any time without touching the weights.
 """
@@ -10,21 +11,11 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .decays import DECAYS
 from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan,
                   mask_dtype, plan, snake_orders)
-
-DECAYS = ("lit", "fixed", "selective")
-
-
-def initial_decays(num_heads: int) -> Tensor:
-    """Spread initial decays over heads, from local (0.75) to near-global (~0.992) mixing.
-
-    Like RetNet's per-head gammas 1 - 2^-(5..), but on the scale of an image patch grid.
-    """
-    return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
 
 
 def fx_tracing() -> bool:
@@ -36,15 +27,12 @@ def fx_tracing() -> bool:
 
 # torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
 # branches on shapes, dtypes and devices; they run with real tensors when the traced graph runs
-def _log_decays(x: Tensor, logits: Tensor, selective: bool, num_scans: int, num_heads: int,
-                fixed_prefix: int = 0) -> Tensor:
-    """log lam = logsigmoid(logits) as [S, B|1, H, L|1]: logits [S, H] (fixed) or [B, L, S * H] (selective),
-    in float32 under autocast, float64 for float64 inputs; the first fixed_prefix tokens' decays are 1."""
-    logits = logits.to(mask_dtype(x.dtype))
-    if not selective:
-        return F.logsigmoid(logits)[:, None, :, None]
-    log_decay = F.logsigmoid(logits.unflatten(-1, (num_scans, num_heads))).permute(2, 0, 3, 1)
-    if fixed_prefix:
+def _log_decays(kind: str, x: Tensor, inputs: Optional[Tensor], num_scans: int, num_heads: int,
+                fixed_prefix: int = 0) -> Optional[Tensor]:
+    """The decay kind's log decays [S, B|1, H, L|1] in float32 (float64 for float64 inputs); the first
+    fixed_prefix tokens' per-token decays are 1."""
+    log_decay = DECAYS[kind].log_decays(inputs, num_scans, num_heads, mask_dtype(x.dtype), x.device)
+    if fixed_prefix and log_decay is not None and log_decay.shape[-1] > 1:
         log_decay = torch.cat([torch.zeros_like(log_decay[..., :fixed_prefix]), log_decay[..., fixed_prefix:]], -1)
     return log_decay
 
@@ -91,10 +79,11 @@ class LionAttention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         if decay not in DECAYS:
-            raise ValueError(f"unknown decay {decay!r}; choose one of {DECAYS}")
+            raise ValueError(f"unknown decay {decay!r}; choose one of {sorted(DECAYS)} (lion_vit.decays.register_decay "
+                             "adds one)")
         if num_scans not in (1, 2):
             raise ValueError(f"num_scans must be 1 (raster) or 2 (row and column snakes), got {num_scans}")
-        if num_scans == 2 and decay == "lit":
+        if num_scans == 2 and not DECAYS[decay].decayed:
             raise ValueError("multi-scan needs a decay: with an all-ones mask every scan is the same")
         if attn_drop:
             raise ValueError("attn_drop is not supported: the rnn and chunk forms never form attention weights")
@@ -103,6 +92,7 @@ class LionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.decay = decay
+        self.decay_kind = DECAYS[decay]
         self.num_scans = num_scans
         self.feature_map_name = feature_map
         self.query_map, self.key_map = get_feature_map(feature_map)
@@ -120,25 +110,19 @@ class LionAttention(nn.Module):
         norm_layer = norm_layer or nn.LayerNorm
         self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        if decay == "fixed":
-            # lam = sigmoid(decay_logit), one per scan and head (paper: lam = sigma(a)).
-            self.decay_logit = nn.Parameter(torch.zeros(num_scans, num_heads, **dd))
-        elif decay == "selective":
-            # lam_i = sigmoid(W x_i + b), one projection per scan (paper: lam_i = sigma(W_a^T x_i + b)).
-            self.decay_proj = nn.Linear(dim, num_scans * num_heads, **dd)
+        self.decay_kind.add_parameters(self, dim, dd)
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_decay_parameters()
 
-    @torch.no_grad()
     def reset_decay_parameters(self) -> None:
-        """Initialise decays per head (called again after timm's generic weight init)."""
-        logit = torch.logit(initial_decays(self.num_heads)).repeat(self.num_scans)
-        if self.decay == "fixed":
-            self.decay_logit.copy_(logit.view(self.num_scans, self.num_heads))
-        elif self.decay == "selective":
-            nn.init.normal_(self.decay_proj.weight, std=0.02)
-            self.decay_proj.bias.copy_(logit)
+        """Initialise the decays (called again after timm's generic weight init)."""
+        self.decay_kind.reset_parameters(self)
+
+    @property
+    def decayed(self) -> bool:
+        """Whether the mask has decays (False for LION-lit's all-ones mask)."""
+        return self.decay_kind.decayed
 
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None, backend: Optional[str] = None) -> None:
         """Switch the form (and chunk size; backend too unless None). Same weights, same function."""
@@ -155,7 +139,7 @@ class LionAttention(nn.Module):
         chunk form runs chunks or one product (ops.dispatch.plan)."""
         weight = self.qkv.weight
         return plan(self.attn_form, self.chunk_size, num_tokens, self.head_dim, self.head_dim,
-                    num_scans=self.num_scans, decayed=self.decay != "lit", device=device or weight.device,
+                    num_scans=self.num_scans, decayed=self.decayed, device=device or weight.device,
                     dtype=dtype or weight.dtype, backend=self.attn_backend,
                     training=self.training and torch.is_grad_enabled() and weight.requires_grad)
 
@@ -166,12 +150,10 @@ class LionAttention(nn.Module):
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
         """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
-        if self.decay == "fixed":
-            return _log_decays(x, self.decay_logit, False, self.num_scans, self.num_heads)
-        if self.decay == "selective":
-            return _log_decays(x, self.decay_proj(x), True, self.num_scans, self.num_heads,
-                               self.num_prefix_tokens if self.prefix_decay_one else 0)
-        return None
+        if not self.decayed:
+            return None
+        return _log_decays(self.decay, x, self.decay_kind.inputs(self, x), self.num_scans, self.num_heads,
+                           self.num_prefix_tokens if self.prefix_decay_one else 0)
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
         """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,

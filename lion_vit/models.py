@@ -24,10 +24,12 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 from torch import Tensor, nn
 
+from .decays import DECAYS
 from .layers import LionAttention, fx_tracing
 from .ops import Plan, check_backend, check_form
 
-__all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "create_model_at_size"]
+__all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "VARIANTS", "register_variant",
+           "create_model_at_size"]
 
 
 class DivisiblePatchEmbed(PatchEmbed):
@@ -119,7 +121,7 @@ class LionViT(VisionTransformer):
             raise ValueError("global_pool='token' pools the class token, but class_token=False; "
                              "leave class_token unset, or pool with global_pool='avg'")
         if pos_embed is None:
-            pos_embed = "learn" if decay == "lit" else "none"
+            pos_embed = "learn" if decay in DECAYS and not DECAYS[decay].decayed else "none"
         if pos_embed not in ("", "none", "learn"):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
@@ -307,19 +309,19 @@ def _cfg(**kwargs: Any) -> Dict[str, Any]:
     }
 
 
-_VARIANTS = {  # name prefix -> (decay, number of scans)
-    "lion_lit": ("lit", 1),
-    "lion_d": ("fixed", 1),
-    "lion_s": ("selective", 1),
-    "lion_d_natural": ("fixed", 2),
-    "lion_s_natural": ("selective", 2),
+VARIANTS: Dict[str, Dict[str, Any]] = {  # name prefix -> LionViT settings (decay kinds: lion_vit.decays)
+    "lion_lit": dict(decay="lit"),
+    "lion_d": dict(decay="fixed"),
+    "lion_s": dict(decay="selective"),
+    "lion_d_natural": dict(decay="fixed", num_scans=2),
+    "lion_s_natural": dict(decay="selective", num_scans=2),
 }
-_SIZES = {  # ViT-T/S/B
+SIZES = {  # ViT-T/S/B
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
     "small": dict(embed_dim=384, depth=12, num_heads=6),
     "base": dict(embed_dim=768, depth=12, num_heads=12),
 }
-LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in _VARIANTS for size in _SIZES)
+LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in VARIANTS for size in SIZES)
 
 DISTILLED_MODEL_NAMES = tuple(f"{name}_distilled" for name in LION_MODEL_NAMES)  # DeiT's distillation token
 
@@ -332,8 +334,7 @@ def _create_lion_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> L
     if variant.endswith("_distilled"):
         kwargs["distilled"] = True
     prefix, size = variant.removesuffix("_distilled").rsplit("_", 1)
-    decay, num_scans = _VARIANTS[prefix]
-    model_args = dict(patch_size=16, decay=decay, num_scans=num_scans, **_SIZES[size])
+    model_args = dict(patch_size=16, **VARIANTS[prefix], **SIZES[size])
     return build_model_with_cfg(
         LionViT, variant, pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
@@ -342,88 +343,26 @@ def _create_lion_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> L
     )
 
 
-@register_model
-def lion_lit_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_lit_tiny", pretrained, **kwargs)
-
-
-@register_model
-def lion_lit_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_lit_small", pretrained, **kwargs)
-
-
-@register_model
-def lion_lit_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_lit_base", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_tiny", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_small", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_base", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_tiny", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_small", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_base", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_natural_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_natural_tiny", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_natural_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_natural_small", pretrained, **kwargs)
-
-
-@register_model
-def lion_d_natural_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_d_natural_base", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_natural_tiny(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_natural_tiny", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_natural_small(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_natural_small", pretrained, **kwargs)
-
-
-@register_model
-def lion_s_natural_base(pretrained: bool = False, **kwargs: Any) -> LionViT:
-    return _create_lion_vit("lion_s_natural_base", pretrained, **kwargs)
-
-
-def _register_distilled(name: str) -> None:
-    """Register <name>_distilled (as timm names DeiT's distilled models): the model with distilled=True."""
+def _register(name: str) -> None:
+    """timm's @register_model for one name, as a function of this module (where timm reads default_cfgs)."""
     def create(pretrained: bool = False, **kwargs: Any) -> LionViT:
-        return _create_lion_vit(f"{name}_distilled", pretrained, **kwargs)
-    create.__name__ = create.__qualname__ = f"{name}_distilled"
-    globals()[create.__name__] = register_model(create)
+        return _create_lion_vit(name, pretrained, **kwargs)
+    create.__name__ = create.__qualname__ = name
+    if name not in default_cfgs:
+        default_cfgs.update(generate_default_cfgs({f"{name}.untrained": _cfg(
+            classifier=("head", "head_dist") if name.endswith("_distilled") else "head")}))
+    globals()[name] = register_model(create)
 
 
-for _name in LION_MODEL_NAMES:
-    _register_distilled(_name)
+def register_variant(prefix: str, **settings: Any) -> Tuple[str, ...]:
+    """Register <prefix>_{tiny,small,base} and their <name>_distilled twins with timm: a LION variant is
+    its LionViT settings (decay kind, scans, feature map, ...). Returns the names."""
+    VARIANTS[prefix] = settings
+    names = tuple(f"{prefix}_{size}{suffix}" for size in SIZES for suffix in ("", "_distilled"))
+    for name in names:
+        _register(name)
+    return names
+
+
+for _prefix, _settings in list(VARIANTS.items()):
+    register_variant(_prefix, **_settings)

@@ -34,7 +34,7 @@ def estimate_peak_bytes(model: nn.Module, img_size: int, batch_size: int, traini
     if hasattr(model, "attn_plan"):
         attn = blocks[0].attn
         run = model.attn_plan((img_size, img_size))
-        if attn.decay == "lit" or not (run.form == "attention" or run.whole):
+        if not attn.decayed or not (run.form == "attention" or run.whole):
             square = 0  # Q (K^T V), the rnn form, chunks: nothing of size L x L
     parameters = sum(p.numel() for p in model.parameters()) * 4 * (4 if training else 1)
     return parameters + activations + square

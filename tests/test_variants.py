@@ -1,0 +1,48 @@
+"""A variant is data: a decay kind defined outside the package (RetNet's fixed per-head decays, the
+paper's Table 1 row) with one registration, and every form agrees with the float64 reference."""
+from __future__ import annotations
+
+import timm
+import torch
+
+import lion_vit.layers
+from lion_vit.decays import DECAYS, Decay, register_decay
+from lion_vit.models import register_variant
+from lion_vit.ops.reference import lion_reference
+from naive import rel_err
+
+
+class RetNetDecay(Decay):
+    """gamma_h = 1 - 2^(-5-h), fixed: no parameters."""
+
+    def log_decays(self, inputs, num_scans, num_heads, dtype, device):
+        gamma = 1 - 2.0 ** (-5.0 - torch.arange(num_heads, dtype=dtype, device=device))
+        return gamma.log().expand(num_scans, num_heads)[:, None, :, None]
+
+
+def test_lion_retnet_defined_outside_the_package(monkeypatch):
+    register_decay("retnet", RetNetDecay())
+    names = register_variant("lion_retnet", decay="retnet")
+    try:
+        assert "lion_retnet_small" in names and "lion_retnet_small" in timm.list_models("lion_retnet_*")
+        model = timm.create_model("lion_retnet_tiny", num_classes=4, img_size=32, patch_size=8, depth=2).double().eval()
+        assert not any(".decay_" in name for name, _ in model.named_parameters())  # nothing learnable
+        assert model.pos_embed is None  # decayed: the mask carries position
+        attn = next(model.lion_attentions())
+        log_decay = attn.log_decay(torch.zeros(1, 17, model.embed_dim, dtype=torch.float64))
+        assert torch.allclose(log_decay.exp().flatten(), 1 - 2.0 ** -torch.arange(5.0, 8.0, dtype=torch.float64))
+
+        x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        with monkeypatch.context() as patch:  # every layer through the paper's formula
+            patch.setattr(lion_vit.layers, "lion_attention", lambda q, k, v, a, **_: lion_reference(q, k, v, a))
+            expected = model(x)
+        with torch.no_grad():
+            for form, chunk in [("attention", None), ("rnn", None), ("chunk", 3)]:
+                assert rel_err(model.set_attn_form(form, chunk)(x), expected) < 1e-10, form
+    finally:  # out of timm's registry again, for the tests that list every LION model
+        from timm.models import _registry
+        DECAYS.pop("retnet")
+        for name in names:
+            _registry._clear_model_entries(name)
+            _registry._model_entrypoints.pop(name)
+        assert not timm.list_models("lion_retnet_*")
