@@ -49,8 +49,9 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
     num_chunks = chunk_count(length, chunk_size)
     size = -(-length // num_chunks)
     pad = num_chunks * size - length
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along as a column
-    qc, kc, v1c = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (num_chunks, size)) for t in (q, k, v1))  # [B, H, N, C, D]
+    # [v, 1]: the normaliser rides along as a column (padded rows of ones meet zero keys: they add nothing)
+    v1c = F.pad(v, (0, 1, 0, pad), value=1.0).unflatten(-2, (num_chunks, size))
+    qc, kc = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (num_chunks, size)) for t in (q, k))  # [B, H, N, C, D]
     if log_decay is None:
         out = (qc @ kc.transpose(-1, -2)) @ v1c
     else:
@@ -59,9 +60,8 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
         # one decay per head: every chunk shares one [C, C] Toeplitz block
         intra_mask = decay_mask(log_decay[..., None, :] if log_decay.shape[-1] == 1 else a, size)
         out = ((qc @ kc.transpose(-1, -2)).to(intra_mask.dtype) * intra_mask) @ v1c.to(intra_mask.dtype)
-    if num_chunks > 1:
-        out = out + _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse=False) + \
-            _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse=True)
+    for reverse in (False, True) if num_chunks > 1 else ():
+        out = out + _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse)
     out = out.flatten(-3, -2)[..., :length, :]
     return out[..., :-1], out[..., -1:]
 

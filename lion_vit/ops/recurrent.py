@@ -5,13 +5,15 @@
     output:   y^F_t + y^B_t - (q_t . k_t) [v_t, 1]            (the diagonal is counted once)
 
 Both directions advance together, stacked on a new leading axis: one loop over the tokens, O(d^2)
-state and O(L d) memory without autograd, no L x L matrix.
+state and O(L d) memory without autograd, no L x L matrix; the stacked inputs are gathered a block
+of STEP_BLOCK steps at a time.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .scans import over_scans
@@ -28,22 +30,36 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     return over_scans(_one_scan, q, k, v, log_decays, orders)
 
 
+# Steps whose inputs (both directions) are gathered at once: O(block d) memory for them, not O(L d).
+STEP_BLOCK = 256
+
+
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along as a column
-    queries, keys, values = (torch.stack([t, t.flip(-2)]) for t in (q, k, v1))  # [2, B, H, L, D]
-    steps = zip(queries.unsqueeze(-2).unbind(-3), keys.unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
-    decays = [None] * q.shape[-2]
-    if log_decay is not None:  # step t scales the state by lam_{t-1}, and by lam_{L-t} in the mirror
+    length = q.shape[-2]
+    decays = None  # [2, B|1, H|1, L|1]: step t scales the state by lam_{t-1}, and by lam_{L-t} in the mirror
+    if log_decay is not None:
         lam = torch.exp(log_decay).to(q.dtype)
-        decays = torch.stack([lam, lam.flip(-1)])[..., None, None].unbind(-3) if lam.shape[-1] > 1 else \
-            [torch.stack([lam, lam])[..., None]] * q.shape[-2]
-    state = q.new_zeros(*queries.shape[:-2], k.shape[-1], v1.shape[-1])  # [2, B, H, Dk, Dv+1]
+        decays = torch.stack([lam, lam.flip(-1)])
+        decays = F.pad(decays[..., :-1], (1, 0)) if lam.shape[-1] > 1 else decays
+    state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], v.shape[-1] + 1)  # [2, B, H, Dk, Dv+1]
     outputs = []
-    for t, (q_t, k_t, v_t) in enumerate(steps):
-        if t > 0 and log_decay is not None:
-            state = state * decays[t - 1]
-        state = torch.addcmul(state, k_t, v_t)
-        outputs.append(q_t @ state)  # [2, B, H, 1, Dv+1]
+    for start in range(0, length, STEP_BLOCK):
+        stop = min(start + STEP_BLOCK, length)
+
+        def steps(t: Tensor) -> Tensor:
+            """Steps start..stop-1 of the sequence and of its mirror: [2, B, H, stop - start, D]."""
+            return torch.stack([t[..., start:stop, :], t[..., length - stop:length - start, :].flip(-2)])
+
+        values = steps(v)
+        values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [v, 1]: the normaliser's column
+        block = zip(steps(q).unsqueeze(-2).unbind(-3), steps(k).unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
+        for t, (q_t, k_t, v_t) in enumerate(block, start):
+            if t > 0 and decays is not None:
+                state = state * decays[..., t if decays.shape[-1] > 1 else 0, None, None]
+            state = torch.addcmul(state, k_t, v_t)
+            outputs.append(q_t @ state)  # [2, B, H, 1, Dv+1]
     both = torch.cat(outputs, dim=-2)
-    total = both[0] + both[1].flip(-2) - (q * k).sum(-1, keepdim=True) * v1
-    return total[..., :-1], total[..., -1:]
+    del outputs
+    diagonal = (q * k).sum(-1, keepdim=True)  # counted in both directions
+    numerator = both[0, ..., :-1] + both[1, ..., :-1].flip(-2) - diagonal * v
+    return numerator, both[0, ..., -1:] + both[1, ..., -1:].flip(-2) - diagonal
