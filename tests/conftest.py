@@ -25,6 +25,15 @@ def chunks_always(monkeypatch):
     monkeypatch.setattr(lion_vit.ops.dispatch, "whole_product_is_cheaper", lambda *args, **kwargs: False)
 
 
+@pytest.fixture
+def one_row_groups(monkeypatch):
+    """The CPU backend (the chunk form without autograd on a CPU) runs one (batch, head) row per group,
+    so that tests at small sizes exercise its groups."""
+    import lion_vit.ops.cpu.rows
+
+    monkeypatch.setattr(lion_vit.ops.cpu.rows, "GROUP_BYTES", 1)
+
+
 @pytest.fixture(scope="session")
 def folder(tmp_path_factory):
     """A tiny 3-class image folder (train/ and val/) that a model learns in a few steps."""

@@ -23,8 +23,13 @@ def kernels(monkeypatch):
 
 
 def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
+    """On a CPU the chunk form runs in groups of rows without autograd (the cpu backend), the portable
+    form with it or where "torch" is asked for."""
     kernels(True)
-    assert plan("chunk", 64, 3136, 64, 64, device=CPU).backend == "torch"
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU, training=True).backend == "torch"
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=49)
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU, backend="torch").backend == "torch"
+    assert plan("rnn", None, 3136, 64, 64, device=CPU).backend == "torch"
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "triton"
     assert plan("rnn", None, 3136, 64, 64, device=CUDA).backend == "triton"
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, dtype=torch.float64).backend == "torch"
@@ -51,7 +56,7 @@ def test_chunk_form_runs_one_product_where_cheaper(kernels):
     kernels(True)
     assert plan("chunk", 64, 196, 64, 64, num_scans=2).whole  # natural models at 224 px
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole
-    assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "torch", chunks=13)
+    assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13)
     assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=13)
 
 
@@ -84,6 +89,9 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     model = timm.create_model("lion_d_natural_tiny", attn_form="chunk", chunk_size=64, attn_backend="torch")
     assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product"
     assert str(model.attn_plan((896, 896))) == "chunk form, torch backend: 49 chunks"
+    model.set_attn_form("chunk", 64, backend="auto")
+    assert str(model.eval().attn_plan((896, 896))) == "chunk form, cpu backend: 49 chunks in groups of rows"
+    model.train().set_attn_form("chunk", 64, backend="torch")
     one_scan = timm.create_model("lion_d_tiny", attn_form="chunk", chunk_size=5000, attn_backend="torch")
     assert str(one_scan.attn_plan((896, 896))) == "chunk form, torch backend: one chunk"
     assert model.attn_plan((896, 896), device=CUDA).backend == "torch"  # asked for torch

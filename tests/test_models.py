@@ -334,8 +334,8 @@ def test_compile_fullgraph_trains_like_eager(name, backend, form):
 def test_torch_export_every_form(name, grad):
     """torch.export (what ONNX and deployment build on) traces every form with a dynamic batch size and
     the exported program gives eager's outputs, traced without autograd (and with it for the selective
-    models): no write into an out= buffer, and no CPU row group that would tie the graph to the traced
-    batch size, reaches the trace."""
+    models): no group of rows (the CPU backend's) that would tie the graph to the traced batch size
+    reaches the trace."""
     model = _one_block_model(name).eval()
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     other_batch = torch.randn(3, 3, 32, 48, generator=torch.Generator().manual_seed(1))

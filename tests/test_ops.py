@@ -7,8 +7,9 @@ import torch
 from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
 from naive import naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
 
-# the chunk form runs its chunks even where one product over these short sequences would cost less
-pytestmark = pytest.mark.usefixtures("chunks_always")
+# the chunk form runs its chunks even where one product over these short sequences would cost less, and
+# without autograd (the CPU backend) one row per group
+pytestmark = pytest.mark.usefixtures("chunks_always", "one_row_groups")
 
 FORMS = [("attention", None), ("rnn", None), ("chunk", 1), ("chunk", 7), ("chunk", 64), ("chunk", "L")]
 DECAYS = ["lit", "fixed", "selective", "near0", "near1", "underflow"]
@@ -369,6 +370,36 @@ def test_double_backward_matches_naive(form, decay, scans):
 
 
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+@pytest.mark.parametrize("scans", [1, 2])
+def test_cpu_backend_matches_the_portable_chunk_form(scans, decay):
+    """The CPU backend (the portable chunk form in groups of rows) against the portable form itself and the
+    float64 oracle: outputs, gradients and second-order gradients, decays broadcast over the batch too."""
+    from lion_vit.ops import dispatch
+    if scans == 2 and decay == "lit":
+        return
+    orders = snake_orders(3, 4, 1) if scans == 2 else None
+    q, k, v, lam = make_inputs(3, 2, 13, 4, decay, torch.float64, seed=34)
+    log_decays = None if lam is None else torch.log(lam)[:, :1].expand(scans, -1, -1, -1)  # shared by heads
+    g = torch.Generator().manual_seed(35)
+    upstream, weights = torch.randn(v.shape, dtype=torch.float64, generator=g), None
+    results = []
+    for backend in ("cpu", "torch"):
+        run = dispatch.implementation(dispatch.Plan("chunk", backend, chunks=3))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if lam is None else [log_decays.clone().requires_grad_()])
+        numerator, normaliser = run(*leaves[:3], leaves[3] if lam is not None else None, orders, chunk_size=5)
+        out = numerator / normaliser
+        first = torch.autograd.grad((out * upstream).sum(), leaves, create_graph=True)
+        weights = weights or [torch.randn(t.shape, dtype=torch.float64, generator=g) for t in first]
+        second = torch.autograd.grad(sum((f * w).sum() for f, w in zip(first, weights)), leaves, allow_unused=True)
+        results.append([out, *first, *second])
+    expected = naive_lion(q, k, v, None if lam is None else lam[:, :1]) if scans == 1 else \
+        naive_multiscan(q, k, v, lam[:, :1].expand(2, 3, 1, 13), orders)
+    assert rel_err(results[0][0], expected) < 1e-10
+    for got, ref in zip(*results):
+        assert (got is None) == (ref is None) and (got is None or rel_err(got, ref) < 1e-10)
+
+
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
 @pytest.mark.parametrize("form", TRAINING_FORMS, ids=_form_id)
 def test_backward_twice(form, decay):
     """loss.backward(retain_graph=True) twice accumulates the same gradient twice (nothing the backward
@@ -428,3 +459,19 @@ def test_autocast_bf16_backward(decay):
         assert rel_err(got, ref) < 5e-2
 
 
+
+
+@pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
+def test_rnn_across_step_blocks(decay, monkeypatch):
+    """The rnn form gathers its inputs a block of steps at a time: blocks that do not divide L give the
+    exact outputs and gradients."""
+    import lion_vit.ops.recurrent as recurrent
+    monkeypatch.setattr(recurrent, "STEP_BLOCK", 4)
+    q, k, v, lam = make_inputs(2, 2, 13, 6, decay, torch.float64, seed=9)
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    expected, ref_grads = oracle_with_grads(q, k, v, lam, upstream)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if lam is None else [torch.log(lam).requires_grad_()])
+    out = lion_attention(*leaves[:3], leaves[3] if lam is not None else None, form="rnn")
+    assert rel_err(out, expected) < 1e-10
+    for name, got, ref in zip("qkva", torch.autograd.grad((out * upstream).sum(), leaves), ref_grads):
+        assert rel_err(got, ref) < 1e-9, f"grad of {name}"

@@ -5,7 +5,8 @@ exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
   under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable
   PyTorch forms (attention.py, recurrent.py, chunk.py: plain autograd, any device), "triton" the GPU
-  kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms;
+  kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms; on a CPU without
+  autograd, eagerly, "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
@@ -22,6 +23,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import cpu as cpu_backend
 from . import triton as triton_backend
 from .attention import attention_form
 from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
@@ -47,7 +49,7 @@ _warned = set()
 class Plan:
     """What a LION layer runs for one sequence length.
 
-    form: the form that runs (attention | rnn | chunk); backend: torch | triton; whole: the chunk form
+    form: the form that runs (attention | rnn | chunk); backend: torch | cpu | triton; whole: the chunk form
     runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
     the chunk form).
     """
@@ -62,7 +64,7 @@ class Plan:
             what = "fused recurrent kernels" if self.backend == "triton" else "recurrence loop"
         elif self.form == "chunk" and not self.whole:
             what = ("one chunk" if self.chunks == 1 else f"{self.chunks} chunks") + \
-                (" (FLA kernels)" if self.backend == "triton" else "")
+                {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
         return f"{self.form} form, {self.backend} backend: {what}"
@@ -118,6 +120,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     """What runs for a call of `form` on sequences of `length` tokens (see the module docstring).
     training: autograd records the call (its backward will run)."""
     check_form(form, chunk_size)
+    auto_backend = backend == "auto"
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
@@ -136,6 +139,10 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                    "(fla-org/flash-linear-attention#640): LION layers train through its fused recurrent kernels "
                    "instead (the same function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
         return Plan("rnn", "triton")
+    # (a compiler traces whole tensors: groups would tie its graph to the traced batch size)
+    if auto_backend and backend == "torch" and device.type == "cpu" and not training and \
+            not torch.compiler.is_compiling():
+        backend = "cpu"
     return Plan("chunk", backend, chunks=chunk_count(length, chunk_size))
 
 
@@ -148,6 +155,8 @@ def implementation(run: Plan) -> Form:
     """The function that computes a plan: a portable form, or the triton backend's kernels."""
     if run.backend == "triton":
         return {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+    if run.backend == "cpu":
+        return cpu_backend.chunk_form
     return TORCH_FORMS["attention" if run.whole else run.form]
 
 

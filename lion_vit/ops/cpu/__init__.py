@@ -1,0 +1,8 @@
+"""The CPU backend: the portable chunk form one group of (batch, head) rows at a time, for inference
+(docs/design.md section 2). The rows of a LION layer are independent, so each group is the same
+function on fewer rows; its temporaries (padded copies, chunk scores, states) are then a group's
+size, not the batch's, and a 1248 px image's attention stays below its MLP's peak memory.
+"""
+from .rows import GROUP_BYTES, chunk_form
+
+__all__ = ["GROUP_BYTES", "chunk_form"]
