@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from .masks import decay_mask
@@ -24,4 +25,6 @@ def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     masks = [decay_mask(a, length, order) for a, order in zip(log_decays.unbind(0), scan_orders)]
     mask = sum(masks[1:], masks[0])
     weights = (q @ k.transpose(-1, -2)).to(mask.dtype) * mask  # float32 under autocast
-    return weights @ v.to(weights.dtype), weights.sum(-1, keepdim=True)
+    # [v, 1]: the normaliser rides along as a column (one matmul, no separate pass for the row sums)
+    out = weights @ torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).to(weights.dtype)
+    return out[..., :-1], out[..., -1:]
