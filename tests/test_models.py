@@ -390,3 +390,39 @@ def test_fx_feature_extraction_gives_the_eager_features(name):
 def test_torchscript_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match=r"cannot be scripted .*use torch.compile\(model\) or torch.export"):
         torch.jit.script(timm.create_model("lion_d_tiny", depth=1))
+
+
+@pytest.mark.usefixtures("chunks_always")
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_backward_twice_and_double_backward(name, monkeypatch):
+    """With default settings (attention form, torch backend on a CPU), and in the other forms that train,
+    every variant does what a timm ViT does: loss.backward(retain_graph=True) twice, and a gradient
+    penalty on the input gradient (double backward), with the gradients of a model whose every layer is
+    the float64 reference."""
+    from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
+    model = _one_block_model(name).double()
+    x = torch.randn(2, 3, 32, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    params = [p for p in model.parameters()]
+
+    def gradients():
+        model.zero_grad()
+        loss = model(x).square().sum()
+        loss.backward(retain_graph=True)
+        once = [p.grad.clone() for p in params]
+        loss.backward()
+        assert all(torch.allclose(p.grad, 2 * g, rtol=1e-12, atol=0) for p, g in zip(params, once))
+        (grad_x,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        second = torch.autograd.grad(grad_x.square().sum(), params, allow_unused=True)
+        return once + [torch.zeros_like(p) if g is None else g for p, g in zip(params, second)]
+
+    results = {}
+    for form, chunk in FORMS:
+        model.set_attn_form(form, chunk)
+        results[form] = gradients()
+    monkeypatch.setattr(lion_vit.layers, "lion_attention", lambda q, k, v, a, **_: lion_reference(q, k, v, a))
+    monkeypatch.setattr(lion_vit.layers, "lion_attention_multiscan",
+                        lambda q, k, v, a, orders, **_: lion_reference_multiscan(q, k, v, a, orders))
+    expected = gradients()
+    for form, got in results.items():
+        for g, e in zip(got, expected):
+            assert rel_err(g, e) < 1e-9, form
