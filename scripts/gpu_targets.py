@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 26's GPU targets against what `make gpu-check` measured: one line per target with the measured
+"""The GPU targets (docs/benchmarks.md, "GPU check") against what `make gpu-check` measured: one line per target with the measured
 ratio and whether it is met, read from the CSVs in the gpu-check folder (scripts/gpu_check.sh runs this
 last). A target whose measurement is missing or failed says so.
 

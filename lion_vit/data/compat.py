@@ -2,8 +2,8 @@
 
 RandAugment's "PosterizeIncreasing" keeps 4 - int(4 * level / 10) bits, so a magnitude drawn at its
 maximum (rand-m9-mstd0.5 reaches 10 for about 2 % of ops) keeps 0 bits. Pillow < 13 turned that into
-a black image; Pillow 13 raises ValueError instead, which ended a DeiT-recipe run within its first
-batches (7 of 3,000 images at 224 px in an ad hoc count). Here keeping 0 bits gives the black image again.
+a black image; Pillow 13 raises ValueError instead, which ends a DeiT-recipe run within its first
+batches. Here keeping 0 bits gives the black image again.
 """
 from __future__ import annotations
 

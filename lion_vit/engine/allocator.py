@@ -20,8 +20,8 @@ log = logging.getLogger("lion_vit")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _HEAP_UP_TO = 1 << 30  # serve blocks up to 1 GiB from the heap, not from fresh mmaps
-_NEVER = -1  # read by glibc as SIZE_MAX: never trim the heap top. A finite threshold (even 1 GiB)
-# still let a ViT-S step at batch 32 give back, and fault in again, ~60k pages per step.
+_NEVER = -1  # read by glibc as SIZE_MAX: never trim the heap top. With any finite threshold glibc gives
+# the top back and faults it in again at every training step (docs/benchmarks.md, --malloc default).
 
 
 def keep_freed_memory() -> bool:

@@ -138,11 +138,9 @@ def whole_product_is_cheaper(length: int, chunk_size: Optional[int], key_dim: in
                           plus 4 L Dk Dv1 for the states passed both ways (K^T V1 in, Q out, each way);
       whole, all scans:   L^2 (Dk + Dv1), the scans' masks summed into one; without decays
                           2 L Dk Dv1 (Q (K^T V1)), which no chunking beats, even one chunk.
-    With decays the whole product is cheaper when L < S (C + 4 Dk Dv1 / (Dk + Dv1)): at head width 64
-    and chunk_size 64, below about 180 tokens for one scan and 360 for two (224 px at patch 16: 196).
-    Its L x L weights then hold fewer than S (C + 2 Dk + 2) entries per query, the order of the chunk
-    form's own temporaries. One chunk (no states to pass) is that product for one scan (False), and
-    costs S of them for S scans (True).
+    The threshold this gives, and what it means at head width 64: docs/design.md, "One product or
+    chunks". One chunk (no states to pass) is that product for one scan (False), and costs S of them
+    for S scans (True).
     """
     if not decayed:
         return True
