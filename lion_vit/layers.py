@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .decays import DECAYS
+from .decays import DECAYS, Decay
 from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan,
                   mask_dtype, plan, snake_orders)
 
@@ -92,7 +92,6 @@ class LionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.decay = decay
-        self.decay_kind = DECAYS[decay]
         self.num_scans = num_scans
         self.feature_map_name = feature_map
         self.query_map, self.key_map = get_feature_map(feature_map)
@@ -118,6 +117,11 @@ class LionAttention(nn.Module):
     def reset_decay_parameters(self) -> None:
         """Initialise the decays (called again after timm's generic weight init)."""
         self.decay_kind.reset_parameters(self)
+
+    @property
+    def decay_kind(self) -> Decay:
+        """The decay kind named by self.decay (lion_vit.decays)."""
+        return DECAYS[self.decay]
 
     @property
     def decayed(self) -> bool:

@@ -325,9 +325,7 @@ LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in VARIANTS for size in
 
 DISTILLED_MODEL_NAMES = tuple(f"{name}_distilled" for name in LION_MODEL_NAMES)  # DeiT's distillation token
 
-default_cfgs = generate_default_cfgs({f"{name}.untrained": _cfg(classifier=("head", "head_dist") if
-                                                                 name.endswith("_distilled") else "head")
-                                      for name in LION_MODEL_NAMES + DISTILLED_MODEL_NAMES})
+default_cfgs: Dict[str, Any] = {}  # name -> timm DefaultCfg, filled by register_variant before timm reads it
 
 
 def _create_lion_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> LionViT:
@@ -348,9 +346,8 @@ def _register(name: str) -> None:
     def create(pretrained: bool = False, **kwargs: Any) -> LionViT:
         return _create_lion_vit(name, pretrained, **kwargs)
     create.__name__ = create.__qualname__ = name
-    if name not in default_cfgs:
-        default_cfgs.update(generate_default_cfgs({f"{name}.untrained": _cfg(
-            classifier=("head", "head_dist") if name.endswith("_distilled") else "head")}))
+    default_cfgs.update(generate_default_cfgs({f"{name}.untrained": _cfg(
+        classifier=("head", "head_dist") if name.endswith("_distilled") else "head")}))
     globals()[name] = register_model(create)
 
 

@@ -3,6 +3,7 @@
 An order lists, for each scan position, the token index it reads. Tokens are the prefix tokens
 (class token, ...) followed by the h x w patch grid in row-major order; prefix tokens open every
 scan. Orders depend only on (h, w), so any resolution, rectangular included, gets its own.
+`over_scans` runs a one-scan form along each order and sums the results in token order.
 """
 from __future__ import annotations
 
