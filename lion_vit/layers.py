@@ -176,7 +176,8 @@ class LionAttention(nn.Module):
             self.grid_size = None
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
         q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]
-        v = v.contiguous()  # without autograd, the [B, L, 3 * dim] projection is freed here
+        if fx_tracing() or not self.attn_plan(length, x.device, x.dtype).tokens_major:
+            v = v.contiguous()  # head-major for the torch forms; without autograd the projection is freed here
         log_decay = self.log_decay(x)
         if self.num_scans == 1:
             log_decay = None if log_decay is None else log_decay[0]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+from pathlib import Path
 
 import torch
 
 ON_GPU = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[1]
 
 KERNELS = all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
 SKIP_REASON = 'flash-linear-attention is not installed (pip install "lion-vit[gpu]")'

@@ -12,7 +12,8 @@ exact way to get it:
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
-  Triton 3.4.0-3.7.0) runs the fused recurrent kernels instead, and says so once.
+  Triton 3.4.0-3.7.0) runs the fused recurrent kernels instead, and says so once;
+- the triton backend reads q, k, v token-major (Plan.tokens_major), the torch forms head-major.
 """
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ class Plan:
     backend: str
     whole: bool = False
     chunks: int = 1
+
+    @property
+    def tokens_major(self) -> bool:
+        """Whether the backend reads q, k, v token-major ([B, L, H, D] in memory, FLA's layout): a layer
+        then hands over views of its projection rather than head-major copies."""
+        return self.backend == "triton"
 
     def __str__(self) -> str:
         if self.form == "rnn":

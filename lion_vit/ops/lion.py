@@ -2,7 +2,9 @@
 dispatch.plan picks (docs/design.md sections 1-2).
 
 Every form returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M) (summed over
-the scans); the division happens here, once, in float32 (float64 for float64 inputs).
+the scans); the division happens here, once, in the dtype they come in (float32 for the torch forms' sums of
+16-bit inputs; the kernels' own dtype on the triton backend, which an elementwise division of 16-bit
+tensors computes in float32 and rounds once, as a float32 division and a cast would).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .masks import mask_dtype
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
@@ -58,5 +59,4 @@ def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: 
                         training=torch.is_grad_enabled() and any(
                             t is not None and t.requires_grad for t in (q, k, v, log_decays)))
     numerator, normaliser = dispatch.implementation(run)(q, k, v, log_decays, orders, chunk_size=chunk_size)
-    work = mask_dtype(v.dtype)
-    return (numerator.to(work) / normaliser.to(work)).to(v.dtype)
+    return (numerator / normaliser).to(v.dtype)

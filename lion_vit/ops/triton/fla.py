@@ -1,18 +1,26 @@
-"""LION's chunk and rnn forms on flash-linear-attention's causal kernels.
+"""LION's chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
 
-FLA's scalar-gated recurrence is  S_t = exp(g_t) S_{t-1} + k_t v_t^T,  o_t = q_t^T S_t  (reverse=True
-runs it from the end). With a_t = log lam_t and v1 = [v, 1] (the normaliser's column):
+FLA's scalar-gated recurrence is  S_p = exp(g_p) S_{p-1} + k_p v_p^T,  o_p = scale q_p^T S_p,  over
+[B, L, H, D] tensors. With a_t = log lam_t, v1 = [v, 1] (the normaliser's column) and a scan order o
+(o[p]: the token at scan position p), every scan is two such sequences, stacked on the batch axis so
+that one kernel launch runs all of them (docs/design.md section 3):
 
-    forward  pass:  g_t = a_{t-1}  over the sequence                S^F_t = lam_{t-1} S^F_{t-1} + k_t v1_t^T
-    backward pass:  g_t = a_{t+1}  over the sequence from its end   S^B_t = lam_{t+1} S^B_{t+1} + k_t v1_t^T
-    numerator, normaliser = q_t^T S^F_t + q_t^T S^B_t - (q_t . k_t) v1_t
+    forward:   q, k, v1 at o[p],  g_p = a(o[p-1])                     -> token o[p] gets o_p
+    mirrored:  k, v1 at u[p] = o[L-1-p],  q at u[p+1],  g_p = a(u[p-1]) -> token u[p+1] gets lam(u[p]) o_p
 
-which is docs/design.md's bidirectional RNN. The chunk kernels have no reverse mode: the backward
-pass runs on the mirrored sequence, stacked with the forward one on the batch axis (one call).
+The mirrored sequence is strictly causal: its query runs one token ahead of its keys, so it sums the
+tokens after t in scan order without t itself, and the factor lam(u[p]) = lam of the token after t
+(0 for the scan's last token) completes the mask. The diagonal is counted once, by the forward pass,
+and nothing but the kernels' own inputs and outputs is kept for backward. Numerator and normaliser
+come back as views of one [B, L, H, Dv + 1] buffer in the kernels' dtype.
+
+q is scaled by 2^-round(log2(L) / 2) inside the kernels (their `scale`): exact in binary, cancelled by
+the division, and it keeps float16 normalisers of long sequences finite (docs/design.md, "float16").
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from functools import lru_cache
 from typing import Callable, Optional, Tuple
@@ -52,65 +60,90 @@ def _installed_triton_version() -> str:
     return triton.__version__
 
 
-def _shifted(a: Tensor) -> Tensor:
-    """g_t = a_{t-1} (g_0 = 0: the state before the first token is zero, so it never matters)."""
-    return F.pad(a[..., :-1], (1, 0))
+def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+    """For S scans (orders [S, L], or None: one scan in token order): the token index of every kernel
+    position for keys and values, and for queries, [2S * L] (each scan forward, then mirrored); and
+    where each token finds its mirrored output, [S, L] (position within the mirrored sequence)."""
+    order = torch.arange(length, device=device)[None] if orders is None else orders
+    mirrored = order.flip(-1)
+    kv = torch.stack([order, mirrored], 1).flatten()
+    q = torch.stack([order, mirrored.roll(-1, -1)], 1).flatten()
+    position = torch.argsort(order, dim=-1)  # token -> scan position
+    return kv, q, (length - 2 - position) % length
 
 
-def _operands(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]):
-    """q, k, v1 = [v, 1] in one dtype, and log decays [B, H, L] in float32 (or None).
+def _gates_and_folds(log_decays: Optional[Tensor], orders: Optional[Tensor], kv_index: Tensor, batch: int,
+                     heads: int, length: int) -> Tuple[Optional[Tensor], Tensor]:
+    """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's factor on its
+    mirrored output, [S, B|1, L, H|1, 1] in token order: lam of the next token in scan order, 0 for the
+    scan's last token."""
+    scans = 1 if orders is None else len(orders)
+    order = torch.arange(length, device=kv_index.device)[None] if orders is None else orders
+    last = torch.zeros(scans, length, device=kv_index.device, dtype=torch.bool)
+    last.scatter_(1, order[:, -1:], True)
+    if log_decays is None:
+        return None, (~last).float()[:, None, :, None, None]
+    a = log_decays.float()  # [S, B|1, H|1, L|1] in token order
+    if a.shape[-1] == 1:  # one decay per head: every gate is it (the first one meets a zero state)
+        gates = a.expand(scans, batch, heads, 1).permute(1, 0, 3, 2).expand(batch, scans, 2 * length, heads)
+        fold = a.exp().permute(0, 1, 3, 2)[..., None]
+    else:
+        a = a.expand(scans, a.shape[1], a.shape[2], length)
+        sequences = a.unflatten(-1, (1, length)).expand(-1, -1, -1, 2, -1).gather(
+            -1, kv_index.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
+        gates = F.pad(sequences[..., :-1], (1, 0)).flatten(-2).permute(1, 0, 3, 2)  # g_p = a(previous token)
+        gates = gates.expand(batch, scans, 2 * length, heads)
+        after = a.gather(-1, order.roll(-1, -1)[:, None, None].expand_as(a))  # lam of the next token ...
+        fold = after.scatter(-1, order[:, None, None, :].expand_as(a), after).exp()  # ... put at each token
+        fold = fold.permute(0, 1, 3, 2)[..., None]
+    return gates.reshape(batch * scans * 2, length, heads), fold.masked_fill(last[:, None, :, None, None], 0.0)
 
-    Every width is made even with a zero column: FLA refuses odd key or value widths in 16-bit backward
-    passes (a Triton miscompile, fla/ops/common/chunk_o.py), and the normaliser's column makes v1 odd
-    for every even head width. Zero columns of q and k leave every q . k unchanged, and v1's gives an
-    output column that is dropped; the kernels' tiles are powers of two, so it costs no work."""
+
+def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor]):
+    """The kernels' operands: q, k, v1 as [B * 2S, L, H, D] (one gather each from token-major views of
+    the inputs), gates, folds and where tokens find their mirrored outputs."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
-    ones = v.new_ones(*v.shape[:-1], 1, dtype=dtype)
-    v1 = torch.cat([v.to(dtype), ones] + ([torch.zeros_like(ones)] if v.shape[-1] % 2 == 0 else []), dim=-1)
-    q, k = (t.to(dtype) if t.shape[-1] % 2 == 0 else F.pad(t.to(dtype), (0, 1)) for t in (q, k))
-    a = None if log_decay is None else log_decay.float().expand(*q.shape[:3])
-    return q, k, v1, a
+    batch, heads, length, value_dim = v.shape
+    kv_index, q_index, mirror = _scan_indices(orders, length, q.device)
+    sequences = len(kv_index) // length
+
+    def gather(t: Tensor, index: Tensor, width: int, value: float = 0.0) -> Tensor:
+        """[B, H, L, D] (any strides) -> [B * 2S, L, H, width]: padded with `value`, gathered along tokens."""
+        t = t.to(dtype).transpose(1, 2)
+        if width > t.shape[-1]:
+            t = F.pad(t, (0, width - t.shape[-1]), value=value)
+        return t.index_select(1, index).view(batch * sequences, length, heads, width)
+
+    # Every width is made even: FLA refuses odd key or value widths in 16-bit backward passes (a Triton
+    # miscompile, fla/ops/common/chunk_o.py). Zero columns of q and k leave every q . k unchanged; the
+    # value columns past v are all ones, each a copy of the normaliser.
+    key_width = q.shape[-1] + q.shape[-1] % 2
+    q2, k2 = gather(q, q_index, key_width), gather(k, kv_index, key_width)
+    v2 = gather(v, kv_index, value_dim + 1 + (value_dim + 1) % 2, value=1.0)
+    gates, folds = _gates_and_folds(log_decays, orders, kv_index, batch, heads, length)
+    return q2, k2, v2, gates, folds, mirror
 
 
-def _tokens_major(t: Tensor) -> Tensor:
-    """[B, H, L, ...] -> [B, L, H, ...], FLA's layout."""
-    return t.transpose(1, 2)
-
-
-def _combine(forward: Tensor, backward: Tensor, q: Tensor, k: Tensor, v1: Tensor,
-             value_dim: int) -> Tuple[Tensor, Tensor]:
-    """Both passes' [B, L, H, width of v1] outputs in token order -> numerator [B, H, L, Dv], normaliser
-    [B, H, L, 1]."""
-    diagonal = (q.float() * k.float()).sum(-1, keepdim=True)  # counted in both passes
-    total = _tokens_major(forward.float() + backward.float()) - diagonal * v1.float()
+def _combined(out: Tensor, folds: Tensor, mirror: Tensor, orders: Optional[Tensor], batch: int,
+              value_dim: int) -> Tuple[Tensor, Tensor]:
+    """The kernels' outputs [B * 2S, L, H, W] -> numerator [B, H, L, Dv] and normaliser [B, H, L, 1]: each
+    token's forward output plus its folded mirrored output, summed over the scans, in the kernels' dtype."""
+    scans, length = mirror.shape
+    out = out.view(batch, scans, 2, length, *out.shape[2:])
+    total = None
+    for s in range(scans):
+        forward = out[:, s, 0] if orders is None else out[:, s, 0].index_select(1, torch.argsort(orders[s]))
+        term = torch.addcmul(forward, out[:, s, 1].index_select(1, mirror[s]), folds[s].to(out.dtype))
+        total = term if total is None else total + term
+    total = total.transpose(1, 2)  # [B, H, L, W], token-major in memory
     return total[..., :value_dim], total[..., value_dim:value_dim + 1]
 
 
-def _scans_on_batch(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
-                    log_decays: Optional[Tensor], orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """Every scan in one kernel call: q, k, v and decays gathered into each scan's order and stacked on the
-    batch axis, the results put back in token order and summed. log_decays: None or [S, B|1, H|1, L|1] in
-    token order; orders: [S, L], or None for one scan in token order."""
-    if orders is None:
-        return one_scan(q, k, v, None if log_decays is None else log_decays[0])
-    (num_scans, length), (batch, heads) = orders.shape, q.shape[:2]
-
-    def to_scans(t: Tensor) -> Tensor:  # [B, H, L, D] -> [S * B, H, L, D], each scan in its order
-        return t.index_select(2, orders.flatten()).unflatten(2, (num_scans, length)).movedim(2, 0).flatten(0, 1)
-
-    a = None
-    if log_decays is not None:
-        a = log_decays.expand(num_scans, batch, heads, log_decays.shape[-1])
-        if a.shape[-1] != 1:  # per-token decays follow their tokens into scan order
-            a = torch.gather(a, -1, orders[:, None, None, :].expand_as(a))
-        a = a.flatten(0, 1)
-    parts = one_scan(to_scans(q), to_scans(k), to_scans(v), a)
-    inverse = torch.argsort(orders, dim=-1)
-    numerator, normaliser = (sum(t.unflatten(0, (num_scans, batch))[s].index_select(2, inverse[s])
-                                 for s in range(num_scans)) for t in parts)
-    return numerator, normaliser
+def _scale(length: int) -> float:
+    """2^-round(log2(L) / 2): about 1 / sqrt(L), a power of two."""
+    return 2.0 ** -round(math.log2(length) / 2)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -133,39 +166,22 @@ class _FirstOrderOnly(torch.autograd.Function):
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`),
-    every scan in one call. chunk_size is the torch backend's; the kernels use their own tile of 64 tokens."""
-    del chunk_size
-    return _FirstOrderOnly.apply(*_scans_on_batch(_chunk_one_scan, q, k, v, log_decays, orders))
+    every scan and direction in one call. chunk_size is the torch backend's; the kernels use their own
+    tile of 64 tokens. log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None."""
+    from fla.ops.simple_gla import chunk_simple_gla
+    return _run(chunk_simple_gla, q, k, v, log_decays, orders)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                    chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator and normaliser by FLA's fused recurrent kernel, once forward and once in reverse:
-    one kernel per direction instead of a chain of launches per token, O(L d) memory."""
-    del chunk_size
-    return _FirstOrderOnly.apply(*_scans_on_batch(_recurrent_one_scan, q, k, v, log_decays, orders))
-
-
-def _chunk_one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    from fla.ops.simple_gla import chunk_simple_gla
-
-    batch = q.shape[0]
-    q, k, v1, a = _operands(q, k, v, log_decay)
-    both = [_tokens_major(torch.cat([t, t.flip(2)])) for t in (q, k, v1)]  # [2B, L, H, D]
-    g = None if a is None else _tokens_major(_shifted(torch.cat([a, a.flip(-1)])))  # [2B, L, H]
-    out, _ = chunk_simple_gla(*both, g=g, scale=1.0)
-    return _combine(out[:batch], out[batch:].flip(1), q, k, v1, v.shape[-1])
-
-
-def _recurrent_one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Numerator and normaliser by FLA's fused recurrent kernel: every scan and direction in one launch,
+    O(L d) memory. Arguments as chunk_form's."""
     from fla.ops.simple_gla import fused_recurrent_simple_gla
+    return _run(fused_recurrent_simple_gla, q, k, v, log_decays, orders)
 
-    q, k, v1, a = _operands(q, k, v, log_decay)
-    operands = [_tokens_major(t) for t in (q, k, v1)]
-    g_forward = g_backward = None
-    if a is not None:
-        g_forward = _tokens_major(_shifted(a))
-        g_backward = _tokens_major(F.pad(a[..., 1:], (0, 1)))  # g_t = a_{t+1}, g_{L-1} = 0
-    forward, _ = fused_recurrent_simple_gla(*operands, g=g_forward, scale=1.0)
-    backward, _ = fused_recurrent_simple_gla(*operands, g=g_backward, scale=1.0, reverse=True)
-    return _combine(forward, backward, q, k, v1, v.shape[-1])
+
+def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
+         orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    q2, k2, v2, gates, folds, mirror = _stacked(q, k, v, log_decays, orders)
+    out, _ = kernel(q2, k2, v2, g=gates, scale=_scale(q.shape[2]))
+    return _FirstOrderOnly.apply(*_combined(out, folds, mirror, orders, q.shape[0], v.shape[-1]))
