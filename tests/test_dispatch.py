@@ -43,13 +43,18 @@ def test_attention_form_and_lit_products_run_on_torch(kernels):
     assert lit.whole and lit.backend == "torch"
 
 
-def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels):
+def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels, monkeypatch):
+    """One threshold per (training, number of scans), each read where it applies."""
     kernels(True)
-    long, short = dispatch.AUTO_CHUNK_MIN_TOKENS, dispatch.AUTO_CHUNK_MIN_TOKENS - 1
-    assert plan("auto", None, long, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=16)
-    assert plan("auto", None, short, 64, 64, device=CUDA).form == "attention"
-    assert plan("auto", None, long, 64, 64, device=CPU).form == "attention"
-    assert plan("auto", None, long, 64, 64, decayed=False, device=CUDA).form == "attention"
+    thresholds = {(False, 1): 1024, (False, 2): 1500, (True, 1): 2000, (True, 2): 2500}
+    monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_TOKENS", thresholds)
+    for (training, scans), long in thresholds.items():
+        assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training) == \
+            dispatch.Plan("chunk", "triton", chunks=-(-long // 64)), (training, scans)
+        assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
+            "attention", (training, scans)
+    assert plan("auto", None, 1024, 64, 64, device=CPU).form == "attention"
+    assert plan("auto", None, 1024, 64, 64, decayed=False, device=CUDA).form == "attention"
 
 
 def test_chunk_form_runs_one_product_where_cheaper(kernels):
@@ -114,22 +119,27 @@ def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
     assert not fla.chunk_backward_fails(CPU)
 
 
-def test_training_where_the_chunk_backward_fails_runs_the_recurrent_kernels(kernels, monkeypatch):
-    """Inference keeps the chunk kernels; training runs the fused recurrent ones (the same function) and
-    says once why and how to get the chunk kernels back."""
+@pytest.mark.parametrize("fallback", ["torch", "rnn"])
+def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monkeypatch, fallback):
+    """Inference keeps the chunk kernels; training runs CHUNK_BACKWARD_FALLBACK (the portable chunk form by
+    default, or the fused recurrent kernels: the same function) and says once why and how to get the
+    chunk kernels back."""
     kernels(True)
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
+    monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
+    expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49), "rnn": dispatch.Plan("rnn", "triton")}[fallback]
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49)
-    with pytest.warns(UserWarning, match="Triton 3.4.0 to 3.7.0.*fused recurrent kernels.*3.7.1 or later"):
-        assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == dispatch.Plan("rnn", "triton")
+    said = {"torch": "portable chunk form", "rnn": "fused recurrent kernels"}[fallback]
+    with pytest.warns(UserWarning, match=f"Triton 3.4.0 to 3.7.0.*{said}.*3.7.1 or later"):
+        assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == expected
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
-        assert plan("auto", None, 3136, 64, 64, num_scans=2, device=CUDA, training=True).form == "rnn"
+        assert plan("auto", None, 3136, 64, 64, num_scans=2, device=CUDA, training=True).form == expected.form
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA, training=True).whole  # torch matmuls
     assert plan("chunk", 64, 3136, 64, 64, device=CPU, training=True).form == "chunk"
     model = timm.create_model("lion_d_small", attn_form="chunk")
-    assert model.attn_plan((896, 896), device=CUDA).form == "rnn"  # a model in training mode
-    assert model.eval().attn_plan((896, 896), device=CUDA).form == "chunk"
+    assert model.attn_plan((896, 896), device=CUDA) == expected  # a model in training mode
+    assert model.eval().attn_plan((896, 896), device=CUDA).backend == "triton"
 
 
 def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
@@ -148,3 +158,4 @@ def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"
     with pytest.raises(ValueError, match="torch.export cannot trace the triton kernels; export with attn_backend='torch'"):
         plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")
+

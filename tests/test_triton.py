@@ -130,18 +130,20 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend():
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
 
 
-def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch):
+@pytest.mark.parametrize("fallback", ["torch", "rnn"])
+def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fallback):
     """Where FLA's chunk backward fails (Hopper with Triton 3.4.0-3.7.0), training in the chunk form runs
-    the fused recurrent kernels: the same outputs and gradients."""
+    the portable chunk form or the fused recurrent kernels: the same outputs and gradients."""
     from lion_vit.ops import dispatch
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: True)
+    monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
     monkeypatch.setattr(dispatch, "_warned", set())
     q, k, v, lam = make_inputs(1, 2, 70, 16, "selective", torch.float32)
 
     def triton(q, k, v, log_decay):
         return lion_attention(q, k, v, log_decay, form="chunk", backend="triton")
 
-    with pytest.warns(UserWarning, match="fused recurrent kernels"):
+    with pytest.warns(UserWarning, match="chunk backward fails"):
         _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
 
 

@@ -8,11 +8,11 @@ exact way to get it:
   kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms; on a CPU without
   autograd, eagerly, "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
-  AUTO_CHUNK_MIN_TOKENS tokens, where the chunk kernels run;
+  AUTO_CHUNK_MIN_TOKENS tokens (by training and number of scans), where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
-  Triton 3.4.0-3.7.0) runs the fused recurrent kernels instead, and says so once;
+  Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - the triton backend reads q, k, v token-major (Plan.tokens_major), the torch forms head-major.
 """
 from __future__ import annotations
@@ -34,10 +34,15 @@ FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
 BACKENDS = ("auto", "torch", "triton")
 
-# Form "auto" on the triton backend runs the chunk kernels from this many tokens on (896 px at
-# patch 16 has 3,136), the compilable attention form below. A guess until a GPU has run the forms
-# part of `make gpu-check`, which times both forms side by side from 577 to 3,137 tokens.
-AUTO_CHUNK_MIN_TOKENS = 1024
+# Form "auto" on the triton backend runs the chunk kernels from this many tokens on (896 px at patch 16
+# has 3,137), the attention form below, by (training, number of scans). Guesses until a GPU has run the
+# forms part of `make gpu-check`, which times both forms side by side from 577 to 3,137 tokens.
+AUTO_CHUNK_MIN_TOKENS = {(False, 1): 1024, (False, 2): 1024, (True, 1): 1024, (True, 2): 1024}
+
+# Training in the chunk form where FLA's chunk backward fails: "torch" (the portable chunk form, parallel
+# over chunks) or "rnn" (FLA's fused recurrent kernels, serial over tokens). The portable form until the
+# forms part of `make gpu-check` has timed both (scripts/gpu_targets.py prints the winner).
+CHUNK_BACKWARD_FALLBACK = "torch"
 
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
@@ -130,7 +135,8 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     auto_backend = backend == "auto"
     backend = resolve_backend(backend, device, dtype)
     if form == "auto":
-        form = "chunk" if backend == "triton" and decayed and length >= AUTO_CHUNK_MIN_TOKENS else "attention"
+        form = "chunk" if backend == "triton" and decayed and \
+            length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
     if form == "attention":
         return Plan("attention", "torch", whole=True)
     if form == "rnn":
@@ -142,10 +148,13 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     if whole:  # a product of torch matmuls either way
         return Plan("chunk", "torch", whole=True)
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
-        _warn_once("flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
-                   "(fla-org/flash-linear-attention#640): LION layers train through its fused recurrent kernels "
-                   "instead (the same function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
-        return Plan("rnn", "triton")
+        instead = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels"}[CHUNK_BACKWARD_FALLBACK]
+        _warn_once(f"flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
+                   f"(fla-org/flash-linear-attention#640): LION layers train through {instead} instead (the same "
+                   f"function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
+        if CHUNK_BACKWARD_FALLBACK == "rnn":
+            return Plan("rnn", "triton")
+        return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size))
     # (a compiler traces whole tensors: groups would tie its graph to the traced batch size)
     if auto_backend and backend == "torch" and device.type == "cpu" and not training and \
             not torch.compiler.is_compiling():
