@@ -20,7 +20,7 @@ bench: install  ## the three benchmarks with their default small CPU settings (1
 	$(PYTHON) scripts/benchmark_chunk.py
 
 gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check installs on a GPU machine without network, into .whl/
-	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6"
+	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6,<0.7"
 
 GPU_OUT ?= docs/benchmarks/gpu
 gpu-check:  ## on a CUDA machine: Triton tests, equivalence, train and inference benchmarks -> $(GPU_OUT)/

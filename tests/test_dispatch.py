@@ -1,6 +1,9 @@
 """lion_vit.ops.dispatch.plan: which form and backend run, decided in one place."""
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
 import warnings
 
 import pytest
@@ -159,3 +162,23 @@ def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
     with pytest.raises(ValueError, match="torch.export cannot trace the triton kernels; export with attn_backend='torch'"):
         plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")
 
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention is not installed")
+def test_kernels_that_do_not_import_are_one_warning_and_the_torch_backend(monkeypatch):
+    """available() imports the kernels it uses: installed but broken (here: the module refuses to import)
+    is one warning that says why, and the torch backend; asked for by name, one error that says why."""
+    from lion_vit.ops.triton import fla
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", None)  # `import` of it raises ImportError
+    monkeypatch.setattr(dispatch, "_warned", set())
+    fla._kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning) as said:
+            assert not fla.available()
+            assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"
+        assert len(said) == 1 and re.search(r"PyTorch forms on CUDA \(flash-linear-attention is installed but does not "
+                                            r"import \(\w*Error: .*\)\); for the GPU kernels: pip install",
+                                            str(said[0].message)), [str(w.message) for w in said]
+        with pytest.raises(ValueError, match="needs flash-linear-attention, which is installed but does not import"):
+            plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")
+    finally:
+        fla._kernels.cache_clear()

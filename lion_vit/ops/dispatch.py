@@ -106,7 +106,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     check_backend(backend)
     if backend == "triton":
         if not triton_backend.available():
-            raise ValueError(f"attn_backend='triton' needs flash-linear-attention: {_INSTALL_HINT}")
+            raise ValueError(f"attn_backend='triton' needs flash-linear-attention, which "
+                             f"{triton_backend.unavailable_reason()}: {_INSTALL_HINT}")
         if dtype == torch.float64:
             raise ValueError("attn_backend='triton' has no float64 kernels; use attn_backend='torch' for float64")
         if exporting():
@@ -116,7 +117,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     if backend == "auto" and device.type == "cuda" and dtype != torch.float64 and not exporting():
         if triton_backend.available():
             return "triton"
-        _warn_once(f"LION layers run their portable PyTorch forms on CUDA; for the GPU kernels: {_INSTALL_HINT}")
+        _warn_once(f"LION layers run their portable PyTorch forms on CUDA (flash-linear-attention "
+                   f"{triton_backend.unavailable_reason()}); for the GPU kernels: {_INSTALL_HINT}")
     return "torch"
 
 

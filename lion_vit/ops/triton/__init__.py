@@ -5,6 +5,6 @@ with the decays shifted by one token and the diagonal counted once; flash-linear
 kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written backwards. Nothing here
 is imported until a call picks the triton backend.
 """
-from .fla import available, chunk_backward_fails, chunk_form, recurrent_form
+from .fla import available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
 
-__all__ = ["available", "chunk_backward_fails", "chunk_form", "recurrent_form"]
+__all__ = ["available", "chunk_backward_fails", "chunk_form", "recurrent_form", "unavailable_reason"]

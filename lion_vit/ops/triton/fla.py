@@ -32,13 +32,27 @@ from torch import Tensor
 
 @torch.compiler.assume_constant_result  # (a compiled model's plan calls it instead of tracing into it)
 def available() -> bool:
-    """Whether flash-linear-attention and Triton are installed (`pip install "lion-vit[gpu]"`)."""
-    return _installed("fla") and _installed("triton")
+    """Whether flash-linear-attention's kernels import (`pip install "lion-vit[gpu]"`)."""
+    return not isinstance(_kernels(), str)
+
+
+def unavailable_reason() -> str:
+    """Why the kernels are not available ("" where they are): not installed, or installed but failing to
+    import (a missing dependency, a mismatched Triton), with the error's first line."""
+    kernels = _kernels()
+    return kernels if isinstance(kernels, str) else ""
 
 
 @lru_cache(maxsize=None)
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
+def _kernels():
+    """FLA's two entry points used here, or the reason they do not import."""
+    if importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None:
+        return "is not installed"
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+    except Exception as error:  # any failure of a third-party import
+        return f"is installed but does not import ({type(error).__name__}: {str(error).partition(chr(10))[0]})"
+    return chunk_simple_gla, fused_recurrent_simple_gla
 
 
 @torch.compiler.assume_constant_result
@@ -168,16 +182,14 @@ def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], or
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`),
     every scan and direction in one call. chunk_size is the torch backend's; the kernels use their own
     tile of 64 tokens. log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None."""
-    from fla.ops.simple_gla import chunk_simple_gla
-    return _run(chunk_simple_gla, q, k, v, log_decays, orders)
+    return _run(_kernels()[0], q, k, v, log_decays, orders)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                    chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Numerator and normaliser by FLA's fused recurrent kernel: every scan and direction in one launch,
     O(L d) memory. Arguments as chunk_form's."""
-    from fla.ops.simple_gla import fused_recurrent_simple_gla
-    return _run(fused_recurrent_simple_gla, q, k, v, log_decays, orders)
+    return _run(_kernels()[1], q, k, v, log_decays, orders)
 
 
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
