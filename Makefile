@@ -23,5 +23,5 @@ gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check install
 	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6,<0.7"
 
 GPU_OUT ?= docs/benchmarks/gpu
-gpu-check:  ## on a CUDA machine: Triton tests, equivalence, train and inference benchmarks -> $(GPU_OUT)/
+gpu-check:  ## on a CUDA machine: Triton tests, equivalence, benchmarks, in parts of <10 min each -> $(GPU_OUT)/
 	bash scripts/gpu_check.sh --out $(GPU_OUT) $(if $(GPU_BUNDLE),--bundle $(GPU_BUNDLE)) $(GPU_PARTS)

@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# The GPU checks in one command (make gpu-check), for a CUDA machine with PyTorch, timm and matplotlib
-# and no network: wheels in .whl/ (make gpu-wheels, run where pip reaches PyPI) are installed first.
+# The GPU checks (make gpu-check), for a CUDA machine with PyTorch, timm and matplotlib and no network:
+# wheels in .whl/ (make gpu-wheels, run where pip reaches PyPI) are installed first.
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference train forms compile (all of them by default, in this order: the
-# costliest, compiling six models, last), then the table of the targets met (scripts/gpu_targets.py).
-# Each part's CSVs, PNGs and logs go to DIR (default
-# docs/benchmarks/gpu); --bundle packs DIR into one archive after every part, so that a run cut short
-# still returns what it finished. --commit names the code measured where the copy has no git history.
-# --dry-run prints the commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
+# PART: tests equivalence inference train fallback forms compile compile_natural (all by default, in
+# this order), then the table of the targets met and the settings the timings pick
+# (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
+# before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
+#   tests equivalence | inference | train fallback | forms | compile | compile_natural
+# Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
+# caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
+# one archive after every part, so that a run cut short still returns what it finished. --commit names
+# the code measured where the copy has no git history. --dry-run prints the estimates (# lines) and the
+# commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference train forms compile"
+all_parts="tests equivalence inference train fallback forms compile compile_natural"
+# minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
+# compiles each model once): estimates, until the durations printed after each part replace them
+declare -A minutes=([tests]=6 [equivalence]=3 [inference]=7 [train]=4 [fallback]=4 [forms]=6 [compile]=8
+                    [compile_natural]=7)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
     case $1 in
@@ -41,12 +49,15 @@ run() {  # one measurement: its command, its output to the screen and to $out/<l
     echo "-- $log: $((SECONDS - start)) s"
 }
 
-pack() { [[ -z $bundle ]] || tar czf "$bundle" -C "$(dirname "$out")" "$(basename "$out")"; }
+pack() { [[ -z $bundle ]] || tar czf "$bundle" --exclude="$(basename "$out")/cache" -C "$(dirname "$out")" \
+    "$(basename "$out")"; }
 
 if [[ -z $dry ]]; then
     python3 -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_check.sh: no CUDA device here \
 (torch.cuda.is_available() is False); run it on a GPU machine')" || exit 2
     export PYTHONUNBUFFERED=1 WANDB_MODE=disabled PIP_ROOT_USER_ACTION=ignore
+    cache=$(absolute "$out")/cache  # kernels compiled and autotuned, graphs compiled: reused by a later call
+    export TRITON_CACHE_DIR=$cache/triton TORCHINDUCTOR_CACHE_DIR=$cache/inductor FLA_CACHE_RESULTS=1
     if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lion-vit-site .whl/*.whl
         export PYTHONPATH=/tmp/lion-vit-site:${PYTHONPATH:-}
@@ -58,7 +69,11 @@ import os, torch, timm
 from lion_vit.ops import triton
 print(f"commit {os.environ['COMMIT']}")
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, timm {timm.__version__}, "
-      f"flash-linear-attention {'installed' if triton.available() else 'MISSING'}")
+      f"flash-linear-attention {'installed' if triton.available() else triton.unavailable_reason().upper()}")
+print(f"float32 dots: PyTorch matmul precision {torch.get_float32_matmul_precision()!r} (TF32 "
+      f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}), Triton kernels "
+      f"{os.environ.get('TRITON_F32_DEFAULT', 'tf32')!r}; the tests part runs both in IEEE float32, "
+      "the benchmarks in bfloat16")
 PY
 ) || exit 2
     mkdir -p "$out"
@@ -70,31 +85,41 @@ lion="lion_lit_small lion_d_small lion_s_small lion_d_natural_small lion_s_natur
 train=(python3 scripts/benchmark_train.py --device cuda --dtype bfloat16)
 for part in "${parts[@]}"; do
     start=$SECONDS
+    echo "# part $part: about ${minutes[$part]} min on a cold H100"
     case $part in
-        tests)  # the triton backend against the float64 reference on CUDA tensors (TF32 off), the dispatcher
-            run tests python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_dispatch.py ;;
+        tests)  # the triton backend against the float64 reference on CUDA tensors, IEEE float32 dots
+            run tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -p no:cacheprovider tests/test_triton.py \
+                tests/test_dispatch.py ;;
         equivalence)
             run equivalence python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json" ;;
         inference)  # time and peak memory against DeiT-S (flash attention) up to 1792 px
             for batch in 1 16; do
                 run "resolution_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
                     --batch-size "$batch" --rounds 3 --resolutions 224 448 896 1248 1792 --runs $deit \
-                    lion_d_small:attention lion_d_small:chunk:64 lion_d_small:rnn lion_d_natural_small:chunk:64 \
-                    lion_d_natural_small:rnn --out "$out/resolution_b$batch"
+                    lion_d_small:attention lion_d_small:chunk:64 lion_d_small:rnn lion_d_natural_small:attention \
+                    lion_d_natural_small:chunk:64 lion_d_natural_small:rnn --out "$out/resolution_b$batch"
             done ;;
         train)  # a training step, eager, --attn-form auto: 224 px batch 256, and 896 px batch 32
             run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 \
                 --models $deit lion_d_small lion_d_natural_small --out "$out/train_896" ;;
+        fallback)  # where FLA's chunk backward fails: dispatch.CHUNK_BACKWARD_FALLBACK, 896 px batch 32
+            run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
+                --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"
+            run fallback_rnn "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
+                --models $deit lion_d_small:rnn lion_d_natural_small:rnn --out "$out/fallback_rnn" ;;
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
             for size in 384 512 640 896; do
                 run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \
                     lion_d_small:attention lion_d_small:chunk lion_d_natural_small:attention \
                     lion_d_natural_small:chunk --out "$out/forms_$size"
             done ;;
-        compile)  # both sides compiled: the training targets at 224 px batch 256
-            run train_compile "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit $lion \
-                --out "$out/train_compile" ;;
+        compile)  # both sides compiled: the training targets at 224 px batch 256 (one scan)
+            run train_compile "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit lion_lit_small \
+                lion_d_small lion_s_small --out "$out/train_compile" ;;
+        compile_natural)  # the same for the two-scan models (DeiT-S again: its compiled graph is in the cache)
+            run train_compile_natural "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit \
+                lion_d_natural_small lion_s_natural_small --out "$out/train_compile_natural" ;;
     esac
     if [[ -z $dry ]]; then
         echo "-- part $part: $((SECONDS - start)) s"

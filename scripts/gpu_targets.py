@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The GPU targets (docs/benchmarks.md, "GPU check") against what `make gpu-check` measured: one line per target with the measured
-ratio and whether it is met, read from the CSVs in the gpu-check folder (scripts/gpu_check.sh runs this
-last). A target whose measurement is missing or failed says so.
+"""The GPU targets (docs/benchmarks.md, "GPU check") against what `make gpu-check` measured: one line per
+target with the measured ratio and whether it is met, read from the CSVs in the gpu-check folder
+(scripts/gpu_check.sh runs this last), then the dispatch settings the timings pick. A target or a
+setting whose measurement is missing or failed says so.
 
     python scripts/gpu_targets.py docs/benchmarks/gpu
 """
@@ -42,9 +43,11 @@ def line(target: str, measured: Optional[float], limit: float) -> str:
 
 def target_lines(folder: Path) -> List[str]:
     lines = ["| target | limit | measured | met |", "|---|---|---|---|"]
-    for csv_name, limits, what in (("train_compile/train.csv", COMPILED_TRAINING, "train 224 px b256 compiled"),
-                                   ("train_896/train.csv", TRAINING_896, "train 896 px b32")):
-        rows = {r["model"]: r for r in read(folder / csv_name)}
+    for csv_names, limits, what in (
+            (("train_compile/train.csv", "train_compile_natural/train.csv"), COMPILED_TRAINING,
+             "train 224 px b256 compiled"),
+            (("train_896/train.csv",), TRAINING_896, "train 896 px b32")):
+        rows = {r["model"]: r for name in csv_names for r in read(folder / name)}
         for model, limit in limits.items():
             lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
     for batch in (1, 16):
@@ -63,13 +66,56 @@ def target_lines(folder: Path) -> List[str]:
     return lines
 
 
+def size_of(row: Dict[str, str]) -> int:
+    return int(row.get("img_size") or row.get("resolution") or 0)
+
+
+def tokens(size: int) -> int:
+    return (size // 16) ** 2 + 1  # patch 16 and a class token
+
+
+def setting_lines(folder: Path) -> List[str]:
+    """The dispatch settings the timings pick: dispatch.AUTO_CHUNK_MIN_TOKENS (the smallest size measured
+    from which the chunk kernels are faster than the attention form, training and inference, one and two
+    scans) and dispatch.CHUNK_BACKWARD_FALLBACK (the faster of the portable chunk form and the recurrent
+    kernels where FLA's chunk backward fails)."""
+    lines = ["| setting | measured | pick |", "|---|---|---|"]
+    training = [r for path in sorted(folder.glob("forms_*/train.csv")) for r in read(path)]
+    inference = read(folder / "resolution_b16" / "resolution.csv")
+    for (is_training, scans), model in (((True, 1), "lion_d_small"), ((True, 2), "lion_d_natural_small"),
+                                         ((False, 1), "lion_d_small"), ((False, 2), "lion_d_natural_small")):
+        rows, column = (training, "step_s") if is_training else (inference, "time_s")
+        times = {}
+        for row in rows:
+            if row["model"] == model and row.get("form") in ("attention", "chunk"):
+                times.setdefault(size_of(row), {})[row["form"]] = number(row, column)
+        faster = sorted(size for size, t in times.items() if t.get("attention") and t.get("chunk")
+                        and t["chunk"] < t["attention"])
+        measured = ", ".join(f"{size} px: chunk x{t['chunk'] / t['attention']:.2f}" for size, t in sorted(times.items())
+                             if t.get("attention") and t.get("chunk")) or "not measured"
+        pick = (f"{tokens(faster[0])}" if faster else "above the sizes measured") if measured != "not measured" else "-"
+        lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
+    for model in ("lion_d_small", "lion_d_natural_small"):
+        found = {}
+        for backend in ("torch", "rnn"):
+            rows = {r["model"]: r for r in read(folder / f"fallback_{backend}" / "train.csv")}
+            found[backend] = number(rows.get(model), "x_baseline")
+        if None in found.values():
+            lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | not measured | - |")
+            continue
+        pick = "torch" if found["torch"] <= found["rnn"] else "rnn"
+        lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | portable chunk form x{found['torch']:.2f}, "
+                     f"recurrent kernels x{found['rnn']:.2f} of DeiT-S | \"{pick}\" |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the gpu-check folder (its --out)")
     args = parser.parse_args()
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder; give the folder gpu_check.sh wrote (its --out)")
-    print("\n".join(target_lines(args.folder)))
+    print("\n".join(target_lines(args.folder) + [""] + setting_lines(args.folder)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "equivalence", "inference", "train", "forms", "compile"]
+PARTS = ["tests", "equivalence", "inference", "train", "fallback", "forms", "compile", "compile_natural"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -45,8 +45,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     proc = gpu_check("--dry-run", "--out", str(out))
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
     assert not out.exists()  # a dry run writes nothing
-    commands = [shlex.split(line) for line in proc.stdout.splitlines()]
-    assert all(c[0] == "python3" for c in commands)
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if not line.startswith("#")]
+    assert all(c[0] == "python3" or c[:2] == ["env", "TRITON_F32_DEFAULT=ieee"] for c in commands)
+    commands = [c[2:] if c[0] == "env" else c for c in commands]
 
     tests = [c for c in commands if c[1:3] == ["-m", "pytest"]]
     assert len(tests) == 1 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
@@ -77,24 +78,55 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     train = by_script["scripts/benchmark_train.py"]
     five = {"lion_lit_small", "lion_d_small", "lion_s_small", "lion_d_natural_small", "lion_s_natural_small"}
     at_224 = [a for a in train if a.img_size == 224]  # the training targets, eager and both sides compiled
-    assert sorted(a.compile for a in at_224) == [False, True]
-    for args in at_224:
-        assert args.batch_size == 256 and {m for m, _, _ in args.models[1:]} == five
+    eager, compiled = [a for a in at_224 if not a.compile], [a for a in at_224 if a.compile]
+    assert len(eager) == 1 and {m for m, _, _ in eager[0].models[1:]} == five
+    assert {m for a in compiled for m, _, _ in a.models[1:]} == five  # in parts that fit a call each
+    assert all(a.batch_size == 256 for a in at_224)
     assert any(a.img_size == 896 and a.batch_size == 32 and ("lion_d_small", None, None) in a.models for a in train)
-    forms = [a for a in train if any(form for _, form, _ in a.models)]  # the crossover of the two forms
+    forms = [a for a in train if ("lion_d_small", "attention", None) in a.models]  # the crossover of the two forms
     assert len({a.img_size for a in forms}) >= 3
     for args in forms:
-        assert {("lion_d_small", "attention", None), ("lion_d_small", "chunk", None)} <= set(args.models)
+        assert ("lion_d_small", "chunk", None) in args.models
+    fallback = {a.attn_backend: a for a in train if a.img_size == 896 and a.attn_backend != "auto"}
+    assert ("lion_d_small", "chunk", 64) in fallback["torch"].models  # the portable form needs its chunks
+    assert ("lion_d_small", "rnn", None) in fallback["triton"].models
     assert all(a.models[0] == ("deit_small_patch16_224", None, None) for a in train)
 
 
 def test_parts_run_alone_in_the_order_given():
-    """Each part alone, then the targets' table (one line)."""
+    """Each part alone (its estimate, its commands), then the targets' table (one line)."""
     whole = gpu_check("--dry-run").stdout.splitlines()
     assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) - 1 for part in PARTS) == len(whole) - 1
     compile_then_tests = gpu_check("--dry-run", "compile", "tests").stdout.splitlines()
-    assert "--compile" in compile_then_tests[0] and "pytest" in compile_then_tests[1]
-    assert "gpu_targets.py" in compile_then_tests[2]
+    assert compile_then_tests[0] == "# part compile: about 8 min on a cold H100"
+    assert "--compile" in compile_then_tests[1] and "pytest" in compile_then_tests[3]
+    assert "gpu_targets.py" in compile_then_tests[4]
+
+
+def test_each_part_is_estimated_to_fit_a_ten_minute_call():
+    estimates = [line for line in gpu_check("--dry-run").stdout.splitlines() if line.startswith("# part ")]
+    assert [line.split()[2].rstrip(":") for line in estimates] == PARTS
+    assert all(0 < int(line.split()[4]) < 10 for line in estimates), estimates
+
+
+def test_settings_table_picks_from_the_timings(tmp_path):
+    """The crossover sizes for AUTO_CHUNK_MIN_TOKENS and the faster fallback, from CSVs as the scripts write
+    them; what was not measured says so."""
+    def write(name, header, *rows):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("\n".join([header, *rows]) + "\n")
+
+    for size, attention, chunk in ((384, 1.0, 1.4), (512, 1.0, 1.1), (640, 1.0, 0.9), (896, 2.0, 1.0)):
+        write(f"forms_{size}/train.csv", "model,form,img_size,status,step_s",
+              f"lion_d_small,attention,{size},ok,{attention}", f"lion_d_small,chunk,{size},ok,{chunk}")
+    write("fallback_torch/train.csv", "model,form,status,x_baseline", "lion_d_small,chunk,ok,0.8")
+    write("fallback_rnn/train.csv", "model,form,status,x_baseline", "lion_d_small,rnn,ok,1.3")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
+    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
+    assert row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"][1] == "1601"  # 640 px: 40 x 40 patches + 1
+    assert row["AUTO_CHUNK_MIN_TOKENS[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
+    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_small, 896 px b32)"][1] == '"torch"'
+    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_natural_small, 896 px b32)"] == ["not measured", "-"]
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
@@ -122,7 +154,7 @@ def test_targets_table_reads_the_measurements(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench"], "unknown part 'bench' (parts: tests equivalence inference train forms compile)"),
+    (["bench"], "unknown part 'bench' (parts: tests equivalence inference train fallback forms compile compile_natural)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
     ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),
