@@ -15,6 +15,7 @@ quickstart: install  ## train the default model on the embedded digits dataset
 	$(PYTHON) train.py
 
 bench: install  ## the three benchmarks with their default small CPU settings (10-15 min); results in bench_out/
+	$(PYTHON) -m pip install -q -e ".[bench]"
 	$(PYTHON) scripts/benchmark_train.py
 	$(PYTHON) scripts/benchmark_resolution.py
 	$(PYTHON) scripts/benchmark_chunk.py

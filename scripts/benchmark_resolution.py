@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
-from lion_vit.benchmark import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
+from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
                                 inference_settings, label, markdown_table, measure_rows, plot_lines, positive_int,
                                 result_columns, run_spec, write_table)
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from lion_vit.benchmark import (HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
+from benchmarking import (HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
                                 output_folder, paired_ratio, positive_int, run_spec, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size

@@ -26,9 +26,10 @@ import timm
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import lion_vit
-from lion_vit.benchmark import HelpFormatter, chunks_text, device_name, output_file, positive_int
+from benchmarking import HelpFormatter, chunks_text, device_name, output_file, positive_int
 from lion_vit.testing import randomize_decays
 
 

@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import torch  # noqa: E402
 
-from lion_vit.benchmark import HelpFormatter  # noqa: E402
+from benchmarking import HelpFormatter  # noqa: E402
 from lion_vit.convert import ARGS, convert_official  # noqa: E402
 
 

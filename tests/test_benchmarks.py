@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lion_vit.benchmark import device_name, measure, measure_inference, model_name, positive_int, run_spec, status_line
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' shared helpers (scripts/benchmarking.py)
+
+from benchmarking import device_name, measure, measure_inference, model_name, positive_int, run_spec, status_line  # noqa: E402
 
 
 def run_script(name: str, *args: str) -> str:
@@ -126,7 +127,7 @@ def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
     """--compile: the compiling first call is reported as compile_s, the measured forward after it
     runs the compiled model (one configuration, no timing repeats: one compile; through aot_eager,
     which takes seconds where Inductor's code generation takes tens of them)."""
-    from lion_vit.benchmark import add_inference_arguments
+    from benchmarking import add_inference_arguments
     parser = argparse.ArgumentParser()
     add_inference_arguments(parser)
     assert parser.parse_args(["--compile", "--out", str(tmp_path)]).compile == "inductor"
@@ -142,7 +143,7 @@ def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
 def test_each_compiled_configuration_starts_from_an_empty_inductor_cache(monkeypatch):
     """A compile time read from a cache filled by an earlier configuration (or run) would be a fraction
     of what a first run pays: each compiling subprocess gets its own, deleted afterwards."""
-    import lion_vit.benchmark as benchmark
+    import benchmarking as benchmark
     caches = []
 
     def fake_run(args, env, **kwargs):
@@ -185,7 +186,7 @@ def test_softmax_baseline_refuses_a_size_its_patch_does_not_divide():
 
 
 def test_paired_ratio_follows_a_drifting_machine():
-    from lion_vit.benchmark import paired_ratio
+    from benchmarking import paired_ratio
     # the machine is fast only during the baseline's first step; every same-round pair says x1.1
     baseline, model = [1.0, 1.5, 1.5], [1.65, 1.65, 1.65]
     assert min(model) / min(baseline) == pytest.approx(1.65)
@@ -334,7 +335,7 @@ def test_check_equivalence_script(tmp_path):
 def test_round_robin_keeps_each_configurations_best_time(monkeypatch):
     """Rounds go over all configurations in turn; each keeps its best time, and a configuration
     that failed once but succeeded in another round keeps the success."""
-    from lion_vit import benchmark
+    import benchmarking as benchmark
     times = {"a": [3.0, 1.0, 2.0], "b": [None, 5.0, 4.0]}  # b fails in the first round
     calls = []
 
@@ -352,3 +353,18 @@ def test_round_robin_keeps_each_configurations_best_time(monkeypatch):
     assert calls == ["a", "b"] * 3 and len(reported) == 6
     assert results[0] == {"status": "ok", "time_s": 1.0, "peak_mem_mb": 30.0}  # memory of its first result
     assert results[1] == {"status": "ok", "time_s": 4.0, "peak_mem_mb": 50.0}
+
+
+def test_the_library_and_train_py_need_no_benchmark_dependency():
+    """`pip install lion-vit` has no matplotlib (the [bench] extra): it is not a dependency, no module of
+    the package plots, and every module imports without it (an import of it is refused here)."""
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("matplotlib") for d in project["dependencies"])
+    assert any(d.startswith("matplotlib") for d in project["optional-dependencies"]["bench"])
+    assert not [p for p in (ROOT / "lion_vit").rglob("*.py") if "matplotlib" in p.read_text()]
+    code = ("import sys, pkgutil, importlib, lion_vit; sys.modules['matplotlib'] = None; "
+            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(lion_vit.__path__, 'lion_vit.')]; "
+            "import timm; timm.create_model('lion_s_small'); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

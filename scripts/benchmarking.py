@@ -1,5 +1,6 @@
-"""Measuring helpers shared by scripts/benchmark_*.py: inference time and peak memory of one
-configuration, each CPU measurement in a fresh subprocess, and tables / plots of the results.
+"""Measuring helpers shared by the scripts (benchmark_*.py, check_equivalence.py): inference time and
+peak memory of one configuration, each CPU measurement in a fresh subprocess, and tables / plots of
+the results. Not part of the library: `pip install lion-vit` needs none of it (plots: the [bench] extra).
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` minus what was allocated before the
 forward (the weights); on CPU the growth of the process's peak RSS (VmHWM, reset through
@@ -134,7 +135,7 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     """--attn-backend for the LION models (lion_vit.ops.dispatch: auto is triton on CUDA when installed)."""
-    from .ops import BACKENDS
+    from lion_vit.ops import BACKENDS
     parser.add_argument("--attn-backend", default="auto", choices=BACKENDS,
                         help="LION kernels: auto (triton on CUDA with flash-linear-attention, else torch), "
                              "torch, triton")
@@ -161,7 +162,7 @@ def result_columns(args: argparse.Namespace) -> List[str]:
 
 def run_spec(text: str) -> Tuple[str, Optional[str], Optional[int]]:
     """argparse type for model[:form[:chunk_size]] -> (model, form, chunk_size); forms apply to LION models."""
-    from .ops import FORM_CHOICES
+    from lion_vit.ops import FORM_CHOICES
     name, *rest = text.split(":")
     model_name(name)
     if not name.startswith("lion_"):
@@ -284,9 +285,10 @@ def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str,
 
 def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, str]) -> Dict[str, Any]:
     """Run measure_inference in a fresh interpreter; OOM / timeout become statuses."""
-    code = ("import json, sys; from lion_vit.benchmark import measure_inference; "
+    code = ("import json, sys; from benchmarking import measure_inference; "
             "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra_env)
+    here = Path(__file__).resolve().parent  # scripts/, and the clone above it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]), **extra_env)
     # compiling: an Inductor cache of its own, so nothing compiled by an earlier configuration or run is reused
     cache_dir = tempfile.TemporaryDirectory(prefix="lion_vit_inductor_", ignore_cleanup_errors=True) \
         if config.get("compile") else contextlib.nullcontext()
