@@ -16,15 +16,15 @@ here: the two agree to float rounding plus that epsilon).
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import timm
 import torch
 from torch import Tensor
 
 from .models import LionViT
+from .weights import load_into, read_weights, state_dict_of
 
 # (mask_type, order) of the official code -> this project's variant
 VARIANTS = {("Lit", "Normal"): "lion_lit", ("Decay", "Normal"): "lion_d", ("Selective", "Normal"): "lion_s",
@@ -33,28 +33,16 @@ SIZES = {192: "tiny", 384: "small", 768: "base"}  # embedding width -> size
 ARGS = ("mask_type", "order", "pos_emb", "cls_tok")  # the official settings a conversion needs
 
 
-@contextlib.contextmanager
-def _namespaces_allowed() -> Iterator[None]:
-    """Let torch's safe load (weights_only) read the argparse.Namespace of DeiT-style checkpoints, and
-    nothing else that is not plain data."""
-    safe_globals = getattr(torch.serialization, "safe_globals", None)
-    if safe_globals is None:  # torch < 2.5
-        yield
-        return
-    with safe_globals([argparse.Namespace]):
-        yield
-
-
 def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]:
     """An official checkpoint as a dict ({'model', 'model_ema', 'args', ...}), or a bare state dict
     wrapped as {'model': ...}; files load with torch's safe weights_only=True."""
     if isinstance(source, Mapping):
         checkpoint = dict(source)
     else:
-        if not Path(source).is_file():
-            raise ValueError(f"official checkpoint {source} does not exist")
-        with _namespaces_allowed():
-            checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+        try:
+            checkpoint = read_weights(source, allow=[argparse.Namespace])  # (DeiT's checkpoints keep their args)
+        except ValueError as error:
+            raise ValueError(f"official checkpoint {error}") from None
     if "model" not in checkpoint:
         checkpoint = {"model": checkpoint}
     return checkpoint
@@ -77,10 +65,8 @@ def official_settings(checkpoint: Mapping[str, Any], args: Optional[Mapping[str,
 
 
 def official_weights(checkpoint: Mapping[str, Any], use_ema: bool = True) -> Dict[str, Tensor]:
-    """The checkpoint's `model_ema` when present and use_ema, else its `model`."""
-    ema = checkpoint.get("model_ema")
-    weights = ema if use_ema and ema else checkpoint["model"]
-    return {key.removeprefix("module."): value for key, value in weights.items()}
+    """The checkpoint's `model_ema` when present and use_ema, else its `model` (lion_vit.weights.state_dict_of)."""
+    return state_dict_of(dict(checkpoint), use_ema)
 
 
 def to_lion_vit(weights: Mapping[str, Tensor],
@@ -126,12 +112,7 @@ def convert_official(source: Union[str, Path, Mapping[str, Any]], args: Optional
     checkpoint = load_official(source)
     name, model_kwargs, state = to_lion_vit(official_weights(checkpoint, use_ema), official_settings(checkpoint, args))
     model = timm.create_model(name, **{**model_kwargs, **kwargs})
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        raise ValueError(f"the official checkpoint does not fit {name}: {lines[1] if len(lines) > 1 else lines[0]}") \
-            from None
+    load_into(model, state, "the official checkpoint")
     return name, model_kwargs, model
 
 

@@ -80,7 +80,7 @@ def _load_file(path: Path) -> Tuple[Dict[str, Tensor], Optional[int]]:
     state = state_dict_of(state)
     if not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"init_from file {path} holds no state dict of tensors")
-    return clean_state_dict(state), heads
+    return state, heads
 
 
 def _configured_heads(model_settings: dict) -> Optional[int]:

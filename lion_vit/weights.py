@@ -1,67 +1,74 @@
-"""Reading weight files: a torch checkpoint (weights_only) or a .safetensors state dict, and the state
-dict inside a checkpoint. Used by init_from_vit, the converter, distillation teachers and resume."""
+"""The one reader of weight files, for resume, checkpoint=, model.init_from, distill.teacher_checkpoint
+and from_official: a torch checkpoint loaded weights_only or a .safetensors state dict, as timm's
+load_state_dict / load_checkpoint read them; the state dict inside it, chosen and cleaned as timm
+chooses it; and loading one into a model, where a mismatch is one line."""
 from __future__ import annotations
 
 import contextlib
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Sequence, Union
 
-import numpy as np
 import torch
+from timm.models import clean_state_dict
+from torch import nn
 
 
-def read_weights(path: Path) -> Dict[str, Any]:
-    """Any file of weights as a dict: a torch checkpoint (loaded weights_only, as load_checkpoint does) or a
-    .safetensors state dict. ValueError, saying which, for anything else."""
+def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str, Any]:
+    """The dict in a weights file. A missing, corrupt or foreign file, or one that would run code when
+    unpickled (weights_only refuses it), is a ValueError of one line starting with the path.
+    allow: classes a trusted format pickles besides tensors (the official checkpoints' argparse.Namespace)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
     try:
-        if Path(path).suffix == ".safetensors":
+        if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(path))
-        state = _safe_load(path)
-    except Exception as error:  # torch raises many types for foreign files
-        raise ValueError(f"{path} is corrupt or not a torch checkpoint ({type(error).__name__})") from None
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} holds no dict of weights")
-    return state
-
-
-def state_dict_of(state: Dict[str, Any]) -> Dict[str, Any]:
-    """The weights of a checkpoint dict: its "model" entry (this project's, DeiT's), its "state_dict"
-    entry, or the dict itself (a bare state dict)."""
-    for key in ("model", "state_dict"):
-        if isinstance(state.get(key), dict):
-            return state[key]
-    return state
-
-
-def _safe_load(path: Path) -> Any:
-    """torch.load(weights_only=True), also accepting numpy arrays (checkpoints of earlier lion-vit
-    versions stored numpy's RNG state)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with _allowed(allow):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        if not (_refused_global(error) or "").startswith("numpy."):
-            raise
-    with _numpy_arrays_allowed():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        refused = re.search(r"GLOBAL (\S+)", str(error))
+        if refused:
+            raise ValueError(f"{path} holds a Python object ({refused.group(1)}) that torch's safe load "
+                             f"(weights_only) will not unpickle") from None
+        raise ValueError(f"{path} is corrupt or not a torch checkpoint (UnpicklingError)") from None
+    except Exception as error:  # torch raises many types for truncated or foreign files
+        raise ValueError(f"{path} is corrupt or not a torch checkpoint ({type(error).__name__})") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} holds no dict of weights")
+    return checkpoint
 
 
-def _refused_global(error: pickle.UnpicklingError) -> Optional[str]:
-    """The name of the class or function a weights_only load refused, or None for another error."""
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    return found.group(1) if found else None
+def state_dict_of(checkpoint: Dict[str, Any], use_ema: bool = False) -> Dict[str, Any]:
+    """The weights in a checkpoint dict, chosen as timm's load_state_dict chooses them (with use_ema, its
+    state_dict_ema / model_ema entry; then state_dict; then model, DeiT's and this project's; else the
+    dict itself), with DDP's and torch.compile's prefixes removed (timm's clean_state_dict)."""
+    keys = (("state_dict_ema", "model_ema") if use_ema else ()) + ("state_dict", "model")
+    chosen = next((checkpoint[key] for key in keys if isinstance(checkpoint.get(key), dict)), checkpoint)
+    return clean_state_dict(chosen)
+
+
+def load_into(model: nn.Module, state_dict: Dict[str, Any], what: str) -> None:
+    """model.load_state_dict(state_dict) (strict). A mismatch is a ValueError "<what> does not fit <model>:
+    <its first problem>" (torch's first line only says "Error(s) in loading state_dict for ...")."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        first = lines[1] if len(lines) > 1 else lines[0]
+        raise ValueError(f"{what} does not fit {what_model(model)}: "
+                         f"{first if len(first) <= 200 else first[:200] + ' ...'}") from None
+
+
+def what_model(model: nn.Module) -> str:
+    """A model's timm name where it has one (pretrained_cfg's architecture), else its class name."""
+    return (getattr(model, "pretrained_cfg", None) or {}).get("architecture") or type(model).__name__
 
 
 @contextlib.contextmanager
-def _numpy_arrays_allowed() -> Iterator[None]:
-    """Allow numpy uint32 arrays (an RNG state's) in a weights_only load (torch >= 2.5; older torch
-    refuses them)."""
-    safe_globals = getattr(torch.serialization, "safe_globals", None)
-    if safe_globals is None:
-        yield
-        return
-    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 / 1
-    with safe_globals([multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+def _allowed(classes: Sequence[type]):
+    safe_globals = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5; older torch allows fewer)
+    with safe_globals(list(classes)) if safe_globals and classes else contextlib.nullcontext():
         yield

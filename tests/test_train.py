@@ -178,14 +178,6 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
     final = torch.load(run / "checkpoint-last.pt")["model"]
     assert all(torch.equal(model.state_dict()[name], final[name]) for name in final)
 
-    # checkpoints of earlier versions kept it under "ema"
-    legacy = torch.load(run / "checkpoint-last.pt")
-    legacy["ema"] = legacy.pop("model_ema")
-    torch.save(legacy, tmp_path / "legacy.pt")
-    assert_ok(run_train(*SMALL_LION, *evaluate, f"checkpoint={tmp_path / 'legacy.pt'}",
-                        f"output_dir={tmp_path / 'eval_legacy'}"))
-    assert json.loads((tmp_path / "eval_legacy" / "eval.json").read_text()) == {**result, "checkpoint": str(tmp_path / "legacy.pt")}
-
 
 def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_path):
     """Fewer processes or another batch_size at resume change the updates per epoch; the learning rate

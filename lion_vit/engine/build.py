@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import models as lion_models  # registers the LION models with timm
 from ..errors import UserError, first_line
+from ..weights import load_into
 
 # timm.create_model arguments that choose a model's initial weights, not its architecture (fine-tuning:
 # model.kwargs.pretrained=true, model.kwargs.pretrained_cfg_overlay.file=<checkpoint>). A model whose
@@ -80,13 +81,9 @@ def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
     if "pos_embed" in state_dict and hasattr(model, "pos_embed"):
         state_dict = lion_models.checkpoint_filter_fn(state_dict, model)
     try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as error:
-        # torch's first line only says "Error(s) in loading state_dict for ...": name the first problem
-        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-        first = lines[1] if len(lines) > 1 else lines[0]
-        first = first if len(first) <= 200 else first[:200] + " ..."
-        raise UserError(f"checkpoint does not fit model {type(model).__name__}: {first}") from None
+        load_into(model, state_dict, "checkpoint")
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def architecture(model_settings: Dict[str, Any]) -> Dict[str, Any]:

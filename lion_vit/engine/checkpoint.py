@@ -4,14 +4,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import _refused_global, _safe_load
+from ..weights import read_weights
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -90,34 +89,23 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def ema_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
-    """The EMA weights of a checkpoint, or None. Stored under "model_ema" (DeiT's name, which timm's
-    loaders take by default when present); "ema" in checkpoints of earlier versions."""
-    found = state.get("model_ema")
-    return found if found is not None else state.get("ema")
+    """The EMA weights of a checkpoint, or None: its "model_ema" (DeiT's name, which timm's loaders take by
+    default when present)."""
+    return state.get("model_ema")
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Load a training checkpoint or raise UserError saying what is wrong with it.
-
-    Checkpoints hold only tensors and plain Python data, so they load with torch's safe
-    `weights_only=True` (torch's and timm's default); a file that would run other code when
-    unpickled is refused, not executed.
-    """
+    """Load a training checkpoint (lion_vit.weights: weights_only, so a file that would run other code when
+    unpickled is refused, not executed) or raise UserError saying what is wrong with it."""
     if Path(path).is_dir():
         raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
-    if not Path(path).is_file():
-        raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = _safe_load(path)
-    except Exception as error:  # torch raises many types for truncated or foreign files
-        refused = _refused_global(error) if isinstance(error, pickle.UnpicklingError) else None
-        if refused:
-            raise UserError(f"checkpoint {path} holds a Python object ({refused}) that torch's safe load "
-                            f"(weights_only) will not unpickle; use a checkpoint written by lion-vit's "
-                            f"train.py") from None
-        raise UserError(f"checkpoint {path} is corrupt or not a torch checkpoint ({type(error).__name__}); "
-                        f"use another checkpoint (e.g. {PREVIOUS})") from None
-    if not isinstance(state, dict) or "model" not in state:
+        state = read_weights(path)
+    except ValueError as error:
+        fix = "use a checkpoint written by lion-vit's train.py" if "Python object" in str(error) else \
+            f"use another checkpoint (e.g. {PREVIOUS})"
+        raise UserError(f"checkpoint {error}; {fix}") from None
+    if "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state
 

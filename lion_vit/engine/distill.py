@@ -18,11 +18,10 @@ import timm
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from timm.models import clean_state_dict
 from torch import Tensor, nn
 
 from ..errors import UserError, first_line
-from ..weights import read_weights, state_dict_of
+from ..weights import load_into, read_weights, state_dict_of
 from .build import build_model, check_same_classes, load_weights, trained_architecture
 
 log = logging.getLogger("lion_vit")
@@ -110,8 +109,6 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     (weights from distill.teacher_checkpoint, a state dict in a torch or .safetensors file, or else from
     the hub)."""
     path = distill.teacher_checkpoint
-    if path and not Path(path).is_file():
-        raise UserError(f"distill.teacher_checkpoint {path} does not exist; pass the path to the teacher's weights")
     if path:
         state = _load_state(Path(path))
         if isinstance(state.get("config"), dict):
@@ -126,7 +123,7 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     try:
         if path:
             teacher = timm.create_model(name, num_classes=num_classes)
-            teacher.load_state_dict(clean_state_dict(state_dict_of(state)))
+            load_into(teacher, state_dict_of(state), "the file")
         else:
             teacher = timm.create_model(name, pretrained=True)
     except (RuntimeError, OSError, ValueError) as error:
@@ -159,4 +156,4 @@ def _load_state(path: Path) -> Dict[str, Any]:
     try:
         return read_weights(path)
     except ValueError as error:
-        raise UserError(f"distill.teacher_checkpoint {error}") from None
+        raise UserError(f"distill.teacher_checkpoint {error}; pass the path to the teacher's weights") from None
