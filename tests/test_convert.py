@@ -172,7 +172,8 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"wrote {out}: lion_s_natural_tiny, 10 classes" in proc.stdout
     state = load_checkpoint(out)  # torch's safe load: plain data only
-    arch = OmegaConf.create({"attn_form": "rnn", "chunk_size": None, "drop_path_rate": 0.0, **trained_architecture(state)})
+    arch = OmegaConf.create({"attn_form": "rnn", "attn_backend": "auto", "chunk_size": None, "drop_path_rate": 0.0,
+                             **trained_architecture(state)})
     model = build_model(arch, state["num_classes"], 64, initial_weights=False)
     model.load_state_dict(state["model"])
     reference = from_official(official)

@@ -211,3 +211,29 @@ def test_a_setting_that_does_not_exist_or_has_the_wrong_type_is_named():
         check_settings(unknown)
     with pytest.raises(UserError, match=r"^data.root=\[1, 2\] is not allowed; set data.root to null or a string$"):
         check_settings(listed)
+
+
+def test_every_default_is_in_the_yaml_once_and_passes_the_schema():
+    """One source per default: the schema (lion_vit/engine/config.py) holds none; every group option and
+    experiment, composed, sets every setting of the schema and nothing else, and every value passes
+    its rule. A default changed in a YAML to a value the schema refuses fails here."""
+    import dataclasses
+    from hydra import compose, initialize_config_dir
+    from omegaconf import MISSING, OmegaConf
+    from lion_vit.engine import config
+    from lion_vit.engine.config import RunConfig, check_settings
+
+    names = [name for name, _ in config._fields(RunConfig)]
+    assert all(f.default is MISSING and f.default_factory is dataclasses.MISSING
+               for _, f in config._fields(RunConfig)), "a schema field has a default: put it in configs/ instead"
+    overrides = [[]] + [[f"{group.name}={option.stem}"] for group in sorted((ROOT / "configs").iterdir())
+                        if group.is_dir() and group.name != "hydra" for option in sorted(group.glob("*.yaml"))]
+    overrides += [["distill=soft", "distill.teacher=resnet18"]]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for override in overrides:
+            if override and override[0].startswith("distill=") and len(override) == 1 and override[0] != "distill=none":
+                override = override + ["distill.teacher=resnet18"]  # a distillation needs a teacher
+            cfg = compose("config", overrides=override)
+            missing = [name for name in names if OmegaConf.select(cfg, name, default=MISSING) is MISSING]
+            assert not missing, f"{override}: no value for {missing}"
+            check_settings(cfg)  # every value passes its rule, no key unknown to the schema

@@ -35,7 +35,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"img_size {img_size} is not divisible by model.patch_size {patch}; "
                         f"use a multiple of {patch}")
     is_lion = name in lion_models.LION_MODEL_NAMES + lion_models.DISTILLED_MODEL_NAMES
-    backend = model_cfg.get("attn_backend", "auto")  # form and backend names: engine/config.py checks them
+    backend = model_cfg.attn_backend  # form and backend names: engine/config.py checks them
     if not is_lion and (model_cfg.attn_form not in ("auto", "attention") or model_cfg.chunk_size or backend != "auto"):
         raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "
                         f"not {name}")

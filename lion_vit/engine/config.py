@@ -1,7 +1,7 @@
 """The settings of train.py as Hydra structured configs: every setting's type and allowed values.
 
-The values themselves live in configs/ (YAML, grouped by concern); these dataclasses are their
-schema. `check_settings(cfg)` merges the composed config into the schema (OmegaConf checks the
+The values themselves live in configs/ (YAML, grouped by concern), and only there: these dataclasses
+are their schema and hold no defaults (tests/test_settings.py checks every YAML file against them). `check_settings(cfg)` merges the composed config into the schema (OmegaConf checks the
 types and unknown keys), then checks each field's rule from its metadata and the few rules that
 relate two settings, so that a bad value is one line naming the setting and what it must be,
 before any data or model is built. (Registered as Hydra's schema instead, a bad value would end in
@@ -117,45 +117,42 @@ _WORDING = {positive_int: "a positive integer", non_negative_int: "an integer >=
 
 
 def setting(test: Optional[Callable[[Any], bool]] = None, expected: str = "", *, training: bool = False,
-            default: Any = MISSING, choices: tuple = ()) -> Any:
-    """A schema field. test / expected: the rule a value must meet and how the error line states it;
-    choices: the allowed values (rule and wording both); training: checked for training runs only."""
+            choices: tuple = ()) -> Any:
+    """A schema field, without a default (the YAML in configs/ holds every value). test / expected: the
+    rule a value must meet and how the error line states it; choices: the allowed values (rule and
+    wording both); training: checked for training runs only."""
     if choices:
         test, expected = one_of(*choices), " | ".join(choices)
     expected = expected or _WORDING.get(test, "")
-    metadata = {"test": test, "expected": expected, "training": training}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return field(default=MISSING, metadata={"test": test, "expected": expected, "training": training})
 
 
 @dataclass
 class ModelConfig:
     name: str = setting(lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small")
     attn_form: str = setting(choices=tuple(FORM_CHOICES))
-    attn_backend: str = setting(choices=tuple(BACKENDS), default="auto")
-    chunk_size: Optional[int] = setting(optional(positive_int), "null or a positive integer",
-                                        default=None)
+    attn_backend: str = setting(choices=tuple(BACKENDS))
+    chunk_size: Optional[int] = setting(optional(positive_int), "null or a positive integer")
     patch_size: Optional[int] = setting(optional(positive_int),
                                         "a positive integer that divides img_size (null for timm models without "
-                                        "patches)", default=None)
+                                        "patches)")
     drop_path_rate: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1) (stochastic depth)",
-                                    training=True, default=0.0)
-    kwargs: Dict[str, Any] = setting(default={})  # more timm.create_model arguments
-    init_from: Optional[str] = None  # a softmax ViT's weights to start from (lion_vit.init_from_vit)
+                                    training=True)
+    kwargs: Dict[str, Any] = setting()  # more timm.create_model arguments
+    init_from: Optional[str] = MISSING  # a softmax ViT's weights to start from (lion_vit.init_from_vit)
 
 
 @dataclass
 class DataConfig:
     name: str = setting(choices=KINDS)
-    root: Optional[str] = None
-    train_split: Optional[str] = None
-    val_split: Optional[str] = None
-    download: bool = setting(switch, default=False)
+    root: Optional[str] = MISSING
+    train_split: Optional[str] = MISSING
+    val_split: Optional[str] = MISSING
+    download: bool = setting(switch)
     mean: List[float] = MISSING
     std: List[float] = MISSING
-    interpolation: str = "bicubic"
-    crop_pct: float = setting(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", default=1.0)
+    interpolation: str = MISSING
+    crop_pct: float = setting(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
 
 
 @dataclass
@@ -164,7 +161,7 @@ class OptimConfig:
                        "(timm.optim.list_optimizers())", training=True)
     lr: float = setting(positive, "a finite positive number", training=True)
     lr_base_batch: Optional[int] = setting(optional(positive_int),
-                                           "null (lr as is) or a positive integer", training=True, default=None)
+                                           "null (lr as is) or a positive integer", training=True)
     weight_decay: float = setting(non_negative, training=True)
     betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1),
                                  "two numbers in [0, 1)", training=True)
@@ -174,10 +171,10 @@ class OptimConfig:
     warmup_lr: float = setting(non_negative, training=True)
     min_lr: float = setting(non_negative, training=True)
     clip_grad: Optional[float] = setting(optional(positive),
-                                         "null or a positive max norm", training=True, default=None)
+                                         "null or a positive max norm", training=True)
     layer_decay: Optional[float] = setting(lambda v: v is None or (_is_number(v) and 0 < v <= 1),
                                            "null (off) or a number in (0, 1], e.g. 0.75 for fine-tuning",
-                                           training=True, default=None)
+                                           training=True)
 
 
 @dataclass
@@ -185,15 +182,15 @@ class AugConfig:
     enabled: bool = setting(switch)
     auto_augment: Optional[str] = setting(
         _is_timm_auto_augment, "null (off) or a timm policy whose options are each a key and a number: "
-        "rand-m9-mstd0.5-inc1 (RandAugment, DeiT's), augmix-m5-w3-d2, original, v0 or 3a", training=True, default=None)
+        "rand-m9-mstd0.5-inc1 (RandAugment, DeiT's), augmix-m5-w3-d2, original, v0 or 3a", training=True)
     color_jitter: float = setting(non_negative, training=True)
     scale: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 < x <= 1) and v[0] <= v[1],
                                  "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)",
                                  training=True)
     hflip: float = setting(fraction, training=True)
     reprob: float = setting(fraction, training=True)
-    remode: str = "pixel"
-    recount: int = 1
+    remode: str = MISSING
+    recount: int = MISSING
     mixup: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
     cutmix: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
     mixup_prob: float = setting(fraction, training=True)
@@ -205,13 +202,12 @@ class AugConfig:
 
 @dataclass
 class DistillConfig:
-    type: str = setting(choices=DISTILL_TYPES, default="none")
-    teacher: Optional[str] = None  # a timm model name
-    teacher_checkpoint: Optional[str] = None  # a train.py checkpoint, or the teacher's state dict
-    alpha: float = setting(fraction, "a number in [0, 1] (the distillation loss's share)", training=True,
-                           default=0.5)
+    type: str = setting(choices=DISTILL_TYPES)
+    teacher: Optional[str] = MISSING  # a timm model name
+    teacher_checkpoint: Optional[str] = MISSING  # a train.py checkpoint, or the teacher's state dict
+    alpha: float = setting(fraction, "a number in [0, 1] (the distillation loss's share)", training=True)
     tau: float = setting(positive, "a positive number (the soft distillation's "
-                         "temperature)", training=True, default=1.0)
+                         "temperature)", training=True)
 
 
 @dataclass
@@ -224,11 +220,11 @@ class EmaConfig:
 @dataclass
 class WandbConfig:
     mode: str = setting(choices=WANDB_MODES)
-    project: str = "lion-vit"
-    entity: Optional[str] = None
-    name: Optional[str] = None
-    group: Optional[str] = None
-    tags: List[str] = setting(default=[])
+    project: str = MISSING
+    entity: Optional[str] = MISSING
+    name: Optional[str] = MISSING
+    group: Optional[str] = MISSING
+    tags: List[str] = setting()
 
 
 @dataclass
@@ -242,14 +238,14 @@ class RunConfig:
     img_size: int = setting(positive_int)
     epochs: int = setting(positive_int, training=True)
     batch_size: int = setting(positive_int)
-    grad_accum_steps: int = setting(positive_int, "a positive integer (1: no accumulation)", default=1)
+    grad_accum_steps: int = setting(positive_int, "a positive integer (1: no accumulation)")
     seed: int = setting(non_negative_int)
     device: str = setting(choices=DEVICES)
     num_workers: int = setting(non_negative_int)
     output_dir: str = MISSING
-    resume: Optional[str] = None
+    resume: Optional[str] = MISSING
     eval_only: bool = setting(switch)
-    checkpoint: Optional[str] = None
+    checkpoint: Optional[str] = MISSING
     amp: bool = setting(switch)
     amp_dtype: str = setting(choices=AMP_DTYPES)
     compile: bool = setting(switch)
