@@ -87,17 +87,13 @@ class LionAttention(nn.Module):
             raise ValueError("multi-scan needs a decay: with an all-ones mask every scan is the same")
         if attn_drop:
             raise ValueError("attn_drop is not supported: the rnn and chunk forms never form attention weights")
-        check_form(attn_form, chunk_size)
-        check_backend(attn_backend)
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.decay = decay
         self.num_scans = num_scans
         self.feature_map_name = feature_map
         self.query_map, self.key_map = get_feature_map(feature_map)
-        self.attn_form = attn_form
-        self.chunk_size = chunk_size
-        self.attn_backend = attn_backend
+        self.set_attn_form(attn_form, chunk_size, attn_backend)
         self.prefix_decay_one = prefix_decay_one  # selective decays of prefix (class) tokens fixed to 1
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
         self.grid_size: Optional[Tuple[int, int]] = None
@@ -129,7 +125,8 @@ class LionAttention(nn.Module):
         return self.decay_kind.decayed
 
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None, backend: Optional[str] = None) -> None:
-        """Switch the form (and chunk size; backend too unless None). Same weights, same function."""
+        """Switch the form (and chunk size; backend too unless None). Same weights, same function. Unknown
+        values are a ValueError, and change nothing."""
         check_form(attn_form, chunk_size)
         if backend is not None:
             check_backend(backend)

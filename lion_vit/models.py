@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .decays import DECAYS
 from .layers import LionAttention, fx_tracing
-from .ops import Plan, check_backend, check_form
+from .ops import Plan
 
 __all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "VARIANTS", "register_variant",
            "create_model_at_size"]
@@ -105,8 +105,6 @@ class LionViT(VisionTransformer):
             distilled: bool = False,
             **kwargs: Any,
     ) -> None:
-        check_form(attn_form, chunk_size)
-        check_backend(attn_backend)
         if not dynamic_img_size:
             raise ValueError("dynamic_img_size=False is not supported: LION layers read the patch grid of each "
                              "input, so every size the patch size divides works; leave dynamic_img_size unset")
@@ -208,10 +206,8 @@ class LionViT(VisionTransformer):
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None,
                       backend: Optional[str] = None) -> "LionViT":
         """Switch every block to "attention", "rnn", "chunk" or "auto" (same weights, same function), and
-        to backend "auto", "torch" or "triton" unless backend is None."""
-        check_form(attn_form, chunk_size)
-        if backend is not None:
-            check_backend(backend)
+        to backend "auto", "torch" or "triton" unless backend is None (each layer checks the values before
+        it changes anything, so a bad one changes no block)."""
         for attn in self.lion_attentions():
             attn.set_attn_form(attn_form, chunk_size, backend)
         return self

@@ -44,7 +44,8 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
                               "patch_size": 8, "drop_path_rate": 0.0, "kwargs": {"depth": 2}})
     with pytest.raises(UserError, match="^unknown model 'lion_x_huge'; LION models: "):
         build_model(OmegaConf.merge(model, {"name": "lion_x_huge"}), 3, 32)
-    with pytest.raises(UserError, match="^img_size 30 is not divisible by model.patch_size 8"):
+    with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size 30x30 is not divisible by the patch "
+                                        "size 8x8"):
         build_model(model, 3, 30)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")

@@ -30,10 +30,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
     if not timm.is_model(name):
         raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
                         f"(or any timm name, see timm.list_models())")
-    patch = model_cfg.patch_size
-    if patch and img_size % patch:
-        raise UserError(f"img_size {img_size} is not divisible by model.patch_size {patch}; "
-                        f"use a multiple of {patch}")
+    patch = model_cfg.patch_size  # (create_model_at_size refuses a size it does not divide)
     is_lion = name in lion_models.LION_MODEL_NAMES + lion_models.DISTILLED_MODEL_NAMES
     backend = model_cfg.attn_backend  # form and backend names: engine/config.py checks them
     if not is_lion and (model_cfg.attn_form not in ("auto", "attention") or model_cfg.chunk_size or backend != "auto"):
