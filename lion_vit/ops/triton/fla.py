@@ -11,7 +11,8 @@ that one kernel launch runs all of them (docs/design.md section 3):
 The mirrored sequence is strictly causal: its query runs one token ahead of its keys, so it sums the
 tokens after t in scan order without t itself, and the factor lam(u[p]) = lam of the token after t
 (0 for the scan's last token) completes the mask. The diagonal is counted once, by the forward pass,
-and nothing but the kernels' own inputs and outputs is kept for backward. Numerator and normaliser
+so no copy of q, k or v is kept for it: autograd keeps the kernels' own inputs, and of their outputs
+the gathered mirrored ones and their sum (for the folds and the division). Numerator and normaliser
 come back as views of one [B, L, H, Dv + 1] buffer in the kernels' dtype.
 
 q is scaled by 2^-round(log2(L) / 2) inside the kernels (their `scale`): exact in binary, cancelled by
@@ -74,29 +75,29 @@ def _installed_triton_version() -> str:
     return triton.__version__
 
 
-def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
-    """For S scans (orders [S, L], or None: one scan in token order): the token index of every kernel
-    position for keys and values, and for queries, [2S * L] (each scan forward, then mirrored); and
-    where each token finds its mirrored output, [S, L] (position within the mirrored sequence)."""
+def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """For S scans (orders [S, L], or None: one scan in token order): the orders [S, L] and each token's
+    position in them [S, L]; the token index of every kernel position for keys and values, and for
+    queries, [2S * L] (each scan forward, then mirrored); and where each token finds its mirrored output,
+    [S, L] (position within the mirrored sequence)."""
     order = torch.arange(length, device=device)[None] if orders is None else orders
     mirrored = order.flip(-1)
     kv = torch.stack([order, mirrored], 1).flatten()
     q = torch.stack([order, mirrored.roll(-1, -1)], 1).flatten()
     position = torch.argsort(order, dim=-1)  # token -> scan position
-    return kv, q, (length - 2 - position) % length
+    return order, position, kv, q, (length - 2 - position) % length
 
 
-def _gates_and_folds(log_decays: Optional[Tensor], orders: Optional[Tensor], kv_index: Tensor, batch: int,
-                     heads: int, length: int) -> Tuple[Optional[Tensor], Tensor]:
+def _gates_and_folds(log_decays: Optional[Tensor], order: Tensor, position: Tensor, kv_index: Tensor, batch: int,
+                     heads: int) -> Tuple[Optional[Tensor], Tensor]:
     """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's factor on its
     mirrored output, [S, B|1, L, H|1, 1] in token order: lam of the next token in scan order, 0 for the
-    scan's last token."""
-    scans = 1 if orders is None else len(orders)
-    order = torch.arange(length, device=kv_index.device)[None] if orders is None else orders
-    last = torch.zeros(scans, length, device=kv_index.device, dtype=torch.bool)
-    last.scatter_(1, order[:, -1:], True)
+    scan's last token. order, position: _scan_indices'."""
+    scans, length = order.shape
+    last = (position == length - 1)[:, None, :, None, None]
     if log_decays is None:
-        return None, (~last).float()[:, None, :, None, None]
+        return None, (~last).float()
     a = log_decays.float()  # [S, B|1, H|1, L|1] in token order
     if a.shape[-1] == 1:  # one decay per head: every gate is it (the first one meets a zero state)
         gates = a.expand(scans, batch, heads, 1).permute(1, 0, 3, 2).expand(batch, scans, 2 * length, heads)
@@ -107,20 +108,20 @@ def _gates_and_folds(log_decays: Optional[Tensor], orders: Optional[Tensor], kv_
             -1, kv_index.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
         gates = F.pad(sequences[..., :-1], (1, 0)).flatten(-2).permute(1, 0, 3, 2)  # g_p = a(previous token)
         gates = gates.expand(batch, scans, 2 * length, heads)
-        after = a.gather(-1, order.roll(-1, -1)[:, None, None].expand_as(a))  # lam of the next token ...
-        fold = after.scatter(-1, order[:, None, None, :].expand_as(a), after).exp()  # ... put at each token
-        fold = fold.permute(0, 1, 3, 2)[..., None]
-    return gates.reshape(batch * scans * 2, length, heads), fold.masked_fill(last[:, None, :, None, None], 0.0)
+        following = order.roll(-1, -1).gather(-1, position)  # token -> the next token in scan order
+        fold = a.gather(-1, following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)[..., None]
+    return gates.reshape(batch * scans * 2, length, heads), fold.masked_fill(last, 0.0)
 
 
 def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor]):
     """The kernels' operands: q, k, v1 as [B * 2S, L, H, D] (one gather each from token-major views of
-    the inputs), gates, folds and where tokens find their mirrored outputs."""
+    the inputs), gates, folds, and where tokens find their forward outputs (None: in token order) and
+    their mirrored ones."""
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
     batch, heads, length, value_dim = v.shape
-    kv_index, q_index, mirror = _scan_indices(orders, length, q.device)
+    order, position, kv_index, q_index, mirror = _scan_indices(orders, length, q.device)
     sequences = len(kv_index) // length
 
     def gather(t: Tensor, index: Tensor, width: int, value: float = 0.0) -> Tensor:
@@ -136,11 +137,11 @@ def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
     key_width = q.shape[-1] + q.shape[-1] % 2
     q2, k2 = gather(q, q_index, key_width), gather(k, kv_index, key_width)
     v2 = gather(v, kv_index, value_dim + 1 + (value_dim + 1) % 2, value=1.0)
-    gates, folds = _gates_and_folds(log_decays, orders, kv_index, batch, heads, length)
-    return q2, k2, v2, gates, folds, mirror
+    gates, folds = _gates_and_folds(log_decays, order, position, kv_index, batch, heads)
+    return q2, k2, v2, gates, folds, None if orders is None else position, mirror
 
 
-def _combined(out: Tensor, folds: Tensor, mirror: Tensor, orders: Optional[Tensor], batch: int,
+def _combined(out: Tensor, folds: Tensor, position: Optional[Tensor], mirror: Tensor, batch: int,
               value_dim: int) -> Tuple[Tensor, Tensor]:
     """The kernels' outputs [B * 2S, L, H, W] -> numerator [B, H, L, Dv] and normaliser [B, H, L, 1]: each
     token's forward output plus its folded mirrored output, summed over the scans, in the kernels' dtype."""
@@ -148,7 +149,7 @@ def _combined(out: Tensor, folds: Tensor, mirror: Tensor, orders: Optional[Tenso
     out = out.view(batch, scans, 2, length, *out.shape[2:])
     total = None
     for s in range(scans):
-        forward = out[:, s, 0] if orders is None else out[:, s, 0].index_select(1, torch.argsort(orders[s]))
+        forward = out[:, s, 0] if position is None else out[:, s, 0].index_select(1, position[s])
         term = torch.addcmul(forward, out[:, s, 1].index_select(1, mirror[s]), folds[s].to(out.dtype))
         total = term if total is None else total + term
     total = total.transpose(1, 2)  # [B, H, L, W], token-major in memory
@@ -194,6 +195,6 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
 
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
          orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    q2, k2, v2, gates, folds, mirror = _stacked(q, k, v, log_decays, orders)
+    q2, k2, v2, gates, folds, position, mirror = _stacked(q, k, v, log_decays, orders)
     out, _ = kernel(q2, k2, v2, g=gates, scale=_scale(q.shape[2]))
-    return _FirstOrderOnly.apply(*_combined(out, folds, mirror, orders, q.shape[0], v.shape[-1]))
+    return _FirstOrderOnly.apply(*_combined(out, folds, position, mirror, q.shape[0], v.shape[-1]))
