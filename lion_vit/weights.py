@@ -15,9 +15,13 @@ from timm.models import clean_state_dict
 from torch import nn
 
 
+class UnsafeWeights(ValueError):
+    """A weights file that would run code when unpickled: torch's weights_only load refuses it."""
+
+
 def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str, Any]:
-    """The dict in a weights file. A missing, corrupt or foreign file, or one that would run code when
-    unpickled (weights_only refuses it), is a ValueError of one line starting with the path.
+    """The dict in a weights file. A missing, corrupt or foreign file is a ValueError of one line starting
+    with the path; one that would run code when unpickled (weights_only refuses it), an UnsafeWeights.
     allow: classes a trusted format pickles besides tensors (the official checkpoints' argparse.Namespace)."""
     path = Path(path)
     if not path.is_file():
@@ -31,8 +35,8 @@ def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str
     except pickle.UnpicklingError as error:
         refused = re.search(r"GLOBAL (\S+)", str(error))
         if refused:
-            raise ValueError(f"{path} holds a Python object ({refused.group(1)}) that torch's safe load "
-                             f"(weights_only) will not unpickle") from None
+            raise UnsafeWeights(f"{path} holds a Python object ({refused.group(1)}) that torch's safe load "
+                                f"(weights_only) will not unpickle") from None
         raise ValueError(f"{path} is corrupt or not a torch checkpoint (UnpicklingError)") from None
     except Exception as error:  # torch raises many types for truncated or foreign files
         raise ValueError(f"{path} is corrupt or not a torch checkpoint ({type(error).__name__})") from None

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import read_weights
+from ..weights import UnsafeWeights, read_weights
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,10 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
         raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
     try:
         state = read_weights(path)
+    except UnsafeWeights as error:
+        raise UserError(f"checkpoint {error}; use a checkpoint written by lion-vit's train.py") from None
     except ValueError as error:
-        fix = "use a checkpoint written by lion-vit's train.py" if "Python object" in str(error) else \
-            f"use another checkpoint (e.g. {PREVIOUS})"
-        raise UserError(f"checkpoint {error}; {fix}") from None
+        raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
     if "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state
