@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Tuple
 import timm
 import torch
 from timm.layers import resample_abs_pos_embed
-from timm.models import clean_state_dict
 from torch import Tensor, nn
 
 __all__ = ["init_from_vit", "InitReport", "load_vit_weights"]
