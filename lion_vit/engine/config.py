@@ -1,8 +1,9 @@
 """The settings of train.py as Hydra structured configs: every setting's type and allowed values.
 
 The values themselves live in configs/ (YAML, grouped by concern), and only there: these dataclasses
-are their schema and hold no defaults (tests/test_settings.py checks every YAML file against them). `check_settings(cfg)` merges the composed config into the schema (OmegaConf checks the
-types and unknown keys), then checks each field's rule from its metadata and the few rules that
+are their schema and hold no defaults (tests/test_settings.py checks every YAML file against them).
+`check_settings(cfg)` merges the composed config into the schema (OmegaConf checks the types and
+unknown keys), then checks each field's rule from its metadata and the few rules that
 relate two settings, so that a bad value is one line naming the setting and what it must be,
 before any data or model is built. (Registered as Hydra's schema instead, a bad value would end in
 Hydra's multi-line report and exit code 1.)
