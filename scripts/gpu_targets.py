@@ -89,11 +89,14 @@ def setting_lines(folder: Path) -> List[str]:
         for row in rows:
             if row["model"] == model and row.get("form") in ("attention", "chunk"):
                 times.setdefault(size_of(row), {})[row["form"]] = number(row, column)
-        faster = sorted(size for size, t in times.items() if t.get("attention") and t.get("chunk")
-                        and t["chunk"] < t["attention"])
-        measured = ", ".join(f"{size} px: chunk x{t['chunk'] / t['attention']:.2f}" for size, t in sorted(times.items())
-                             if t.get("attention") and t.get("chunk")) or "not measured"
-        pick = (f"{tokens(faster[0])}" if faster else "above the sizes measured") if measured != "not measured" else "-"
+        ratios = {size: t["chunk"] / t["attention"] for size, t in sorted(times.items())
+                  if t.get("attention") and t.get("chunk")}  # chunk kernels' time / attention form's
+        if not ratios:
+            lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | not measured | - |")
+            continue
+        faster = [size for size, ratio in ratios.items() if ratio < 1]
+        measured = ", ".join(f"{size} px: chunk x{ratio:.2f}" for size, ratio in ratios.items())
+        pick = f"{tokens(faster[0])}" if faster else "above the sizes measured"
         lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
     for model in ("lion_d_small", "lion_d_natural_small"):
         found = {}
