@@ -224,9 +224,9 @@ def test_every_default_is_in_the_yaml_once_and_passes_the_schema():
     from lion_vit.engine import config
     from lion_vit.engine.config import RunConfig, check_settings
 
-    names = [name for name, _ in config._fields(RunConfig)]
+    names = [name for name, *_ in config._fields(RunConfig)]
     assert all(f.default is MISSING and f.default_factory is dataclasses.MISSING
-               for _, f in config._fields(RunConfig)), "a schema field has a default: put it in configs/ instead"
+               for _, f, _ in config._fields(RunConfig)), "a schema field has a default: put it in configs/ instead"
     overrides = [[]] + [[f"{group.name}={option.stem}"] for group in sorted((ROOT / "configs").iterdir())
                         if group.is_dir() and group.name != "hydra" for option in sorted(group.glob("*.yaml"))]
     overrides += [["distill=soft", "distill.teacher=resnet18"]]

@@ -1,12 +1,9 @@
 """The settings of train.py as Hydra structured configs: every setting's type and allowed values.
 
-The values themselves live in configs/ (YAML, grouped by concern), and only there: these dataclasses
-are their schema and hold no defaults (tests/test_settings.py checks every YAML file against them).
-`check_settings(cfg)` merges the composed config into the schema (OmegaConf checks the types and
-unknown keys), then checks each field's rule from its metadata and the few rules that
-relate two settings, so that a bad value is one line naming the setting and what it must be,
-before any data or model is built. (Registered as Hydra's schema instead, a bad value would end in
-Hydra's multi-line report and exit code 1.)
+The values live in configs/ (YAML, grouped by concern) and only there: these dataclasses hold no defaults.
+`check_settings(cfg)` merges the composed config into the schema (types, unknown keys), then checks each
+field's rule and the rules that relate two settings: a bad value is one line naming the setting and what
+it must be, before any data or model is built (Hydra's own schema check ends in a multi-line report).
 """
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -52,36 +49,19 @@ def _is_pair(value: Any, test: Callable[[Any], bool]) -> bool:
     return isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(test(x) for x in value)
 
 
-def positive_int(v: Any) -> bool:
-    return _is_int(v) and v > 0
+# A rule is a test of a value and how an error line states it: the wording lives with the test.
+Rule = Tuple[Callable[[Any], bool], str]
+POSITIVE_INT: Rule = (lambda v: _is_int(v) and v > 0, "a positive integer")
+NON_NEGATIVE_INT: Rule = (lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+POSITIVE: Rule = (lambda v: _is_number(v) and v > 0, "a positive number")
+NON_NEGATIVE: Rule = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
+FRACTION: Rule = (lambda v: _is_number(v) and 0 <= v <= 1, "a probability in [0, 1]")
+# OmegaConf would take yes/on and ture-like strings for a bool; `compile=ture` must not pass
+SWITCH: Rule = (lambda v: isinstance(v, bool), "true or false")
 
 
-def non_negative_int(v: Any) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def positive(v: Any) -> bool:
-    return _is_number(v) and v > 0
-
-
-def non_negative(v: Any) -> bool:
-    return _is_number(v) and v >= 0
-
-
-def fraction(v: Any) -> bool:
-    return _is_number(v) and 0 <= v <= 1
-
-
-def optional(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or test(v)
-
-
-def switch(v: Any) -> bool:
-    return isinstance(v, bool)  # OmegaConf would take yes/on/ture-like strings; `compile=ture` must not pass
-
-
-def one_of(*choices: str) -> Callable[[Any], bool]:
-    return lambda v: v in choices
+def optional(rule: Rule) -> Rule:
+    return (lambda v: v is None or rule[0](v)), f"null or {rule[1]}"
 
 
 def _is_timm_optimizer(value: Any) -> bool:
@@ -112,20 +92,19 @@ def _is_timm_auto_augment(value: Any) -> bool:
     return True
 
 
-# how an error states the common rules (a field may say more)
-_WORDING = {positive_int: "a positive integer", non_negative_int: "an integer >= 0", positive: "a positive number",
-            non_negative: "a number >= 0", fraction: "a probability in [0, 1]", switch: "true or false"}
-
-
-def setting(test: Optional[Callable[[Any], bool]] = None, expected: str = "", *, training: bool = False,
-            choices: tuple = ()) -> Any:
-    """A schema field, without a default (the YAML in configs/ holds every value). test / expected: the
-    rule a value must meet and how the error line states it; choices: the allowed values (rule and
-    wording both); training: checked for training runs only."""
+def setting(rule: Optional[Rule] = None, expected: str = "", *, choices: tuple = (), training: bool = False) -> Any:
+    """A schema field, without a default (the YAML in configs/ holds every value): the rule its value
+    must meet (a Rule, or a test with `expected`, or `choices`), checked for training runs only with
+    training=True."""
+    test, wording = (rule, "") if callable(rule) else rule or (None, "")
     if choices:
-        test, expected = one_of(*choices), " | ".join(choices)
-    expected = expected or _WORDING.get(test, "")
-    return field(default=MISSING, metadata={"test": test, "expected": expected, "training": training})
+        test, wording = (lambda v: v in choices), " | ".join(choices)
+    return field(default=MISSING, metadata={"test": test, "expected": expected or wording, "training": training})
+
+
+def group(schema: type, training: bool = False) -> Any:
+    """A config group; training=True: all of its rules are checked for training runs only."""
+    return field(default_factory=schema, metadata={"training": training})
 
 
 @dataclass
@@ -133,10 +112,9 @@ class ModelConfig:
     name: str = setting(lambda v: isinstance(v, str) and bool(v), "a timm model name such as lion_s_small")
     attn_form: str = setting(choices=tuple(FORM_CHOICES))
     attn_backend: str = setting(choices=tuple(BACKENDS))
-    chunk_size: Optional[int] = setting(optional(positive_int), "null or a positive integer")
-    patch_size: Optional[int] = setting(optional(positive_int),
-                                        "a positive integer that divides img_size (null for timm models without "
-                                        "patches)")
+    chunk_size: Optional[int] = setting(optional(POSITIVE_INT))
+    patch_size: Optional[int] = setting(optional(POSITIVE_INT), "a positive integer that divides img_size (null for "
+                                        "timm models without patches)")
     drop_path_rate: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1) (stochastic depth)",
                                     training=True)
     kwargs: Dict[str, Any] = setting()  # more timm.create_model arguments
@@ -149,7 +127,7 @@ class DataConfig:
     root: Optional[str] = MISSING
     train_split: Optional[str] = MISSING
     val_split: Optional[str] = MISSING
-    download: bool = setting(switch)
+    download: bool = setting(SWITCH)
     mean: List[float] = MISSING
     std: List[float] = MISSING
     interpolation: str = MISSING
@@ -159,46 +137,41 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     opt: str = setting(_is_timm_optimizer, "a timm optimizer name such as adamw, sgd or lamb "
-                       "(timm.optim.list_optimizers())", training=True)
-    lr: float = setting(positive, "a finite positive number", training=True)
-    lr_base_batch: Optional[int] = setting(optional(positive_int),
-                                           "null (lr as is) or a positive integer", training=True)
-    weight_decay: float = setting(non_negative, training=True)
-    betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1),
-                                 "two numbers in [0, 1)", training=True)
-    eps: float = setting(positive, training=True)
-    sched: str = setting(choices=SCHEDULES, training=True)
-    warmup_epochs: float = setting(non_negative, training=True)
-    warmup_lr: float = setting(non_negative, training=True)
-    min_lr: float = setting(non_negative, training=True)
-    clip_grad: Optional[float] = setting(optional(positive),
-                                         "null or a positive max norm", training=True)
+                       "(timm.optim.list_optimizers())")
+    lr: float = setting(POSITIVE, "a finite positive number")
+    lr_base_batch: Optional[int] = setting(optional(POSITIVE_INT), "null (lr as is) or a positive integer")
+    weight_decay: float = setting(NON_NEGATIVE)
+    betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)")
+    eps: float = setting(POSITIVE)
+    sched: str = setting(choices=SCHEDULES)
+    warmup_epochs: float = setting(NON_NEGATIVE)
+    warmup_lr: float = setting(NON_NEGATIVE)
+    min_lr: float = setting(NON_NEGATIVE)
+    clip_grad: Optional[float] = setting(optional(POSITIVE), "null or a positive max norm")
     layer_decay: Optional[float] = setting(lambda v: v is None or (_is_number(v) and 0 < v <= 1),
-                                           "null (off) or a number in (0, 1], e.g. 0.75 for fine-tuning",
-                                           training=True)
+                                           "null (off) or a number in (0, 1], e.g. 0.75 for fine-tuning")
 
 
 @dataclass
 class AugConfig:
-    enabled: bool = setting(switch)
+    enabled: bool = setting(SWITCH)
     auto_augment: Optional[str] = setting(
         _is_timm_auto_augment, "null (off) or a timm policy whose options are each a key and a number: "
-        "rand-m9-mstd0.5-inc1 (RandAugment, DeiT's), augmix-m5-w3-d2, original, v0 or 3a", training=True)
-    color_jitter: float = setting(non_negative, training=True)
+        "rand-m9-mstd0.5-inc1 (RandAugment, DeiT's), augmix-m5-w3-d2, original, v0 or 3a")
+    color_jitter: float = setting(NON_NEGATIVE)
     scale: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 < x <= 1) and v[0] <= v[1],
-                                 "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)",
-                                 training=True)
-    hflip: float = setting(fraction, training=True)
-    reprob: float = setting(fraction, training=True)
+                                 "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)")
+    hflip: float = setting(FRACTION)
+    reprob: float = setting(FRACTION)
     remode: str = MISSING
     recount: int = MISSING
-    mixup: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
-    cutmix: float = setting(non_negative, "a number >= 0 (0: off)", training=True)
-    mixup_prob: float = setting(fraction, training=True)
-    mixup_switch_prob: float = setting(fraction, training=True)
-    mixup_mode: str = setting(choices=MIXUP_MODES, training=True)
-    smoothing: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)", training=True)
-    repeated_aug: int = setting(non_negative_int, "an integer >= 0 (0 or 1: off)", training=True)
+    mixup: float = setting(NON_NEGATIVE, "a number >= 0 (0: off)")
+    cutmix: float = setting(NON_NEGATIVE, "a number >= 0 (0: off)")
+    mixup_prob: float = setting(FRACTION)
+    mixup_switch_prob: float = setting(FRACTION)
+    mixup_mode: str = setting(choices=MIXUP_MODES)
+    smoothing: float = setting(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
+    repeated_aug: int = setting(NON_NEGATIVE_INT, "an integer >= 0 (0 or 1: off)")
 
 
 @dataclass
@@ -206,16 +179,15 @@ class DistillConfig:
     type: str = setting(choices=DISTILL_TYPES)
     teacher: Optional[str] = MISSING  # a timm model name
     teacher_checkpoint: Optional[str] = MISSING  # a train.py checkpoint, or the teacher's state dict
-    alpha: float = setting(fraction, "a number in [0, 1] (the distillation loss's share)", training=True)
-    tau: float = setting(positive, "a positive number (the soft distillation's "
-                         "temperature)", training=True)
+    alpha: float = setting(FRACTION, "a number in [0, 1] (the distillation loss's share)")
+    tau: float = setting(POSITIVE, "a positive number (the soft distillation's temperature)")
 
 
 @dataclass
 class EmaConfig:
-    enabled: bool = setting(switch)
+    enabled: bool = setting(SWITCH)
     decay: float = setting(lambda v: _is_number(v) and 0 < v < 1, "a number between 0 and 1")
-    eval_ema: bool = setting(switch)
+    eval_ema: bool = setting(SWITCH)
 
 
 @dataclass
@@ -230,51 +202,52 @@ class WandbConfig:
 
 @dataclass
 class LoggerConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = group(WandbConfig)
 
 
 @dataclass
 class RunConfig:
     """configs/config.yaml and its groups."""
-    img_size: int = setting(positive_int)
-    epochs: int = setting(positive_int, training=True)
-    batch_size: int = setting(positive_int)
-    grad_accum_steps: int = setting(positive_int, "a positive integer (1: no accumulation)")
-    seed: int = setting(non_negative_int)
+    img_size: int = setting(POSITIVE_INT)
+    epochs: int = setting(POSITIVE_INT, training=True)
+    batch_size: int = setting(POSITIVE_INT)
+    grad_accum_steps: int = setting(POSITIVE_INT, "a positive integer (1: no accumulation)")
+    seed: int = setting(NON_NEGATIVE_INT)
     device: str = setting(choices=DEVICES)
-    num_workers: int = setting(non_negative_int)
+    num_workers: int = setting(NON_NEGATIVE_INT)
     output_dir: str = MISSING
     resume: Optional[str] = MISSING
-    eval_only: bool = setting(switch)
+    eval_only: bool = setting(SWITCH)
     checkpoint: Optional[str] = MISSING
-    amp: bool = setting(switch)
+    amp: bool = setting(SWITCH)
     amp_dtype: str = setting(choices=AMP_DTYPES)
-    compile: bool = setting(switch)
-    tf32: bool = setting(switch)
-    cpu_keep_freed_memory: bool = setting(switch)
-    progress: bool = setting(switch)
-    log_interval: int = setting(non_negative_int, "an integer >= 0 (0: no progress lines)")
-    ema: EmaConfig = field(default_factory=EmaConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    aug: AugConfig = field(default_factory=AugConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    compile: bool = setting(SWITCH)
+    tf32: bool = setting(SWITCH)
+    cpu_keep_freed_memory: bool = setting(SWITCH)
+    progress: bool = setting(SWITCH)
+    log_interval: int = setting(NON_NEGATIVE_INT, "an integer >= 0 (0: no progress lines)")
+    ema: EmaConfig = group(EmaConfig)
+    model: ModelConfig = group(ModelConfig)
+    data: DataConfig = group(DataConfig)
+    optim: OptimConfig = group(OptimConfig, training=True)
+    aug: AugConfig = group(AugConfig, training=True)
+    distill: DistillConfig = group(DistillConfig, training=True)
+    logger: LoggerConfig = group(LoggerConfig)
 
 
 def _not_allowed(name: str, value: Any, expected: str) -> UserError:
     return UserError(f"{name}={value} is not allowed; set {name} to {expected}")
 
 
-def _fields(schema: type, prefix: str = ""):
-    """(dotted name, field) for every leaf setting of a schema dataclass."""
+def _fields(schema: type, prefix: str = "", training: bool = False):
+    """(dotted name, rule, training only) for every leaf setting of a schema dataclass."""
     types = typing.get_type_hints(schema)  # (the annotations are strings: from __future__ import annotations)
     for f in dataclasses.fields(schema):
+        only_training = training or f.metadata.get("training", False)
         if dataclasses.is_dataclass(types[f.name]):
-            yield from _fields(types[f.name], f"{prefix}{f.name}.")
+            yield from _fields(types[f.name], f"{prefix}{f.name}.", only_training)
         else:
-            yield f"{prefix}{f.name}", f
+            yield f"{prefix}{f.name}", f, only_training
 
 
 _ABSENT = object()
@@ -285,25 +258,23 @@ def check_settings(cfg: DictConfig) -> None:
     true/false, before any data or model is built (torch, timm and the DataLoader would otherwise fail
     deep inside with their own assertion, or take the value silently). Settings a config does not
     have are left to the code that reads them; training-only rules are skipped with eval_only=true."""
-    rules = dict(_fields(RunConfig))
+    rules = {name: (f, training_only) for name, f, training_only in _fields(RunConfig)}
     try:
         OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     except ValidationError as error:
         name = re.sub(r"\[\d+\]$", "", str(error.full_key))
-        value = OmegaConf.select(cfg, name, default=None)
-        expected = rules[name].metadata.get("expected") if name in rules else ""
-        raise _not_allowed(name, value, expected or _type_name(str(rules[name].type) if name in rules else "")) \
-            from None
+        f = rules[name][0] if name in rules else None
+        expected = f.metadata.get("expected") if f else ""
+        raise _not_allowed(name, OmegaConf.select(cfg, name, default=None),
+                           expected or _type_name(str(f.type) if f else "")) from None
     except ConfigKeyError as error:
         raise UserError(f"{error.full_key} is not a setting of train.py; see configs/ for the settings "
                         f"(model.kwargs takes any timm.create_model argument)") from None
     training = cfg.eval_only is not True
-    for name, f in rules.items():
+    for name, (f, training_only) in rules.items():
         test = f.metadata.get("test")
         value = OmegaConf.select(cfg, name, default=_ABSENT)
-        if test is None or value is _ABSENT or (f.metadata["training"] and not training):
-            continue
-        if not test(value):
+        if test is not None and value is not _ABSENT and (training or not training_only) and not test(value):
             raise _not_allowed(name, value, f.metadata["expected"])
     if training:
         _check_related(cfg)
