@@ -97,6 +97,24 @@ def trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
     return architecture(state.get("config", {}).get("model", {}))
 
 
+def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any], img_size: int, classes: list,
+                          data: str, fix: str, weights: Dict[str, torch.Tensor]) -> nn.Module:
+    """A checkpoint's model at img_size with `weights` loaded: the checkpoint's architecture, the other
+    settings (form, backend, chunk size) from model_settings. The checkpoint's classes must be `classes`
+    (those of `data`; fix: what to do if not)."""
+    num_classes = state.get("num_classes", len(classes))
+    if "classes" in state:
+        check_same_classes(state["classes"], classes, data, fix)
+    elif num_classes != len(classes):  # a checkpoint of another trainer (DeiT's) names no classes
+        raise UserError(f"{data} has {len(classes)} classes, the checkpoint {num_classes}; {fix}")
+    # The architecture replaces the settings' whole, not merged: kwargs of this command's model group must
+    # not leak into the trained architecture (nor can a merge add kwargs to Hydra's struct config).
+    model = build_model(OmegaConf.create({**model_settings, **trained_architecture(state)}), num_classes, img_size,
+                        initial_weights=False)
+    load_weights(model, weights)
+    return model
+
+
 # optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
 OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
 RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "
@@ -118,12 +136,9 @@ def _require_same(group: str, trained: Dict[str, Any], current: Dict[str, Any], 
     """A UserError naming the first of the checkpoint's `group` settings that this run sets otherwise."""
     for key, value in trained.items():
         if value != current.get(key):
-            raise UserError(f"the checkpoint to resume was trained with {group}.{key}={_as_override(value)}, "
-                            f"this run has {group}.{key}={_as_override(current.get(key))}; {fix}")
-
-
-def _as_override(value: Any) -> str:
-    return "null" if value is None else str(value)
+            trained, now = ("null" if x is None else x for x in (value, current.get(key)))
+            raise UserError(f"the checkpoint to resume was trained with {group}.{key}={trained}, this run has "
+                            f"{group}.{key}={now}; {fix}")
 
 
 def check_same_classes(expected: list, found: list, what: str, fix: str) -> None:

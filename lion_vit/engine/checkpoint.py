@@ -88,12 +88,6 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def ema_weights(state: Dict[str, Any]) -> Optional[Dict[str, torch.Tensor]]:
-    """The EMA weights of a checkpoint, or None: its "model_ema" (DeiT's name, which timm's loaders take by
-    default when present)."""
-    return state.get("model_ema")
-
-
 def load_checkpoint(path: Path) -> Dict[str, Any]:
     """Load a training checkpoint (lion_vit.weights: weights_only, so a file that would run other code when
     unpickled is refused, not executed) or raise UserError saying what is wrong with it."""

@@ -17,12 +17,12 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 import timm
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from ..errors import UserError, first_line
 from ..weights import load_into, read_weights, state_dict_of
-from .build import build_model, check_same_classes, load_weights, trained_architecture
+from .build import model_from_checkpoint, trained_architecture
 
 log = logging.getLogger("lion_vit")
 
@@ -138,17 +138,13 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
 
 
 def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, classes: Sequence[str]):
-    config = state["config"]
-    architecture = trained_architecture(state)
-    if distill.teacher and distill.teacher != architecture.get("name"):
-        raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {architecture.get('name')}; drop "
-                        f"distill.teacher (the checkpoint names its model)")
-    check_same_classes(state.get("classes", classes), classes, "the training data",
-                       f"distil with a teacher trained on these classes ({path} was trained on others)")
-    model_settings = OmegaConf.create({**config["model"], **architecture, "drop_path_rate": 0.0})
-    teacher = build_model(model_settings, state.get("num_classes", len(classes)), config["img_size"],
-                          initial_weights=False)
-    load_weights(teacher, state["model"])
+    config, name = state["config"], trained_architecture(state).get("name")
+    if distill.teacher and distill.teacher != name:
+        raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {name}; drop distill.teacher (the "
+                        f"checkpoint names its model)")
+    teacher = model_from_checkpoint(state, {**config["model"], "drop_path_rate": 0.0}, config["img_size"], list(classes),
+                                    "the training data", f"distil with a teacher trained on these classes ({path} "
+                                    f"was trained on others)", state["model"])
     return teacher, (config["img_size"], config["data"]["mean"], config["data"]["std"])
 
 

@@ -8,7 +8,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ..errors import UserError
 
@@ -64,15 +64,28 @@ def run_files(output_dir: Path) -> List[str]:
     return [name for name in RUN_FILES if (output_dir / name).is_file() and (output_dir / name).stat().st_size > 0]
 
 
-def writable(output_dir: Path) -> Optional[str]:
-    """None if a file can be created and removed in output_dir, else the reason."""
+def claim(output_dir: Path) -> Optional[Path]:
+    """Create output_dir, check that it is writable and lock it for this run (rank 0); returns the outermost
+    folder it created (output_dir itself, or a parent such as outputs/ on a first run), or None."""
+    created = None
+    for folder in (output_dir, *output_dir.parents):
+        if folder.exists():
+            break
+        created = folder
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file of that name, no permission, a read-only disk
+        raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
+                        f"output_dir") from None
     probe = output_dir / f".write-test-{os.getpid()}"
     try:
         probe.touch()
         probe.unlink()
     except OSError as error:
-        return error.strerror or str(error)
-    return None
+        raise UserError(f"cannot write in output_dir {output_dir} ({error.strerror or error}); choose a writable "
+                        f"output_dir") from None
+    lock(output_dir)
+    return created
 
 
 def remove_if_unused(output_dir: Path, up_to: Optional[Path] = None) -> None:
@@ -90,10 +103,6 @@ def remove_if_unused(output_dir: Path, up_to: Optional[Path] = None) -> None:
             return
         if up_to is None or folder == up_to:
             return
-
-
-def write_json(path: Path, payload: Dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -31,7 +31,7 @@ from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
 from .build import (RESUME_SAME_OPTIMIZER, build_model, check_resumable, check_same_classes, load_weights,
-                    trained_architecture)
+                    model_from_checkpoint, trained_architecture)
 from .config import check_settings
 from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
@@ -60,8 +60,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             torch.cuda.set_device(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
-            created = _first_missing(output_dir)  # outputs/ too, on a first run
-            _claim(output_dir)
+            created = rundir.claim(output_dir)
         setup_logging(output_dir, dist_info.is_main)
         random_seed(epoch_seed(cfg.seed, 0, dist_info.rank))
         if cfg.eval_only:
@@ -95,15 +94,11 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     if is_main:
         rundir.write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
 
-    train_set = build_dataset(cfg.data, "train", build_transform(cfg.data, cfg.aug, cfg.img_size, train=True))
-    val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
+    train_set, train_loader = _data(cfg, "train", dist_info, device)
+    val_set, val_loader = _data(cfg, "val", dist_info, device)
     num_classes = num_classes_of(train_set)
     check_same_classes(train_set.classes, val_set.classes, "the validation split",
                        "give train and val the same class folders")
-    loader_args = dict(batch_size=cfg.batch_size, num_workers=cfg.num_workers, rank=dist_info.rank,
-                       world_size=dist_info.world_size, seed=cfg.seed, pin_memory=device.type == "cuda")
-    train_loader = build_loader(train_set, train=True, repeated_aug=cfg.aug.repeated_aug, **loader_args)
-    val_loader = build_loader(val_set, train=False, **loader_args)
     if len(train_loader) == 0:
         raise UserError(f"{len(train_set)} training images are fewer than one batch of {cfg.batch_size} per "
                         f"process; lower batch_size")
@@ -131,7 +126,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         if getattr(model, "dist_token", None) is not None:
             model.set_distilled_training(True)
 
-    start_epoch, best = 0, _Best()
+    start_epoch, best = 0, (-1.0, None)  # the best validation top-1 so far and its epoch (from 1)
     if resume_state is not None:
         start_epoch, best = _resume(cfg, resume_state, model, ema, optimizer, scheduler, loss_scaler, updates,
                                     output_dir, is_main)
@@ -169,12 +164,13 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 if ema is not None:
                     metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
                                                        cfg.log_interval, interruptible=False)["acc1"]
-                is_best = best.update(val["acc1"], epoch + 1)
+                is_best = val["acc1"] > best[0]
+                best = (val["acc1"], epoch + 1) if is_best else best
                 if is_main:
                     state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "scaler": loss_scaler.state_dict() if loss_scaler else None, "epoch": epoch,
-                             "best_acc1": best.acc1, "best_epoch": best.epoch, "num_classes": num_classes,
+                             "best_acc1": best[0], "best_epoch": best[1], "num_classes": num_classes,
                              "classes": list(train_set.classes),
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     _save_epoch(output_dir, metrics, state, is_best)
@@ -182,26 +178,21 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                     logger.log(metrics, step=epoch + 1)
     finally:
         logger.finish()
-    if is_main and best.acc1 >= 0:
+    if is_main and best[0] >= 0:
         last = f", last {metrics['val_acc1']:.2f} %" if metrics else ""
-        at = f" (epoch {best.epoch})" if best.epoch else ""
-        log.info("done: best top-1 %.2f %%%s%s; run folder %s, best checkpoint %s", best.acc1, at, last,
+        at = f" (epoch {best[1]})" if best[1] else ""
+        log.info("done: best top-1 %.2f %%%s%s; run folder %s, best checkpoint %s", best[0], at, last,
                  output_dir, output_dir / ckpt.BEST)
     return metrics
 
 
-class _Best:
-    """The best validation top-1 so far and its epoch (counted from 1)."""
-
-    def __init__(self, acc1: float = -1.0, epoch: Optional[int] = None) -> None:
-        self.acc1, self.epoch = acc1, epoch
-
-    def update(self, acc1: float, epoch: int) -> bool:
-        """True when acc1 is a new best."""
-        if acc1 <= self.acc1:
-            return False
-        self.acc1, self.epoch = acc1, epoch
-        return True
+def _data(cfg: DictConfig, split: str, dist_info: DistInfo, device: torch.device):
+    """A split's dataset (with its train or eval transform) and this process's loader of it."""
+    train = split == "train"
+    dataset = build_dataset(cfg.data, split, build_transform(cfg.data, cfg.aug, cfg.img_size, train=train))
+    return dataset, build_loader(dataset, train=train, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
+                                 rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed,
+                                 repeated_aug=cfg.aug.repeated_aug if train else 0, pin_memory=device.type == "cuda")
 
 
 def _mixup_and_loss(cfg: DictConfig, num_classes: int) -> Tuple[Optional[Mixup], nn.Module]:
@@ -229,7 +220,7 @@ def _init_from_vit(model: nn.Module, source: str) -> None:
 
 def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optional[ModelEmaV3],
             optimizer: torch.optim.Optimizer, scheduler, loss_scaler: Optional[NativeScaler], updates: int,
-            output_dir: Path, is_main: bool) -> Tuple[int, _Best]:
+            output_dir: Path, is_main: bool) -> Tuple[int, Tuple[float, Optional[int]]]:
     """Load a checkpoint's training state; returns the epoch to start from and the best so far."""
     check_resumable(cfg, state)
     load_weights(model, state["model"])
@@ -244,7 +235,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if loss_scaler is not None and state.get("scaler"):
         loss_scaler.load_state_dict(state["scaler"])
     if ema is not None:
-        trained_ema = ckpt.ema_weights(state)
+        trained_ema = state.get("model_ema")
         if trained_ema is not None:
             load_weights(ema.module, trained_ema)
         else:  # EMA turned on for a run that trained without it: start from its weights
@@ -256,7 +247,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if start_epoch >= cfg.epochs:
         log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
                  "larger epochs, training goes on along that longer schedule)", start_epoch, cfg.epochs)
-    return start_epoch, _Best(state.get("best_acc1", -1.0), state.get("best_epoch"))
+    return start_epoch, (state.get("best_acc1", -1.0), state.get("best_epoch"))
 
 
 def _save_epoch(output_dir: Path, metrics: Dict[str, Any], state: Dict[str, Any], is_best: bool) -> None:
@@ -317,39 +308,29 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     if not cfg.checkpoint:
         raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
     state = ckpt.load_checkpoint(Path(cfg.checkpoint))
-    # The architecture is the checkpoint's; the form and resolution are this command's.
-    # Replaced whole, not merged: kwargs of this command's model group must not leak into the trained
-    # architecture (nor can a merge add the checkpoint's kwargs to Hydra's struct config).
-    with_arch = OmegaConf.create({**OmegaConf.to_container(cfg.model, resolve=True), **trained_architecture(state)})
-    val_set = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
-    num_classes = state.get("num_classes", num_classes_of(val_set))
-    if "classes" in state:
-        check_same_classes(state["classes"], val_set.classes, f"the {cfg.data.name} validation split",
-                           "evaluate on data with the classes the checkpoint was trained on")
-    elif num_classes_of(val_set) != num_classes:
-        raise UserError(f"the validation split has {num_classes_of(val_set)} classes, the checkpoint "
-                        f"{num_classes}; evaluate on data with the classes it was trained on")
-    model = build_model(with_arch, num_classes, cfg.img_size, initial_weights=False)
     use_ema = cfg.ema.eval_ema
-    if use_ema and ckpt.ema_weights(state) is None:
+    if use_ema and state.get("model_ema") is None:
         raise UserError(f"ema.eval_ema=true, but {cfg.checkpoint} holds no EMA weights (its run had "
                         f"ema.enabled=false); drop ema.eval_ema to evaluate its model weights")
-    load_weights(model, ckpt.ema_weights(state) if use_ema else state["model"])
+    val_set, loader = _data(cfg, "val", dist_info, device)
+    # the architecture is the checkpoint's; the form and resolution are this command's
+    model = model_from_checkpoint(state, OmegaConf.to_container(cfg.model, resolve=True), cfg.img_size,
+                                  val_set.classes, f"the {cfg.data.name} validation split",
+                                  "evaluate on data with the classes the checkpoint was trained on",
+                                  state["model_ema"] if use_ema else state["model"])
     precision = _precision(cfg, device)
     _warn_if_too_large(model, cfg, device, precision, training=False, is_main=dist_info.is_main)
     model.to(device)
-    loader = build_loader(val_set, train=False, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                          rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed)
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, precision, show_progress=cfg.progress and dist_info.is_main,
                          log_interval=cfg.log_interval)
     form = cfg.model.attn_form  # a chunk size set for a sweep over forms means nothing to the others
     result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], "attn_form": form,
               "chunk_size": cfg.model.chunk_size if form == "chunk" else None, "img_size": cfg.img_size,
-              "num_images": stats["num_images"], "model": with_arch.name, "checkpoint": str(cfg.checkpoint),
-              "weights": "ema" if use_ema else "model"}
+              "num_images": stats["num_images"], "model": trained_architecture(state).get("name", cfg.model.name),
+              "checkpoint": str(cfg.checkpoint), "weights": "ema" if use_ema else "model"}
     if dist_info.is_main:
-        rundir.write_json(output_dir / "eval.json", result)
+        rundir.write_atomic(output_dir / "eval.json", json.dumps(result, indent=2) + "\n")
         log.info("eval: %s", json.dumps(result))
         log.info("wrote %s", output_dir / "eval.json")
     return result
@@ -402,33 +383,9 @@ def _out_of_memory(error: BaseException, cfg: DictConfig) -> Optional[UserError]
     if not isinstance(error, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in message:
         return None
     found = _REQUESTED.search(message)
-    size = ""
-    if found:
-        amount, unit = found.groups()
-        size = f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else f" ({amount} {unit} requested)"
+    amount, unit = found.groups() if found else ("", "")
+    size = f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else \
+        f" ({amount} {unit} requested)" if found else ""
     return UserError(f"out of memory at img_size {cfg.img_size}, batch_size {cfg.batch_size} per process{size}; "
                      f"lower batch_size or img_size (the attention form's memory grows with the square of the "
                      f"tokens per image; to evaluate at high resolution use model.attn_form=chunk)")
-
-
-def _first_missing(path: Path) -> Optional[Path]:
-    """The outermost folder of path that does not exist yet (path itself, or a parent), or None."""
-    missing = None
-    for folder in (path, *path.parents):
-        if folder.exists():
-            break
-        missing = folder
-    return missing
-
-
-def _claim(output_dir: Path) -> None:
-    """Create output_dir, check that it is writable, and lock it for this run (rank 0)."""
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # a file of that name, no permission, a read-only disk
-        raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
-                        f"output_dir") from None
-    problem = rundir.writable(output_dir)
-    if problem:
-        raise UserError(f"cannot write in output_dir {output_dir} ({problem}); choose a writable output_dir")
-    rundir.lock(output_dir)
