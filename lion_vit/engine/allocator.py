@@ -1,11 +1,9 @@
 """CPU training: keep freed tensor memory in the process instead of handing it back to the OS.
 
-glibc serves large allocations with mmap and gives them back with munmap (and trims the heap
-top), so every training step of a ViT on a CPU page-faults its activations (tens of MB each)
-in again, and on a CPU the page faults on a fresh 30 MB tensor cost more than the arithmetic
-done on it (`scripts/benchmark_train.py --malloc default` measures the difference). The price is
-that the process keeps its peak heap (RSS does not shrink after a step), which a training loop
-reuses anyway. CUDA memory has its own caching allocator and is not affected.
+glibc serves large allocations with mmap and returns them with munmap, so every training step on a CPU
+page-faults its activations in again, which can cost more than the arithmetic on them
+(`scripts/benchmark_train.py --malloc default` measures it). The price: RSS keeps its peak, which a
+training loop reuses anyway. CUDA has its own caching allocator.
 """
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ log = logging.getLogger("lion_vit")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _HEAP_UP_TO = 1 << 30  # serve blocks up to 1 GiB from the heap, not from fresh mmaps
-_NEVER = -1  # read by glibc as SIZE_MAX: never trim the heap top. With any finite threshold glibc gives
-# the top back and faults it in again at every training step (docs/benchmarks.md, --malloc default).
+_NEVER = -1  # read by glibc as SIZE_MAX: never trim the heap top (any finite threshold returns it every step)
 
 
 def keep_freed_memory() -> bool:

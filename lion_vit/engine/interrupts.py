@@ -1,16 +1,11 @@
-"""Ctrl-C (SIGINT) and SIGTERM (what SLURM sends before preemption, and `kill`'s default) end a training
-run cleanly: at a step boundary, as KeyboardInterrupt (SIGTERM: its subclass Terminated), which
-train.py turns into exit status 130 (143) and one line saying where the run stands.
+"""Ctrl-C (SIGINT) and SIGTERM (SLURM's preemption, `kill`'s default) end a training run cleanly: at a
+step boundary, as KeyboardInterrupt (SIGTERM: its subclass Terminated), which train.py turns into exit
+status 130 (143) and one line saying where the run stands.
 
-Python's default handler raises KeyboardInterrupt wherever the main thread is, and during training
-that is often a place that loses it or turns it into something else: an os.fork callback (the
-DataLoader starting its workers, every epoch) prints it as "Exception ignored" and training goes
-on; a DataLoader iterator being built is left half-made (its __del__ then fails); inside torch's
-C++ code it comes out as another error (torch.save: RuntimeError "unexpected pos", and the
-checkpoint is lost). SIGTERM's default kills the process with nothing said and a checkpoint's
-temporary file left behind. So while training, a first signal is only noted, and the loops stop
-before their next step (`raise_if_requested`; all ranks of a distributed run before the same one); a
-second one raises at once, for a step that hangs.
+Raised wherever the main thread is, as Python's handler does, the interrupt is often lost or turned into
+another error (in an os.fork callback as the DataLoader starts its workers; inside torch.save, with the
+checkpoint lost); SIGTERM's default kills the process silently. So while training a first signal is only
+noted and the loops stop before their next step (all ranks before the same one); a second raises at once.
 """
 from __future__ import annotations
 
@@ -92,22 +87,19 @@ def stop_between_steps(announce: bool = True) -> Iterator[None]:
 
 
 def requested() -> Optional[int]:
-    """The signal (SIGINT or SIGTERM) that arrived in the last `stop_between_steps` block, or None: an error
-    after it is its doing (a second one raises at once, wherever the run is, and may come out as another
-    error)."""
+    """The signal that arrived in the last `stop_between_steps` block, or None (train.py reports an error
+    after one as the interrupt: a second signal raises wherever the run is)."""
     return _requested
 
 
 def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     """Between steps: raise KeyboardInterrupt (Terminated) if a Ctrl-C (SIGTERM) was noted in the
-    enclosing stop_between_steps block (outside one, the handler has raised it already).
+    enclosing stop_between_steps block.
 
-    In a distributed run the ranks must stop before the same step, or one waits in a collective for a
-    peer that has gone: with `agree_on` (the device of the process group's tensors), every rank calls
-    this before every training step and they decide together (one tiny all-reduce); without it
-    (eval_only's evaluation, whose shards may differ by a batch), a distributed run goes on to the next
-    agreed step. (An epoch's evaluation in training does not call this: the epoch's checkpoint comes first.)
-    """
+    Distributed ranks must stop before the same step, or one waits in a collective for a peer that has
+    gone: with `agree_on` (the process group's device) every rank calls this before every training step
+    and they decide together (one tiny all-reduce); without it (eval_only's shards may differ by a batch)
+    a distributed run goes on to the next agreed step."""
     noted = _requested if _noting else None
     if dist.is_available() and dist.is_initialized():
         if agree_on is None:
@@ -121,13 +113,9 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold a Ctrl-C or SIGTERM until the block ends, then hand it to the handler it was meant for.
-
-    For writes that must finish once begun: a checkpoint (inside torch.save a KeyboardInterrupt
-    becomes a RuntimeError and loses the file), an epoch's metrics line together with its
-    checkpoints. Nested blocks pass a held signal outwards; a handler that is not Python's (SIG_IGN;
-    SIG_DFL for SIGINT) or a thread other than the main one leaves the signal as it is.
-    """
+    """Hold a Ctrl-C or SIGTERM until the block ends (writes that must finish once begun, such as a
+    checkpoint), then hand it to the handler it was meant for. Nested blocks pass a held signal outwards;
+    handlers that are not Python's, and threads other than the main one, are left as they are."""
     if not _main_thread():
         yield
         return
