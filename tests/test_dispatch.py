@@ -110,6 +110,22 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     assert str(model.attn_plan((896, 896), device=CUDA)) == "rnn form, triton backend: fused recurrent kernels"
 
 
+@pytest.mark.parametrize("name, inference", [("lion_s_tiny", "cpu"), ("lion_d_natural_tiny", "torch")])
+def test_a_layer_plans_once_per_forward_and_runs_that_plan(name, inference, monkeypatch):
+    """The layer's plan picks its layout and is the one the op runs: one dispatch.plan per layer and call,
+    in inference and in training (where autograd changes the plan on a CPU)."""
+    model = timm.create_model(name, depth=2, attn_form="chunk", chunk_size=16, img_size=256, patch_size=16)
+    calls, ran = [], []
+    planned, implementation = dispatch.plan, dispatch.implementation
+    monkeypatch.setattr(dispatch, "plan", lambda *a, **kw: calls.append(planned(*a, **kw)) or calls[-1])
+    monkeypatch.setattr(dispatch, "implementation", lambda run: ran.append(run) or implementation(run))
+    x = torch.randn(2, 3, 256, 256)
+    with torch.no_grad():
+        model.eval()(x)
+    model.train()(x).sum().backward()
+    assert [run.backend for run in calls] == [inference] * 2 + ["torch"] * 2 and ran == calls
+
+
 def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
     from lion_vit.ops.triton import fla
     for capability, version, fails in [((9, 0), "3.6.0", True), ((9, 0), "3.4.0", True), ((9, 0), "3.7.0", True),

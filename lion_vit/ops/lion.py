@@ -17,22 +17,26 @@ from . import dispatch
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
-                   form: str = "attention", chunk_size: Optional[int] = None, backend: str = "auto") -> Tensor:
+                   form: str = "attention", chunk_size: Optional[int] = None, backend: str = "auto",
+                   plan: Optional[dispatch.Plan] = None) -> Tensor:
     """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
 
     q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
     LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
     this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
-    backend: "auto" | "torch" | "triton". Returns [B, H, L, Dv].
+    backend: "auto" | "torch" | "triton". plan: what `inputs_plan` gives for this call, from a caller that
+    planned already (a layer choosing its layout); None plans here. Returns [B, H, L, Dv].
     """
     dispatch.check_inputs(q, k, v, log_decay)
-    return _run(q, k, v, None if log_decay is None else _bhl(log_decay)[None], None, form, chunk_size, backend)
+    log_decays = None if log_decay is None else _bhl(log_decay)[None]
+    return _run(q, k, v, log_decays, None, chunk_size, plan or inputs_plan(q, k, v, log_decays, None, form,
+                                                                              chunk_size, backend))
 
 
 def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Tensor, *,
                              form: str = "attention", chunk_size: Optional[int] = None,
-                             backend: str = "auto") -> Tensor:
+                             backend: str = "auto", plan: Optional[dispatch.Plan] = None) -> Tensor:
     """Multi-scan LION:  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).
 
     orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...] where
@@ -41,8 +45,11 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
     """
     dispatch.check_inputs(q, k, v, log_decays, orders)
     if log_decays is None:  # every scan's mask is all ones: the S equal terms cancel in the division
-        return _run(q, k, v, None, None, form, chunk_size, backend)
-    return _run(q, k, v, torch.stack([_bhl(a) for a in log_decays.unbind(0)]), orders, form, chunk_size, backend)
+        orders = None
+    else:
+        log_decays = torch.stack([_bhl(a) for a in log_decays.unbind(0)])
+    return _run(q, k, v, log_decays, orders, chunk_size,
+                plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend))
 
 
 def _bhl(log_decay: Tensor) -> Tensor:
@@ -50,13 +57,19 @@ def _bhl(log_decay: Tensor) -> Tensor:
     return log_decay.reshape((1,) * (3 - log_decay.dim()) + tuple(log_decay.shape))
 
 
-def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor], form: str,
-         chunk_size: Optional[int], backend: str) -> Tensor:
+def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor], form: str,
+                chunk_size: Optional[int], backend: str) -> dispatch.Plan:
+    """dispatch.plan for a call on these inputs: their shapes, device and dtype, and whether autograd records
+    it. log_decays: None or [S, B|1, H|1, L|1] (only whether it is None counts); orders: [S, L] or None."""
+    return dispatch.plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1],
+                         num_scans=1 if orders is None else len(orders), decayed=log_decays is not None,
+                         device=q.device, dtype=q.dtype, backend=backend,
+                         training=torch.is_grad_enabled() and any(
+                             t is not None and t.requires_grad for t in (q, k, v, log_decays)))
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+         chunk_size: Optional[int], run: dispatch.Plan) -> Tensor:
     """log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None (one scan, token order)."""
-    run = dispatch.plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1],
-                        num_scans=1 if orders is None else len(orders), decayed=log_decays is not None,
-                        device=q.device, dtype=q.dtype, backend=backend,
-                        training=torch.is_grad_enabled() and any(
-                            t is not None and t.requires_grad for t in (q, k, v, log_decays)))
     numerator, normaliser = dispatch.implementation(run)(q, k, v, log_decays, orders, chunk_size=chunk_size)
     return (numerator / normaliser).to(v.dtype)
