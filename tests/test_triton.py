@@ -9,7 +9,7 @@ import timm
 import torch
 
 import interpret
-from lion_vit.ops import lion_attention, lion_attention_multiscan, snake_orders
+from lion_vit.ops import lion_attention, lion_attention_multiscan, plan, snake_orders
 from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import rel_err
@@ -59,15 +59,48 @@ def test_triton_forms_match_the_reference(form, decay):
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("form", ["chunk", "rnn"])
 def test_triton_multiscan_matches_the_reference(form, decay):
-    """Two snake scans over a 7x10 grid with a class token (71 tokens, chunks of 64 and 7)."""
-    orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
-    q, k, v, lam = make_inputs(1, 2, 71, 16, decay, torch.float32)
+    """Two snake scans over an 11x18 grid with a class token (199 tokens, chunks of 64 and 7: long enough
+    that the chunk form runs the kernels, not one product)."""
+    orders = snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
+    assert plan(form, None, 199, 16, 16, num_scans=2, device=DEVICE, backend="triton").backend == "triton"
+    q, k, v, lam = make_inputs(1, 2, 199, 16, decay, torch.float32)
     log_decays = torch.log(torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam ** 0.5])).float()
 
     def triton(q, k, v, log_decays):
         return lion_attention_multiscan(q, k, v, log_decays, orders, form=form, backend="triton")
 
     _check(triton, lambda *t: lion_reference_multiscan(*t, orders.cpu()), [q, k, v, log_decays])
+
+
+def test_scan_indices_are_built_once_per_orders_tensor():
+    """A model hands the same orders tensor to every call: from the second call on, no index arithmetic
+    runs around the kernels; another orders tensor of the same shape gets indices of its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Operators(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    orders = snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
+    q, k, v, lam = make_inputs(1, 2, 199, 16, "selective", torch.float32)
+    log_decays = torch.log(torch.stack([lam, lam.flip(-1)])).float()
+
+    def run(orders):
+        return lion_attention_multiscan(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), log_decays.to(DEVICE), orders,
+                                        form="chunk", backend="triton").cpu()
+
+    run(orders)
+    with Operators() as seen:
+        run(orders)
+    assert not {"arange", "argsort", "sort", "roll"} & seen.names, seen.names
+    for other in (orders.flip(0), orders.flip(0).clone()):  # the scans swapped: each scan its other decays
+        expected = lion_reference_multiscan(q.double(), k.double(), v.double(), log_decays.double(), other.cpu())
+        assert rel_err(run(other), expected) < TOL
 
 
 @pytest.mark.parametrize("name", ["lion_s_natural_tiny", "lion_d_tiny"])

@@ -23,8 +23,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import weakref
 from functools import lru_cache
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -75,27 +76,46 @@ def _installed_triton_version() -> str:
     return triton.__version__
 
 
-def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """For S scans (orders [S, L], or None: one scan in token order): the orders [S, L] and each token's
-    position in them [S, L]; the token index of every kernel position for keys and values, and for
-    queries, [2S * L] (each scan forward, then mirrored); and where each token finds its mirrored output,
-    [S, L] (position within the mirrored sequence)."""
+class _Indices(NamedTuple):
+    """Where every token goes in the kernels' sequences, for S scans of L tokens."""
+    order: Tensor  # [S, L]: scan position -> token
+    position: Tensor  # [S, L]: token -> scan position
+    kv: Tensor  # [2S * L]: the token of each kernel position's key and value (each scan forward, then mirrored)
+    q: Tensor  # [2S * L]: the token of each kernel position's query
+    mirror: Tensor  # [S, L]: token -> the position of its output in the mirrored sequence
+    following: Tensor  # [S, L]: token -> the next token in scan order
+    last: Tensor  # [S, 1, L, 1, 1]: whether a token is its scan's last
+
+
+_kept: Dict[tuple, Tuple[Optional[weakref.ref], _Indices]] = {}
+
+
+def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -> _Indices:
+    """The indices of S scans (orders [S, L], or None: one scan in token order), built once per orders
+    tensor (a model keeps one per grid) or length and kept, so that a call launches no index arithmetic."""
+    key = (length, device) if orders is None else (id(orders), length, device)
+    kept = _kept.get(key)
+    if kept is not None and (orders is None or kept[0]() is orders):
+        return kept[1]
     order = torch.arange(length, device=device)[None] if orders is None else orders
     mirrored = order.flip(-1)
-    kv = torch.stack([order, mirrored], 1).flatten()
-    q = torch.stack([order, mirrored.roll(-1, -1)], 1).flatten()
-    position = torch.argsort(order, dim=-1)  # token -> scan position
-    return order, position, kv, q, (length - 2 - position) % length
+    position = torch.argsort(order, dim=-1)
+    indices = _Indices(order, position, torch.stack([order, mirrored], 1).flatten(),
+                       torch.stack([order, mirrored.roll(-1, -1)], 1).flatten(), (length - 2 - position) % length,
+                       order.roll(-1, -1).gather(-1, position), (position == length - 1)[:, None, :, None, None])
+    if len(_kept) >= 64:
+        _kept.clear()
+    _kept[key] = (None if orders is None else weakref.ref(orders), indices)
+    return indices
 
 
-def _gates_and_folds(log_decays: Optional[Tensor], order: Tensor, position: Tensor, kv_index: Tensor, batch: int,
-                     heads: int) -> Tuple[Optional[Tensor], Tensor]:
+def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int, heads: int
+                     ) -> Tuple[Optional[Tensor], Tensor]:
     """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's factor on its
     mirrored output, [S, B|1, L, H|1, 1] in token order: lam of the next token in scan order, 0 for the
-    scan's last token. order, position: _scan_indices'."""
-    scans, length = order.shape
-    last = (position == length - 1)[:, None, :, None, None]
+    scan's last token."""
+    scans, length = indices.order.shape
+    last = indices.last
     if log_decays is None:
         return None, (~last).float()
     a = log_decays.float()  # [S, B|1, H|1, L|1] in token order
@@ -105,11 +125,10 @@ def _gates_and_folds(log_decays: Optional[Tensor], order: Tensor, position: Tens
     else:
         a = a.expand(scans, a.shape[1], a.shape[2], length)
         sequences = a.unflatten(-1, (1, length)).expand(-1, -1, -1, 2, -1).gather(
-            -1, kv_index.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
+            -1, indices.kv.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
         gates = F.pad(sequences[..., :-1], (1, 0)).flatten(-2).permute(1, 0, 3, 2)  # g_p = a(previous token)
         gates = gates.expand(batch, scans, 2 * length, heads)
-        following = order.roll(-1, -1).gather(-1, position)  # token -> the next token in scan order
-        fold = a.gather(-1, following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)[..., None]
+        fold = a.gather(-1, indices.following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)[..., None]
     return gates.reshape(batch * scans * 2, length, heads), fold.masked_fill(last, 0.0)
 
 
@@ -121,8 +140,8 @@ def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
     batch, heads, length, value_dim = v.shape
-    order, position, kv_index, q_index, mirror = _scan_indices(orders, length, q.device)
-    sequences = len(kv_index) // length
+    indices = _scan_indices(orders, length, q.device)
+    sequences = len(indices.kv) // length
 
     def gather(t: Tensor, index: Tensor, width: int, value: float = 0.0) -> Tensor:
         """[B, H, L, D] (any strides) -> [B * 2S, L, H, width]: padded with `value`, gathered along tokens."""
@@ -135,10 +154,10 @@ def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
     # miscompile, fla/ops/common/chunk_o.py). Zero columns of q and k leave every q . k unchanged; the
     # value columns past v are all ones, each a copy of the normaliser.
     key_width = q.shape[-1] + q.shape[-1] % 2
-    q2, k2 = gather(q, q_index, key_width), gather(k, kv_index, key_width)
-    v2 = gather(v, kv_index, value_dim + 1 + (value_dim + 1) % 2, value=1.0)
-    gates, folds = _gates_and_folds(log_decays, order, position, kv_index, batch, heads)
-    return q2, k2, v2, gates, folds, None if orders is None else position, mirror
+    q2, k2 = gather(q, indices.q, key_width), gather(k, indices.kv, key_width)
+    v2 = gather(v, indices.kv, value_dim + 1 + (value_dim + 1) % 2, value=1.0)
+    gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
+    return q2, k2, v2, gates, folds, None if orders is None else indices.position, indices.mirror
 
 
 def _combined(out: Tensor, folds: Tensor, position: Optional[Tensor], mirror: Tensor, batch: int,
@@ -193,6 +212,7 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     return _run(_kernels()[1], q, k, v, log_decays, orders)
 
 
+@torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
          orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     q2, k2, v2, gates, folds, position, mirror = _stacked(q, k, v, log_decays, orders)
