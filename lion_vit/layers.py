@@ -93,7 +93,7 @@ class LionAttention(nn.Module):
         self.decay = decay
         self.num_scans = num_scans
         self.feature_map_name = feature_map
-        self.query_map, self.key_map = get_feature_map(feature_map)
+        get_feature_map(feature_map)  # (an unknown name is a ValueError here; the op applies the map)
         self.set_attn_form(attn_form, chunk_size, attn_backend)
         self.prefix_decay_one = prefix_decay_one  # selective decays of prefix (class) tokens fixed to 1
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
@@ -173,7 +173,7 @@ class LionAttention(nn.Module):
         if fx_tracing():  # the traced grid is symbols, part of the graph: not kept on the module
             self.grid_size = None
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
-        q, k = self.query_map(self.q_norm(q)), self.key_map(self.k_norm(k))  # [B, H, L, D]
+        q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
         log_decay = self.log_decay(x)
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         # planned once, here: the plan also picks the layout the op reads (traced: symbols, planned at run time)
@@ -183,9 +183,10 @@ class LionAttention(nn.Module):
             v = v.contiguous()  # head-major for the torch forms; without autograd the projection is freed here
         if self.num_scans == 1:
             y = lion_attention(q, k, v, None if log_decay is None else log_decay[0], form=self.attn_form,
-                               chunk_size=self.chunk_size, backend=self.attn_backend, plan=run)
+                               chunk_size=self.chunk_size, backend=self.attn_backend, plan=run,
+                               feature_map=self.feature_map_name)
         else:
-            y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form,
-                                         chunk_size=self.chunk_size, backend=self.attn_backend, plan=run)
+            y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form, chunk_size=self.chunk_size,
+                                         backend=self.attn_backend, plan=run, feature_map=self.feature_map_name)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.proj_drop(self.proj(y))

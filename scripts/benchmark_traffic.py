@@ -10,6 +10,7 @@ of |q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
 - saved: the tensors autograd keeps for backward (each storage once, parameters excluded).
+Counted on the module's second call, as in every training step after the first.
 On a GPU the kernels' own reads and writes add to these; what this counts is everything around them.
 """
 from __future__ import annotations
@@ -101,6 +102,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
+    layer(x)  # a first call builds what the path keeps between calls (its index tensors): count a later one
     written = _Written()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _not_inside_launches(written), written:
         y = layer(x)

@@ -29,12 +29,14 @@ def kernels_here(monkeypatch):
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
-def _check(fn, reference, tensors, tol=TOL):
-    """fn's output and gradients (of every tensor given) against reference's, for one random upstream."""
-    upstream = torch.randn(tensors[2].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def _check(fn, reference, tensors, tol=TOL, value_shape=None):
+    """fn's output and gradients (of every tensor given) against reference's, for one random upstream.
+    value_shape: the output's, where it is not the third tensor's (v)."""
+    value_shape = value_shape or tensors[2].shape
+    upstream = torch.randn(value_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     leaves = [t.to(DEVICE).requires_grad_() for t in tensors]
     out = fn(*leaves)
-    assert out.dtype == tensors[2].dtype and out.device.type == DEVICE.type
+    assert out.dtype == tensors[0].dtype and out.device.type == DEVICE.type
     grads = torch.autograd.grad((out.double() * upstream.to(DEVICE)).sum(), leaves)
     ref_leaves = [t.double().requires_grad_() for t in tensors]
     expected = reference(*ref_leaves)
@@ -70,6 +72,32 @@ def test_triton_multiscan_matches_the_reference(form, decay):
         return lion_attention_multiscan(q, k, v, log_decays, orders, form=form, backend="triton")
 
     _check(triton, lambda *t: lion_reference_multiscan(*t, orders.cpu()), [q, k, v, log_decays])
+
+
+@pytest.mark.parametrize("form, feature_map", [("chunk", "silu_norm"), ("chunk", "silu"), ("chunk", "elu"),
+                                               ("chunk", "unfused"), ("rnn", "silu_norm")])
+def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, monkeypatch):
+    """Raw q, k (any sign, token-major views of one projection) with a feature map's name: the outputs and the
+    gradients of raw q, k, v and the decays are the reference's on the mapped features. A map the fused
+    step does not know is applied before it."""
+    import torch.nn.functional as F
+    from lion_vit.ops.features import FEATURE_MAPS
+    if feature_map == "unfused":
+        monkeypatch.setitem(FEATURE_MAPS, "unfused", (F.softplus, lambda x: F.softplus(x) ** 2))
+    query_map, key_map = FEATURE_MAPS[feature_map]
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 70, 3, 2, 16, generator=g)  # [B, L, (q, k, v), H, D] as a projection gives them
+    lam = torch.rand(2, 2, 70, generator=g) * 0.98 + 0.01
+
+    def triton(qkv, log_decay):
+        q, k, v = qkv.transpose(1, 3).unbind(2)
+        return lion_attention(q, k, v, log_decay, form=form, backend="triton", feature_map=feature_map)
+
+    def reference(qkv, log_decay):
+        q, k, v = qkv.transpose(1, 3).unbind(2)
+        return lion_reference(query_map(q), key_map(k), v, log_decay)
+
+    _check(triton, reference, [qkv, torch.log(lam)], value_shape=(2, 2, 70, 16))
 
 
 def test_scan_indices_are_built_once_per_orders_tensor():
@@ -228,16 +256,16 @@ def test_float16_normalisers_of_long_sequences_stay_finite(form):
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="the proxy counts operators around the interpreter's kernel launches")
-@pytest.mark.parametrize("form, written, saved", [("chunk", 8.5, 4.7), ("rnn", 7.5, 5.5)])
+@pytest.mark.parametrize("form, written, saved", [("chunk", 6.5, 3.5), ("rnn", 4.5, 4.2)])
 def test_memory_traffic_proxy_around_the_kernels(form, written, saved):
     """scripts/benchmark_traffic.py on one attention module (qkv, LION op, proj) at 256 tokens, head width 64,
     training: bytes written by PyTorch operators and saved for backward, as multiples of |q| + |k| + |v|,
-    stay at what docs/benchmarks.md ("Traffic") records; in float16 nothing around the kernels is float32
-    but the gates and the mirrored outputs' factors."""
+    meet the goals docs/benchmarks.md ("Traffic") records; in float16 only per-token, per-head scalars
+    around the kernels are float32 (gates, folds, the normaliser kept for backward)."""
     import runpy
     measure = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_traffic.py"))["measure_traffic"]
     result = measure(form, tokens=256, heads=1, head_dim=64)
     assert result["written"] <= written and result["saved"] <= saved, result
     assert result["by operator"]["addmm"] == pytest.approx(4 / 3)  # the counting itself: qkv and proj outputs
     if form == "chunk":
-        assert measure(form, tokens=256, heads=1, head_dim=64, dtype=torch.float16)["float32 share"] < 0.01
+        assert measure(form, tokens=256, heads=1, head_dim=64, dtype=torch.float16)["float32 share"] < 0.02

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -28,6 +29,7 @@ from . import cpu as cpu_backend
 from . import triton as triton_backend
 from .attention import attention_form
 from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
+from .features import mapped
 from .recurrent import recurrent_form
 
 FORM_NAMES = ("attention", "rnn", "chunk")
@@ -169,13 +171,22 @@ Form = Callable[..., Tuple[Tensor, Tensor]]
 TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chunk_form}
 
 
-def implementation(run: Plan) -> Form:
-    """The function that computes a plan: a portable form, or the triton backend's kernels."""
+def implementation(run: Plan) -> Callable[..., Tensor]:
+    """The function that computes a plan, (q, k, v, log_decays, orders, chunk_size=, feature_map=) -> Y: the
+    triton backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser."""
     if run.backend == "triton":
         return {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
-    if run.backend == "cpu":
-        return cpu_backend.chunk_form
-    return TORCH_FORMS["attention" if run.whole else run.form]
+    return partial(_divided, cpu_backend.chunk_form if run.backend == "cpu" else
+                   TORCH_FORMS["attention" if run.whole else run.form])
+
+
+def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+             chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+    """Y of a form that returns numerator and normaliser: q, k mapped first (feature_map: a FEATURE_MAPS
+    name, or None for features), the division in the dtype the form returns (float32 for its sums of
+    16-bit inputs), then cast to v's."""
+    numerator, normaliser = form(*mapped(q, k, feature_map), v, log_decays, orders, chunk_size=chunk_size)
+    return (numerator / normaliser).to(v.dtype)
 
 
 def exporting() -> bool:

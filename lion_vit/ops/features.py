@@ -2,7 +2,7 @@
 normaliser q_i^T sum_j M_ij k_j > 0)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,3 +43,11 @@ def get_feature_map(name: str) -> Tuple[FeatureMap, FeatureMap]:
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
     return FEATURE_MAPS[name]
+
+
+def mapped(q: Tensor, k: Tensor, feature_map: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """q and k as features: through a feature map's name, or as they are (None)."""
+    if feature_map is None:
+        return q, k
+    query_map, key_map = get_feature_map(feature_map)
+    return query_map(q), key_map(k)

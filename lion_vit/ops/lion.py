@@ -1,10 +1,10 @@
 """The LION op: Y = Scale(Q K^T * M) V for one scan or several, in the form and on the backend that
 dispatch.plan picks (docs/design.md sections 1-2).
 
-Every form returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M) (summed over
-the scans); the division happens here, once, in the dtype they come in (float32 for the torch forms' sums of
-16-bit inputs; the kernels' own dtype on the triton backend, which an elementwise division of 16-bit
-tensors computes in float32 and rounds once, as a float32 division and a cast would).
+Every portable form returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M) (summed
+over the scans), divided once by dispatch.implementation; the triton backend divides as it combines
+its kernels' outputs. q and k are features, or raw projections with the name of the feature map that
+makes them features (which the triton backend applies as it reads them).
 """
 from __future__ import annotations
 
@@ -18,25 +18,27 @@ from . import dispatch
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
                    form: str = "attention", chunk_size: Optional[int] = None, backend: str = "auto",
-                   plan: Optional[dispatch.Plan] = None) -> Tensor:
+                   plan: Optional[dispatch.Plan] = None, feature_map: Optional[str] = None) -> Tensor:
     """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
 
-    q, k: [B, H, L, Dk] non-negative features; v: [B, H, L, Dv]; log_decay: None (all-ones mask,
+    q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv]; log_decay: None (all-ones mask,
     LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
     this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
     backend: "auto" | "torch" | "triton". plan: what `inputs_plan` gives for this call, from a caller that
-    planned already (a layer choosing its layout); None plans here. Returns [B, H, L, Dv].
+    planned already (a layer choosing its layout); None plans here. feature_map: None (q, k are features)
+    or a FEATURE_MAPS name (q, k are raw and mapped by it). Returns [B, H, L, Dv].
     """
     dispatch.check_inputs(q, k, v, log_decay)
     log_decays = None if log_decay is None else _bhl(log_decay)[None]
-    return _run(q, k, v, log_decays, None, chunk_size, plan or inputs_plan(q, k, v, log_decays, None, form,
-                                                                              chunk_size, backend))
+    return _run(q, k, v, log_decays, None, chunk_size, feature_map,
+                plan or inputs_plan(q, k, v, log_decays, None, form, chunk_size, backend))
 
 
 def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Tensor, *,
                              form: str = "attention", chunk_size: Optional[int] = None,
-                             backend: str = "auto", plan: Optional[dispatch.Plan] = None) -> Tensor:
+                             backend: str = "auto", plan: Optional[dispatch.Plan] = None,
+                             feature_map: Optional[str] = None) -> Tensor:
     """Multi-scan LION:  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).
 
     orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...] where
@@ -48,7 +50,7 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
         orders = None
     else:
         log_decays = torch.stack([_bhl(a) for a in log_decays.unbind(0)])
-    return _run(q, k, v, log_decays, orders, chunk_size,
+    return _run(q, k, v, log_decays, orders, chunk_size, feature_map,
                 plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend))
 
 
@@ -69,7 +71,6 @@ def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], o
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-         chunk_size: Optional[int], run: dispatch.Plan) -> Tensor:
+         chunk_size: Optional[int], feature_map: Optional[str], run: dispatch.Plan) -> Tensor:
     """log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None (one scan, token order)."""
-    numerator, normaliser = dispatch.implementation(run)(q, k, v, log_decays, orders, chunk_size=chunk_size)
-    return (numerator / normaliser).to(v.dtype)
+    return dispatch.implementation(run)(q, k, v, log_decays, orders, chunk_size=chunk_size, feature_map=feature_map)

@@ -2,8 +2,9 @@
 
 LION is two causal scalar-gated linear attentions, one over the sequence and one over its mirror,
 with the decays shifted by one token and the diagonal counted once; flash-linear-attention's Triton
-kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written backwards. Nothing here
-is imported until a call picks the triton backend.
+kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written backwards (fla.py), and
+two fused steps of ours build their operands and finish their outputs (operands.py). Nothing here is
+imported until a call picks the triton backend.
 """
 from .fla import available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
 

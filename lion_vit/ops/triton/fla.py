@@ -10,10 +10,11 @@ that one kernel launch runs all of them (docs/design.md section 3):
 
 The mirrored sequence is strictly causal: its query runs one token ahead of its keys, so it sums the
 tokens after t in scan order without t itself, and the factor lam(u[p]) = lam of the token after t
-(0 for the scan's last token) completes the mask. The diagonal is counted once, by the forward pass,
-so no copy of q, k or v is kept for it: autograd keeps the kernels' own inputs, and of their outputs
-the gathered mirrored ones and their sum (for the folds and the division). Numerator and normaliser
-come back as views of one [B, L, H, Dv + 1] buffer in the kernels' dtype.
+(0 for the scan's last token) completes the mask; it scales that query (its "fold"). The diagonal is
+counted once, by the forward pass. Two fused steps (operands.py) surround the kernels: one reads raw
+q, k, v, applies the feature maps and folds and writes the kernels' operands; one sums every token's
+outputs and divides by the normaliser. Autograd keeps raw q and k, the folds, the kernels' inputs, Y
+and the normaliser.
 
 q is scaled by 2^-round(log2(L) / 2) inside the kernels (their `scale`): exact in binary, cancelled by
 the division, and it keeps float16 normalisers of long sequences finite (docs/design.md, "float16").
@@ -25,11 +26,16 @@ import math
 import re
 import weakref
 from functools import lru_cache
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..features import mapped
+
+if TYPE_CHECKING:  # (operands.py imports Triton: only once a call runs the kernels)
+    from .operands import Layout
 
 
 @torch.compiler.assume_constant_result  # (a compiled model's plan calls it instead of tracing into it)
@@ -77,14 +83,12 @@ def _installed_triton_version() -> str:
 
 
 class _Indices(NamedTuple):
-    """Where every token goes in the kernels' sequences, for S scans of L tokens."""
+    """Where every token goes, for S scans of L tokens."""
     order: Tensor  # [S, L]: scan position -> token
-    position: Tensor  # [S, L]: token -> scan position
     kv: Tensor  # [2S * L]: the token of each kernel position's key and value (each scan forward, then mirrored)
-    q: Tensor  # [2S * L]: the token of each kernel position's query
-    mirror: Tensor  # [S, L]: token -> the position of its output in the mirrored sequence
     following: Tensor  # [S, L]: token -> the next token in scan order
-    last: Tensor  # [S, 1, L, 1, 1]: whether a token is its scan's last
+    last: Tensor  # [S, 1, L, 1]: whether a token is its scan's last
+    layout: Layout  # what the fused steps read (operands.py)
 
 
 _kept: Dict[tuple, Tuple[Optional[weakref.ref], _Indices]] = {}
@@ -97,12 +101,17 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
     kept = _kept.get(key)
     if kept is not None and (orders is None or kept[0]() is orders):
         return kept[1]
+    from .operands import Layout
     order = torch.arange(length, device=device)[None] if orders is None else orders
     mirrored = order.flip(-1)
-    position = torch.argsort(order, dim=-1)
-    indices = _Indices(order, position, torch.stack([order, mirrored], 1).flatten(),
-                       torch.stack([order, mirrored.roll(-1, -1)], 1).flatten(), (length - 2 - position) % length,
-                       order.roll(-1, -1).gather(-1, position), (position == length - 1)[:, None, :, None, None])
+    position = torch.argsort(order, dim=-1)  # token -> scan position
+    # the mirrored sequence's queries run one token ahead of its keys: u[p + 1] against u[p]
+    q_index = torch.stack([order, mirrored.roll(-1, -1)], 1).flatten()
+    kv_index = torch.stack([order, mirrored], 1).flatten()
+    layout = Layout(q_index, kv_index, torch.stack([position, (length - 2 - position) % length], 1).flatten(0, 1),
+                    torch.stack([position, length - 1 - position], 1).flatten(0, 1))
+    indices = _Indices(order, kv_index, order.roll(-1, -1).gather(-1, position), (position == length - 1)[:, None, :,
+                                                                                                          None], layout)
     if len(_kept) >= 64:
         _kept.clear()
     _kept[key] = (None if orders is None else weakref.ref(orders), indices)
@@ -111,68 +120,25 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
 
 def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int, heads: int
                      ) -> Tuple[Optional[Tensor], Tensor]:
-    """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's factor on its
-    mirrored output, [S, B|1, L, H|1, 1] in token order: lam of the next token in scan order, 0 for the
-    scan's last token."""
+    """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's fold, the factor
+    on its mirrored output, [S, B, L, H] float32 in token order: lam of the next token in scan order, 0 for
+    the scan's last token."""
     scans, length = indices.order.shape
-    last = indices.last
     if log_decays is None:
-        return None, (~last).float()
+        return None, (~indices.last).float().expand(scans, batch, length, heads)
     a = log_decays.float()  # [S, B|1, H|1, L|1] in token order
     if a.shape[-1] == 1:  # one decay per head: every gate is it (the first one meets a zero state)
         gates = a.expand(scans, batch, heads, 1).permute(1, 0, 3, 2).expand(batch, scans, 2 * length, heads)
-        fold = a.exp().permute(0, 1, 3, 2)[..., None]
+        fold = a.exp().permute(0, 1, 3, 2)
     else:
         a = a.expand(scans, a.shape[1], a.shape[2], length)
         sequences = a.unflatten(-1, (1, length)).expand(-1, -1, -1, 2, -1).gather(
             -1, indices.kv.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
         gates = F.pad(sequences[..., :-1], (1, 0)).flatten(-2).permute(1, 0, 3, 2)  # g_p = a(previous token)
         gates = gates.expand(batch, scans, 2 * length, heads)
-        fold = a.gather(-1, indices.following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)[..., None]
-    return gates.reshape(batch * scans * 2, length, heads), fold.masked_fill(last, 0.0)
-
-
-def _stacked(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor]):
-    """The kernels' operands: q, k, v1 as [B * 2S, L, H, D] (one gather each from token-major views of
-    the inputs), gates, folds, and where tokens find their forward outputs (None: in token order) and
-    their mirrored ones."""
-    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    if dtype == torch.float64:
-        raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
-    batch, heads, length, value_dim = v.shape
-    indices = _scan_indices(orders, length, q.device)
-    sequences = len(indices.kv) // length
-
-    def gather(t: Tensor, index: Tensor, width: int, value: float = 0.0) -> Tensor:
-        """[B, H, L, D] (any strides) -> [B * 2S, L, H, width]: padded with `value`, gathered along tokens."""
-        t = t.to(dtype).transpose(1, 2)
-        if width > t.shape[-1]:
-            t = F.pad(t, (0, width - t.shape[-1]), value=value)
-        return t.index_select(1, index).view(batch * sequences, length, heads, width)
-
-    # Every width is made even: FLA refuses odd key or value widths in 16-bit backward passes (a Triton
-    # miscompile, fla/ops/common/chunk_o.py). Zero columns of q and k leave every q . k unchanged; the
-    # value columns past v are all ones, each a copy of the normaliser.
-    key_width = q.shape[-1] + q.shape[-1] % 2
-    q2, k2 = gather(q, indices.q, key_width), gather(k, indices.kv, key_width)
-    v2 = gather(v, indices.kv, value_dim + 1 + (value_dim + 1) % 2, value=1.0)
-    gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
-    return q2, k2, v2, gates, folds, None if orders is None else indices.position, indices.mirror
-
-
-def _combined(out: Tensor, folds: Tensor, position: Optional[Tensor], mirror: Tensor, batch: int,
-              value_dim: int) -> Tuple[Tensor, Tensor]:
-    """The kernels' outputs [B * 2S, L, H, W] -> numerator [B, H, L, Dv] and normaliser [B, H, L, 1]: each
-    token's forward output plus its folded mirrored output, summed over the scans, in the kernels' dtype."""
-    scans, length = mirror.shape
-    out = out.view(batch, scans, 2, length, *out.shape[2:])
-    total = None
-    for s in range(scans):
-        forward = out[:, s, 0] if position is None else out[:, s, 0].index_select(1, position[s])
-        term = torch.addcmul(forward, out[:, s, 1].index_select(1, mirror[s]), folds[s].to(out.dtype))
-        total = term if total is None else total + term
-    total = total.transpose(1, 2)  # [B, H, L, W], token-major in memory
-    return total[..., :value_dim], total[..., value_dim:value_dim + 1]
+        fold = a.gather(-1, indices.following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)
+    folds = fold.masked_fill(indices.last, 0.0).expand(scans, batch, length, heads)
+    return gates.reshape(batch * scans * 2, length, heads), folds
 
 
 def _scale(length: int) -> float:
@@ -186,35 +152,46 @@ class _FirstOrderOnly(torch.autograd.Function):
     back silently missing."""
 
     @staticmethod
-    def forward(ctx, numerator: Tensor, normaliser: Tensor) -> Tuple[Tensor, Tensor]:
-        return numerator.view_as(numerator), normaliser.view_as(normaliser)
+    def forward(ctx, y: Tensor) -> Tensor:
+        return y.view_as(y)
 
     @staticmethod
-    def backward(ctx, grad_numerator: Tensor, grad_normaliser: Tensor) -> Tuple[Tensor, Tensor]:
+    def backward(ctx, grad: Tensor) -> Tensor:
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
             raise RuntimeError("the triton backend (flash-linear-attention) has no double backward; for "
                                "second-order gradients use attn_backend='torch'")
-        return grad_numerator, grad_normaliser
+        return grad
 
 
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-               chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by FLA's chunked kernels (`chunk_simple_gla`),
-    every scan and direction in one call. chunk_size is the torch backend's; the kernels use their own
-    tile of 64 tokens. log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None."""
-    return _run(_kernels()[0], q, k, v, log_decays, orders)
+               chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+    """Y [B, H, L, Dv] by FLA's chunked kernels (`chunk_simple_gla`), every scan and direction in one call.
+    chunk_size is the torch backend's; the kernels use their own tile of 64 tokens. q, k, v: [B, H, L, D]
+    (any strides; token-major reads best); log_decays: None or [S, B|1, H|1, L|1] in token order; orders:
+    [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features)."""
+    return _run(_kernels()[0], q, k, v, log_decays, orders, feature_map)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-                   chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator and normaliser by FLA's fused recurrent kernel: every scan and direction in one launch,
-    O(L d) memory. Arguments as chunk_form's."""
-    return _run(_kernels()[1], q, k, v, log_decays, orders)
+                   chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+    """Y by FLA's fused recurrent kernel: every scan and direction in one launch, O(L d) memory. Arguments
+    as chunk_form's."""
+    return _run(_kernels()[1], q, k, v, log_decays, orders, feature_map)
 
 
 @torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-         orders: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    q2, k2, v2, gates, folds, position, mirror = _stacked(q, k, v, log_decays, orders)
-    out, _ = kernel(q2, k2, v2, g=gates, scale=_scale(q.shape[2]))
-    return _FirstOrderOnly.apply(*_combined(out, folds, position, mirror, q.shape[0], v.shape[-1]))
+         orders: Optional[Tensor], feature_map: Optional[str]) -> Tensor:
+    from .operands import FUSED_MAPS, Finish, Operands
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if dtype == torch.float64:
+        raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
+    if feature_map is not None and feature_map not in FUSED_MAPS:  # a map the kernel does not know
+        (q, k), feature_map = mapped(q, k, feature_map), None
+    batch, heads, length, value_dim = v.shape
+    indices = _scan_indices(orders, length, q.device)
+    gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
+    q2, k2, v2 = Operands.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), folds, indices.layout,
+                                feature_map, dtype)
+    out, _ = kernel(q2, k2, v2, g=gates, scale=_scale(length))
+    return _FirstOrderOnly.apply(Finish.apply(out, indices.layout, batch, value_dim, v.dtype)).transpose(1, 2)

@@ -1,0 +1,192 @@
+"""The two fused steps around FLA's kernels: building their operands, and finishing their outputs.
+
+`operands` reads raw q, k, v once (token-major views of the projection), applies the feature maps,
+and writes the stacked [B * 2S, L, H, W] operands: q and k gathered into every scan's forward and
+mirrored order, each mirrored query scaled by its token's fold (lam of the next token in scan
+order, 0 for the last), v with its normaliser column of ones. `finish` sums every token's 2S
+outputs and divides by the normaliser column, writing Y in the kernels' dtype.
+
+Both are autograd Functions: the backward of `operands` gathers the operand gradients back to the
+tokens and differentiates the feature maps by recomputing them (lion_vit.ops.features), so only
+raw q and k and the folds are kept; that of `finish` keeps Y and the normaliser. (In plain PyTorch
+the same steps write every intermediate and keep the feature maps and the kernels' outputs.)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..features import mapped
+
+# How the kernel applies a feature map: (elementwise map, divided by its row's norm)
+IDENTITY, SHIFTED_SILU, ELU_PLUS_ONE = 0, 1, 2
+FUSED_MAPS = {  # FEATURE_MAPS' names -> (query, key)
+    "silu": ((SHIFTED_SILU, False), (SHIFTED_SILU, False)),
+    "silu_norm": ((SHIFTED_SILU, False), (SHIFTED_SILU, True)),
+    "elu": ((ELU_PLUS_ONE, False), (ELU_PLUS_ONE, False)),
+}
+
+
+class Layout(NamedTuple):
+    """Where every token goes in the kernels' 2S sequences (each scan forward, then mirrored)."""
+    q: Tensor  # [2S * L]: the token of each position's query (and output)
+    kv: Tensor  # [2S * L]: the token of each position's key and value
+    q_positions: Tensor  # [2S, L]: each token's query (and output) position in each sequence
+    kv_positions: Tensor  # [2S, L]: each token's key and value position in each sequence
+
+
+@triton.jit
+def _mapped(x, kind: tl.constexpr):
+    if kind == 1:  # SiLU(x) + 0.5
+        x = x * tl.sigmoid(x) + 0.5
+    elif kind == 2:  # ELU(x) + 1 (exp of the non-positive part only: no overflow where unused)
+        x = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+    return x
+
+
+@triton.jit
+def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
+                     sqb, sql, sqh, skb, skl, skh, svb, svl, svh, sfs, sfb, sfl, sfh,
+                     L, H, DK, DV, KW, VW, SEQS,
+                     MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    block, sequence, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, j = sequence // SEQS, sequence % SEQS
+    p = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = p < L
+    tq = tl.load(q_index + j * L + p, mask=rows, other=0).to(tl.int64)
+    tkv = tl.load(kv_index + j * L + p, mask=rows, other=0).to(tl.int64)
+    ck, cv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    keys = rows[:, None] & (ck[None, :] < DK)
+    out = (sequence * L + p[:, None]).to(tl.int64) * H + h
+
+    x = tl.load(q + b * sqb + tq[:, None] * sql + h * sqh + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+    x = tl.where(keys, _mapped(x, MAP_Q), 0.0)
+    if NORM_Q:
+        x = x / tl.where(rows, tl.sqrt(tl.sum(x * x, axis=1)), 1.0)[:, None]
+    # a mirrored query carries its token's fold
+    fold = tl.load(folds + (j // 2) * sfs + b * sfb + tq * sfl + h * sfh, mask=rows & (j % 2 == 1), other=1.0)
+    x = x * fold[:, None]
+    tl.store(q2 + out * KW + ck[None, :], x.to(q2.dtype.element_ty), mask=rows[:, None] & (ck[None, :] < KW))
+
+    x = tl.load(k + b * skb + tkv[:, None] * skl + h * skh + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+    x = tl.where(keys, _mapped(x, MAP_K), 0.0)
+    if NORM_K:
+        x = x / tl.where(rows, tl.sqrt(tl.sum(x * x, axis=1)), 1.0)[:, None]
+    tl.store(k2 + out * KW + ck[None, :], x.to(k2.dtype.element_ty), mask=rows[:, None] & (ck[None, :] < KW))
+
+    values = rows[:, None] & (cv[None, :] < DV)
+    x = tl.load(v + b * svb + tkv[:, None] * svl + h * svh + cv[None, :], mask=values, other=1.0)
+    tl.store(v2 + out * VW + cv[None, :], x.to(v2.dtype.element_ty), mask=rows[:, None] & (cv[None, :] < VW))
+
+
+@triton.jit
+def _finish_kernel(out, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
+                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t < L
+    cv = tl.arange(0, BLOCK_V)
+    read = rows[:, None] & (cv[None, :] <= DV)
+    total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+    for j in range(SEQS):
+        p = tl.load(outputs + j * L + t, mask=rows, other=0).to(tl.int64)
+        at = ((b * SEQS + j) * L + p[:, None]) * H + h
+        total += tl.load(out + at * W + cv[None, :], mask=read, other=0.0).to(tl.float32)
+    normaliser = tl.where(rows, tl.sum(tl.where(cv[None, :] == DV, total, 0.0), axis=1), 1.0)
+    tl.store(y + b * syb + t[:, None].to(tl.int64) * syl + h * syh + cv[None, :],
+             (total / normaliser[:, None]).to(y.dtype.element_ty), mask=rows[:, None] & (cv[None, :] < DV))
+    tl.store(den + (b * L + t.to(tl.int64)) * H + h, normaliser, mask=rows)
+
+
+def _block(width: int) -> int:
+    return max(16, triton.next_power_of_2(width))
+
+
+_TOKENS = 16  # tokens per program
+
+
+class Operands(torch.autograd.Function):
+    """(q, k, v [B, L, H, D] raw, any strides; folds [S, B, L, H] float32, any strides; feature_map: a
+    FUSED_MAPS name, or None for features given) -> q2, k2, v2 [B * 2S, L, H, W] in dtype."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, folds: Tensor, layout: Layout, feature_map: Optional[str],
+                dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+        batch, length, heads, key_dim = q.shape
+        value_dim, sequences = v.shape[-1], len(layout.kv) // length
+        # even widths: FLA refuses odd ones in 16-bit backward passes (fla/ops/common/chunk_o.py)
+        key_width, value_width = key_dim + key_dim % 2, value_dim + 1 + (value_dim + 1) % 2
+        q2 = q.new_empty(batch * sequences, length, heads, key_width, dtype=dtype)
+        k2 = torch.empty_like(q2)
+        v2 = q.new_empty(batch * sequences, length, heads, value_width, dtype=dtype)
+        (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(feature_map, ((IDENTITY, False),) * 2)
+        _operands_kernel[(triton.cdiv(length, _TOKENS), batch * sequences, heads)](
+            q, k, v, folds, layout.q, layout.kv, q2, k2, v2,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *folds.stride(),
+            length, heads, key_dim, value_dim, key_width, value_width, sequences,
+            MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k,
+            BLOCK_T=_TOKENS, BLOCK_K=_block(key_width), BLOCK_V=_block(value_width))
+        ctx.save_for_backward(q, k, folds)
+        ctx.layout, ctx.feature_map, ctx.value_dim, ctx.value_dtype = layout, feature_map, value_dim, v.dtype
+        return q2, k2, v2
+
+    @staticmethod
+    def backward(ctx, dq2: Tensor, dk2: Tensor, dv2: Tensor):
+        q, k, folds = ctx.saved_tensors
+        layout, value_dim = ctx.layout, ctx.value_dim
+        batch, length, heads, key_dim = q.shape
+        sequences = len(layout.kv) // length
+
+        def by_token(grad: Tensor, positions: Tensor, width: int) -> list:
+            """Each sequence's row gradients gathered back to the tokens: 2S of [B, L, H, width], float32."""
+            rows = grad.view(batch, sequences, length, heads, -1)[..., :width].float()
+            return [rows[:, j].index_select(1, positions[j]) for j in range(sequences)]
+
+        with torch.enable_grad():  # the feature maps again, to differentiate them
+            q_in, k_in = q.detach().requires_grad_(), k.detach().requires_grad_()
+            fq, fk = mapped(q_in.float(), k_in.float(), ctx.feature_map)
+        parts = by_token(dq2, layout.q_positions, key_dim)
+        mirrored = torch.stack(parts[1::2])  # [S, B, L, H, Dk], before the folds
+        grad_fq = sum(parts[0::2]) + (mirrored * folds[..., None]).sum(0)
+        grad_folds = (mirrored * fq.detach()).sum(-1) if ctx.needs_input_grad[3] else None
+        grad_q, grad_k = torch.autograd.grad((fq, fk), (q_in, k_in),
+                                             (grad_fq, sum(by_token(dk2, layout.kv_positions, key_dim))))
+        grad_v = sum(by_token(dv2, layout.kv_positions, value_dim)).to(ctx.value_dtype)
+        return grad_q, grad_k, grad_v, grad_folds, None, None, None
+
+
+class Finish(torch.autograd.Function):
+    """The kernels' outputs [B * 2S, L, H, W] -> Y [B, L, H, Dv] in dtype: every token's outputs summed,
+    divided by the normaliser column Dv."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, layout: Layout, batch: int, value_dim: int, dtype: torch.dtype) -> Tensor:
+        sequences, length = layout.q_positions.shape
+        heads, width = out.shape[2], out.shape[3]
+        y = out.new_empty(batch, length, heads, value_dim, dtype=dtype)
+        normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
+        _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+            out, layout.q_positions, y, normaliser, length, heads, value_dim, width, sequences,
+            y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim + 1))
+        ctx.save_for_backward(y, normaliser)
+        ctx.layout, ctx.width, ctx.out_dtype = layout, width, out.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        y, normaliser = ctx.saved_tensors
+        dy = dy.float()
+        grad_numerator = dy / normaliser[..., None]
+        grad_normaliser = -(grad_numerator * y.float()).sum(-1, keepdim=True)
+        pad = ctx.width - y.shape[-1] - 1
+        rows = torch.cat([grad_numerator, grad_normaliser, grad_normaliser.new_zeros(*grad_normaliser.shape[:-1], pad)],
+                         -1).to(ctx.out_dtype)
+        batch, length, heads, width = rows.shape
+        grad_out = rows.index_select(1, ctx.layout.q).view(-1, length, heads, width)
+        return grad_out, None, None, None, None
