@@ -145,8 +145,8 @@ class Operands(torch.autograd.Function):
 
         def by_token(grad: Tensor, positions: Tensor, width: int) -> list:
             """Each sequence's row gradients gathered back to the tokens: 2S of [B, L, H, width], float32."""
-            rows = grad.view(batch, sequences, length, heads, -1)[..., :width].float()
-            return [rows[:, j].index_select(1, positions[j]) for j in range(sequences)]
+            rows = grad.view(batch, sequences, length, heads, -1)[..., :width]
+            return [rows[:, j].index_select(1, positions[j]).float() for j in range(sequences)]
 
         with torch.enable_grad():  # the feature maps again, to differentiate them
             q_in, k_in = q.detach().requires_grad_(), k.detach().requires_grad_()
