@@ -61,11 +61,13 @@ def test_triton_forms_match_the_reference(form, decay):
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("form", ["chunk", "rnn"])
 def test_triton_multiscan_matches_the_reference(form, decay):
-    """Two snake scans over an 11x18 grid with a class token (199 tokens, chunks of 64 and 7: long enough
-    that the chunk form runs the kernels, not one product)."""
-    orders = snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
-    assert plan(form, None, 199, 16, 16, num_scans=2, device=DEVICE, backend="triton").backend == "triton"
-    q, k, v, lam = make_inputs(1, 2, 199, 16, decay, torch.float32)
+    """Two snake scans over a grid with a class token: 11x18 for the chunk form (199 tokens, chunks of 64
+    and 7: long enough that it runs the kernels, not one product), 7x10 for the rnn form."""
+    height, width = (11, 18) if form == "chunk" else (7, 10)
+    length = height * width + 1
+    orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE)
+    assert plan(form, None, length, 16, 16, num_scans=2, device=DEVICE, backend="triton").backend == "triton"
+    q, k, v, lam = make_inputs(1, 2, length, 16, decay, torch.float32)
     log_decays = torch.log(torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam ** 0.5])).float()
 
     def triton(q, k, v, log_decays):
@@ -114,13 +116,13 @@ def test_scan_indices_are_built_once_per_orders_tensor():
             self.names.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    orders = snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
-    q, k, v, lam = make_inputs(1, 2, 199, 16, "selective", torch.float32)
+    orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
+    q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32)
     log_decays = torch.log(torch.stack([lam, lam.flip(-1)])).float()
 
-    def run(orders):
+    def run(orders):  # (the rnn form: at 71 tokens the chunk form runs one torch product)
         return lion_attention_multiscan(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), log_decays.to(DEVICE), orders,
-                                        form="chunk", backend="triton").cpu()
+                                        form="rnn", backend="triton").cpu()
 
     run(orders)
     with Operators() as seen:
