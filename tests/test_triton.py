@@ -102,6 +102,18 @@ def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, mo
     _check(triton, reference, [qkv, torch.log(lam)], value_shape=(2, 2, 70, 16))
 
 
+def test_triton_reads_inputs_whose_rows_are_not_contiguous():
+    """q, k, v whose last dimension is strided (columns of a transposed buffer) give the reference's result."""
+    q, k, v, lam = make_inputs(1, 2, 40, 16, "fixed", torch.float32)
+
+    def triton(q, k, v, log_decay):
+        q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
+        assert q.stride(-1) != 1
+        return lion_attention(q, k, v, log_decay, form="rnn", backend="triton")
+
+    _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
+
+
 def test_scan_indices_are_built_once_per_orders_tensor():
     """A model hands the same orders tensor to every call: from the second call on, no index arithmetic
     runs around the kernels; another orders tensor of the same shape gets indices of its own."""

@@ -55,7 +55,7 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
                      MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     block, sequence, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, j = sequence // SEQS, sequence % SEQS
+    b, j = (sequence // SEQS).to(tl.int64), sequence % SEQS  # (batch offsets may pass 2^31 elements)
     p = block * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = p < L
     tq = tl.load(q_index + j * L + p, mask=rows, other=0).to(tl.int64)
@@ -87,7 +87,7 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
 @triton.jit
 def _finish_kernel(out, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    block, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = t < L
     cv = tl.arange(0, BLOCK_V)
@@ -117,6 +117,7 @@ class Operands(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, folds: Tensor, layout: Layout, feature_map: Optional[str],
                 dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows)
         batch, length, heads, key_dim = q.shape
         value_dim, sequences = v.shape[-1], len(layout.kv) // length
         # even widths: FLA refuses odd ones in 16-bit backward passes (fla/ops/common/chunk_o.py)
