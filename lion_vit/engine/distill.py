@@ -142,9 +142,9 @@ def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, cla
     if distill.teacher and distill.teacher != name:
         raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {name}; drop distill.teacher (the "
                         f"checkpoint names its model)")
-    teacher = model_from_checkpoint(state, {**config["model"], "drop_path_rate": 0.0}, config["img_size"], list(classes),
-                                    "the training data", f"distil with a teacher trained on these classes ({path} "
-                                    f"was trained on others)", state["model"])
+    teacher = model_from_checkpoint(state, {**config["model"], "drop_path_rate": 0.0}, config["img_size"],
+                                    list(classes), "the training data", f"distil with a teacher trained on these "
+                                    f"classes ({path} was trained on others)", state["model"])
     return teacher, (config["img_size"], config["data"]["mean"], config["data"]["std"])
 
 

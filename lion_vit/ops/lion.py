@@ -21,8 +21,9 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
                    plan: Optional[dispatch.Plan] = None, feature_map: Optional[str] = None) -> Tensor:
     """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
 
-    q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv]; log_decay: None (all-ones mask,
-    LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per head, LION-d).
+    q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv]; log_decay:
+    None (all-ones mask, LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per
+    head, LION-d).
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
     this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
     backend: "auto" | "torch" | "triton". plan: what `inputs_plan` gives for this call, from a caller that

@@ -85,7 +85,6 @@ def _installed_triton_version() -> str:
 class _Indices(NamedTuple):
     """Where every token goes, for S scans of L tokens."""
     order: Tensor  # [S, L]: scan position -> token
-    kv: Tensor  # [2S * L]: the token of each kernel position's key and value (each scan forward, then mirrored)
     following: Tensor  # [S, L]: token -> the next token in scan order
     last: Tensor  # [S, 1, L, 1]: whether a token is its scan's last
     layout: Layout  # what the fused steps read (operands.py)
@@ -110,8 +109,8 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
     kv_index = torch.stack([order, mirrored], 1).flatten()
     layout = Layout(q_index, kv_index, torch.stack([position, (length - 2 - position) % length], 1).flatten(0, 1),
                     torch.stack([position, length - 1 - position], 1).flatten(0, 1))
-    indices = _Indices(order, kv_index, order.roll(-1, -1).gather(-1, position), (position == length - 1)[:, None, :,
-                                                                                                          None], layout)
+    following = order.roll(-1, -1).gather(-1, position)
+    indices = _Indices(order, following, (position == length - 1)[:, None, :, None], layout)
     if len(_kept) >= 64:
         _kept.clear()
     _kept[key] = (None if orders is None else weakref.ref(orders), indices)
@@ -121,7 +120,7 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
 def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int, heads: int
                      ) -> Tuple[Optional[Tensor], Tensor]:
     """The kernels' gates [B * 2S, L, H] in float32 (None without decays) and each token's fold, the factor
-    on its mirrored output, [S, B, L, H] float32 in token order: lam of the next token in scan order, 0 for
+    on its mirrored query, [S, B, L, H] float32 in token order: lam of the next token in scan order, 0 for
     the scan's last token."""
     scans, length = indices.order.shape
     if log_decays is None:
@@ -133,7 +132,7 @@ def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int
     else:
         a = a.expand(scans, a.shape[1], a.shape[2], length)
         sequences = a.unflatten(-1, (1, length)).expand(-1, -1, -1, 2, -1).gather(
-            -1, indices.kv.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
+            -1, indices.layout.kv.view(scans, 1, 1, 2, length).expand(-1, *a.shape[1:3], -1, -1))
         gates = F.pad(sequences[..., :-1], (1, 0)).flatten(-2).permute(1, 0, 3, 2)  # g_p = a(previous token)
         gates = gates.expand(batch, scans, 2 * length, heads)
         fold = a.gather(-1, indices.following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)
