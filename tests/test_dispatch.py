@@ -18,9 +18,11 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """Pretend flash-linear-attention is (True) or is not (False) installed; the plan never imports it."""
+    """Pretend flash-linear-attention is (True) or is not (False) installed, with a chunk backward that
+    runs (the fallback where it fails has its own tests); the plan never imports it."""
     def set_available(value: bool):
         monkeypatch.setattr(dispatch.triton_backend, "available", lambda: value)
+        monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: False)
         monkeypatch.setattr(dispatch, "_warned", set())
     return set_available
 
@@ -163,7 +165,8 @@ def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monk
 
 def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
     """torch.export's programs are torch ops, which the kernels are not: "auto" exports the PyTorch forms,
-    and "triton" while exporting is one clear error instead of a failure deep inside the tracer."""
+    and "triton" while exporting is one clear error instead of a failure deep inside the tracer. torch.compile
+    is not exporting (on torch 2.11, torch.compiler.is_exporting() says it is)."""
     from lion_vit.ops.dispatch import exporting
 
     class Probe(torch.nn.Module):
@@ -172,6 +175,8 @@ def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):
 
     assert torch.export.export(Probe(), (torch.zeros(1),)).module()(torch.zeros(1)).item() == 1
     assert Probe()(torch.zeros(1)).item() == -1
+    torch._dynamo.reset()
+    assert torch.compile(Probe(), backend="eager")(torch.zeros(1)).item() == -1
     kernels(True)
     monkeypatch.setattr(dispatch, "exporting", lambda: True)
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"

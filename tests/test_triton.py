@@ -246,6 +246,10 @@ def test_triton_backend_refuses_double_backward_in_one_line(form):
     q, k, v, lam = make_inputs(1, 1, 20, 16, "selective", torch.float32)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam))]
     out = lion_attention(*leaves, form=form, backend="triton")
+    if plan(form, None, 20, 16, 16, device=DEVICE, backend="triton", training=True).backend != "triton":
+        # where FLA's chunk backward fails, training runs the portable chunk form: it has double backward
+        assert torch.isfinite(torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)[0]).all()
+        return
     with pytest.raises(RuntimeError, match="no double backward; for second-order gradients use attn_backend='torch'"):
         torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
     out = lion_attention(*leaves, form=form, backend="triton")
