@@ -181,10 +181,13 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend():
+def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monkeypatch):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
-    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels, against the torch
-    backend's chunk form, eager, on the same weights."""
+    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (the recurrent kernels
+    where the chunk backward fails), against the torch backend's chunk form, eager, on the same weights."""
+    from lion_vit.ops import dispatch
+    if dispatch.triton_backend.chunk_backward_fails(DEVICE):
+        monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", "rnn")
     model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=64, patch_size=4, embed_dim=32,
                               depth=1, num_heads=2).to(DEVICE)
     randomize_decays(model)
