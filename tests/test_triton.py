@@ -204,7 +204,8 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monk
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
     assert model.attn_plan((64, 64)).backend == "triton"
-    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    # bfloat16 (a GPU's) keeps 8 bits of mantissa, float16 11: the tolerances differ by about 2^3
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2 if interpret.ON_GPU else 1e-3)
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
 
 
