@@ -246,6 +246,7 @@ def test_device_argument_says_when_cuda_is_missing(monkeypatch):
     ("benchmark_train.py", ["--models", "deit_tiny_patch16_224", "--img-size", "40"], "not divisible by the patch size"),
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
+    ("benchmark_cuda_graph.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),
     # an output path that cannot be written fails before minutes of measurements, not after
     ("benchmark_resolution.py", ["--out", "README.md"], "cannot create 'README.md' (File exists)"),
@@ -264,6 +265,16 @@ def test_scripts_reject_bad_arguments_in_one_line(script, args, message, monkeyp
         runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["benchmark_cuda_graph.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "scripts" / "benchmark_cuda_graph.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == \
+        "benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)"
 
 
 # Runs a script as from a clone where lion-vit was never installed: the editable install's import hooks
@@ -288,7 +299,8 @@ runpy.run_path(script, run_name="__main__")
 
 def test_scripts_run_from_a_clone_without_installing(tmp_path):
     """`python scripts/<name>.py` works from a fresh clone before `pip install -e .`, as train.py does."""
-    scripts = ["benchmark_train.py", "benchmark_resolution.py", "benchmark_chunk.py", "check_equivalence.py"]
+    scripts = ["benchmark_train.py", "benchmark_resolution.py", "benchmark_chunk.py", "benchmark_cuda_graph.py",
+               "check_equivalence.py"]
 
     def run(script):
         return subprocess.run([sys.executable, "-c", _WITHOUT_INSTALLED_PACKAGE, str(ROOT / "scripts" / script),
