@@ -18,8 +18,9 @@ set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference train fallback forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): estimates, until the durations printed after each part replace them
-declare -A minutes=([tests]=6 [equivalence]=3 [inference]=7 [train]=4 [fallback]=4 [forms]=6 [compile]=8
+# compiles each model once): tests, train and fallback as measured on a cold H200 (docs/benchmarks.md),
+# the others estimates until the durations printed after each part replace them
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [forms]=6 [compile]=8
                     [compile_natural]=7)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -87,8 +88,9 @@ for part in "${parts[@]}"; do
     start=$SECONDS
     echo "# part $part: about ${minutes[$part]} min on a cold H100"
     case $part in
-        tests)  # the triton backend against the float64 reference on CUDA tensors, IEEE float32 dots
-            run tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -p no:cacheprovider tests/test_triton.py \
+        tests)  # the triton backend against the float64 reference on CUDA tensors, IEEE float32 dots; eight
+            # workers compile and autotune side by side
+            run tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py \
                 tests/test_dispatch.py ;;
         equivalence)
             run equivalence python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json" ;;
