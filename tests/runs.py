@@ -1,14 +1,20 @@
 """Helpers for tests that run train.py end to end on CPU with tiny generated data."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import List
 
 import numpy as np
 from PIL import Image
@@ -19,9 +25,102 @@ SMALL_LION = ["model=lion", "model.name=lion_s_tiny", "model.patch_size=8", "img
               "+model.kwargs.depth=2", "optim=adamw", "progress=false", "num_workers=0"]
 
 
-def run_train(*overrides: str, timeout: int = 300, launcher=(sys.executable, "train.py")):
-    return subprocess.run([*launcher, *overrides], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+def run_train(*overrides: str, timeout: int = 300, launcher=None):
+    """`python train.py OVERRIDES` (or `launcher OVERRIDES`), its output captured, as subprocess.run."""
+    if launcher is not None:
+        return subprocess.run([*launcher, *overrides], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=timeout)
+    return run_python(str(ROOT / "train.py"), *overrides, timeout=timeout)
+
+
+def run_python(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python ARGV` in ROOT with ENV, as subprocess.run with captured output: a child forked by the fork
+    server below, a fresh process all the same."""
+    return _FORK_SERVER.run(list(argv), timeout)
+
+
+# The fork server: a Python process that has imported what train.py imports (torch, timm, Hydra, the
+# engine: about 6 s of every start on a 2-core machine) and has run nothing, so a child forked from it
+# is what a fresh `python train.py` is once its imports are done. It forks one child per request,
+# which runs the script as __main__ with the request's argv, its stdout and stderr in files, and exits
+# as the interpreter would (atexit handlers, tracebacks, exit codes). Requests and replies are JSON
+# lines: {"argv", "stdout", "stderr"} in; {"pid"}, then {"returncode"} out.
+_SERVER = r"""
+import json, os, runpy, sys
+import hydra, timm, torch  # noqa: F401
+import lion_vit.engine.trainer  # noqa: F401
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+for line in sys.stdin:
+    request = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush(); replies.flush()
+    pid = os.fork()
+    if pid == 0:
+        replies.close()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        sys.stdin = open(0, closefd=False)
+        os.dup2(os.open(request["stdout"], os.O_WRONLY), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY), 2)
+        if request["argv"][0] == "-c":  # python -c CODE ARGS
+            sys.argv = ["-c", *request["argv"][2:]]
+            exec(compile(request["argv"][1], "<string>", "exec"), {"__name__": "__main__"})
+        else:  # python SCRIPT ARGS
+            sys.argv = request["argv"]
+            sys.path[0] = os.path.dirname(sys.argv[0])
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        sys.exit(0)
+    print(json.dumps({"pid": pid}), file=replies, flush=True)
+    print(json.dumps({"returncode": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), file=replies, flush=True)
+"""
+
+
+class _ForkServer:
+    """One server per run at a time: runs started side by side (threads) get a server each."""
+
+    def __init__(self):
+        self.idle: List[subprocess.Popen] = []
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def started(self, argv, stdout: str = os.devnull, stderr: str = os.devnull):
+        """A child running `python ARGV` (`.pid`), its output written to the files named; on leaving, waits
+        for it to end (kill it first to end it early) and sets `.returncode`."""
+        with self.lock:
+            server = self.idle.pop() if self.idle else None
+        if server is None or server.poll() is not None:
+            server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=ENV, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            atexit.register(server.stdin.close)
+        server.stdin.write(json.dumps({"argv": list(argv), "stdout": stdout, "stderr": stderr}) + "\n")
+        server.stdin.flush()
+        child = SimpleNamespace(pid=json.loads(server.stdout.readline())["pid"], returncode=None)
+        try:
+            yield child
+        finally:
+            child.returncode = json.loads(server.stdout.readline())["returncode"]
+            with self.lock:
+                self.idle.append(server)
+
+    def run(self, argv, timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(prefix="lion_vit_run_") as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            out.touch(), err.touch()
+            timed_out = threading.Event()
+            with self.started(argv, str(out), str(err)) as child:
+                def kill():
+                    timed_out.set()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+
+                timer = threading.Timer(timeout, kill)
+                timer.start()
+            timer.cancel()
+            if timed_out.is_set():
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(argv, child.returncode, out.read_text(), err.read_text())
+
+
+_FORK_SERVER = _ForkServer()
 
 
 def assert_ok(proc):
@@ -75,14 +174,13 @@ def read_metrics(output_dir: Path):
 def kill_after_first_epoch(*overrides: str, output_dir: Path, epochs: int) -> int:
     """Start train.py, kill -9 it once its first epoch is logged, and return the epochs it had logged
     (at least one, fewer than `epochs`)."""
-    proc = subprocess.Popen([sys.executable, "train.py", *overrides, f"epochs={epochs}", f"output_dir={output_dir}"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
     metrics = output_dir / "metrics.jsonl"
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with _FORK_SERVER.started([str(ROOT / "train.py"), *overrides, f"epochs={epochs}", f"output_dir={output_dir}"]) \
+            as child:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
     done = metrics.read_text().count("\n")
     assert 1 <= done < epochs, "the run must be killed part-way"
     return done

@@ -4,8 +4,6 @@ forward written here from the official code's documented semantics (not its code
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ import torch.nn.functional as F
 from lion_vit.convert import VARIANTS, from_official, to_official
 from lion_vit.ops import snake_orders
 from naive import naive_mask, rel_err
-from runs import ENV, ROOT
+from runs import run_python
 
 DEPTH, WIDTH, HEADS = 2, 192, 3
 
@@ -167,8 +165,7 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     official = tmp_path / "official.pth"
     torch.save(official_checkpoint("Selective", "S", False, False, classes=10), official)
     out = tmp_path / "converted.pt"
-    proc = subprocess.run([sys.executable, "scripts/convert_official.py", str(official), str(out)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python("scripts/convert_official.py", str(official), str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"wrote {out}: lion_s_natural_tiny, 10 classes" in proc.stdout
     state = load_checkpoint(out)  # torch's safe load: plain data only
@@ -180,6 +177,5 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(model.eval()(x), reference.eval()(x)) < 1e-5
-    bad = subprocess.run([sys.executable, "scripts/convert_official.py", str(official), str(out), "--order", "Normal",
-                          "--mask-type", "Lit"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    bad = run_python("scripts/convert_official.py", str(official), str(out), "--order", "Normal", "--mask-type", "Lit")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr

@@ -18,7 +18,7 @@ import torch
 from lion_vit.engine import checkpoint as ckpt
 from lion_vit.engine import interrupts, rundir
 from lion_vit.errors import UserError
-from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
+from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_python, run_train
 
 
 def _args(folder, output_dir):
@@ -45,8 +45,7 @@ def _snapshot(folder: Path):
 def _run_patched(patch: str, *overrides: str):
     """train.py in a subprocess after `patch` (Python source) ran: a fault injected into it."""
     script = f"import runpy, sys\n{patch}\nsys.argv = ['train.py', *sys.argv[1:]]\nrunpy.run_path('train.py', run_name='__main__')\n"
-    return subprocess.run([sys.executable, "-c", script, *overrides], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return run_python("-c", script, *overrides)
 
 
 def test_a_locked_folder_is_refused_naming_the_run_that_holds_it(tmp_path):
