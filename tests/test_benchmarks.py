@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' shared helpers (scripts/benchmarking.py)
 
 from benchmarking import device_name, measure, measure_inference, model_name, positive_int, run_spec, status_line  # noqa: E402
+from runs import run_python  # noqa: E402
 
 
 def run_script(name: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    proc = run_python(str(ROOT / "scripts" / name), *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -277,11 +277,13 @@ def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
         "benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)"
 
 
-# Runs a script as from a clone where lion-vit was never installed: the editable install's import hooks
-# and the repository root are taken off the import path first (exit 3 when lion_vit can still be imported).
+# Runs each script's --help as from a clone where lion-vit was never installed, one after the other in
+# one process: the editable install's import hooks and the repository root are taken off the import path
+# first (exit 3 when lion_vit can still be imported), and before each script the path is reset and
+# lion_vit and the scripts' helpers are forgotten, so each script must find them on its own.
 _WITHOUT_INSTALLED_PACKAGE = """
 import runpy, sys
-script, root = sys.argv[1], sys.argv[2]
+root, scripts = sys.argv[1], sys.argv[2:]
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
 sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h)]
 sys.path[:] = [p for p in sys.path if "editable" not in p and p.rstrip("/") not in ("", ".", root)]
@@ -292,8 +294,18 @@ except ImportError:
     pass
 else:
     sys.exit(3)
-sys.argv = [script, "--help"]
-runpy.run_path(script, run_name="__main__")
+path = list(sys.path)
+for script in scripts:
+    sys.path[:] = path
+    for name in [m for m in sys.modules if m.split(".")[0] in ("lion_vit", "benchmarking")]:
+        del sys.modules[name]
+    print("=== " + script.rsplit("/", 1)[-1], flush=True)
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:
+        if exit.code:
+            raise
 """
 
 
@@ -301,19 +313,17 @@ def test_scripts_run_from_a_clone_without_installing(tmp_path):
     """`python scripts/<name>.py` works from a fresh clone before `pip install -e .`, as train.py does."""
     scripts = ["benchmark_train.py", "benchmark_resolution.py", "benchmark_chunk.py", "benchmark_cuda_graph.py",
                "check_equivalence.py"]
-
-    def run(script):
-        return subprocess.run([sys.executable, "-c", _WITHOUT_INSTALLED_PACKAGE, str(ROOT / "scripts" / script),
-                               str(ROOT)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                              env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-
-    with ThreadPoolExecutor(2) as pool:
-        procs = list(pool.map(run, scripts))
-    if procs[0].returncode == 3:
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_INSTALLED_PACKAGE, str(ROOT),
+                           *(str(ROOT / "scripts" / script) for script in scripts)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    if proc.returncode == 3:
         pytest.skip("lion_vit is installed as a regular package here, so a clone without it cannot be simulated")
-    for script, proc in zip(scripts, procs):
-        assert proc.returncode == 0, (script, proc.stderr[-2000:])
-        assert proc.stdout.startswith("usage: " + script), (script, proc.stdout[:200])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outputs = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
+    assert list(outputs) == scripts
+    for script, out in outputs.items():
+        assert out.startswith("usage: " + script), (script, out[:200])
 
 
 def test_failed_configuration_is_recorded_with_its_reason(tmp_path):
