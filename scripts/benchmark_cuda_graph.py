@@ -82,7 +82,8 @@ def main(argv=None) -> int:
                 print(f"{name} {form or ''}: eager forwards x3")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                                 max_name_column_width=50))
-        rows.append({"model": name, "form": form or "", "eager_ms": eager, "graph_ms": graphed, "graph_vs_eager": check})
+        rows.append({"model": name, "form": form or "", "eager_ms": eager, "graph_ms": graphed,
+                     "graph_vs_eager": check})
         print(f"{name} {form or ''}: eager {eager:.2f} ms, CUDA graph "
               f"{'-' if graphed is None else f'{graphed:.2f} ms'} ({check})", flush=True)
     for row in rows:
