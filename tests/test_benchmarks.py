@@ -54,7 +54,7 @@ def test_resolution_and_chunk_scripts(tmp_path):
     # the two scripts (each a fresh process per configuration, mostly start-up) run side by side
     with ThreadPoolExecutor(max_workers=2) as pool:
         resolution = pool.submit(run_script, "benchmark_resolution.py", "--runs", "deit_tiny_patch16_224",
-                                 "lion_d_tiny:chunk:4", "--resolutions", "64", "--repeats", "1", "--out", str(tmp_path))
+                                 "lion_d_tiny:chunk:4", "--resolutions", "64", "--repeats", "0", "--out", str(tmp_path))
         chunk = pool.submit(run_script, "benchmark_chunk.py", "--models", "lion_d_tiny", "--chunk-sizes", "4", "16",
                             "--resolution", "256", "--baseline", "", "--reference-forms", "--repeats", "0",
                             "--out", str(tmp_path))
@@ -73,6 +73,25 @@ def test_resolution_and_chunk_scripts(tmp_path):
     assert [(r["chunk_size"], r["chunks"], r["status"]) for r in rows] == [("4", "64", "ok"), ("16", "16", "ok")]
     assert (tmp_path / "chunk.png").stat().st_size > 0
     assert "64 chunks" in chunk.result() and "16 chunks" in chunk.result()
+
+
+def test_a_timed_cpu_configuration_takes_memory_and_time_from_two_fresh_processes(monkeypatch):
+    """With timing repeats, peak memory comes from a process with the fixed mmap threshold and the time
+    from another with the default allocator (the scripts' runs above use --repeats 0: one process each)."""
+    import benchmarking as benchmark
+    calls = []
+
+    def fake(config, timeout_s, extra_env):
+        calls.append((config, extra_env))
+        return {"status": "ok", "time_s": 2.0 if extra_env else 1.0, "peak_mem_mb": 5.0 if extra_env else 9.0}
+
+    monkeypatch.setattr(benchmark, "_subprocess", fake)
+    config = dict(model_name="lion_d_tiny", form="chunk", chunk_size=4, img_size=32, batch_size=1, device="cpu",
+                  dtype="float32", repeats=2, memory="steady")
+    assert benchmark.measure(config, timeout_s=60) == {"status": "ok", "time_s": 1.0, "peak_mem_mb": 5.0}
+    (memory, memory_env), (timing, timing_env) = calls
+    assert memory["repeats"] == 0 and memory["memory"] == "steady" and memory_env == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    assert timing["repeats"] == 2 and timing["memory"] == "first" and timing_env == {}
 
 
 def test_train_script_ratios_and_profile(tmp_path):
