@@ -226,6 +226,31 @@ def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fal
         _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
 
 
+@pytest.mark.parametrize("decay", ["lit", "selective", "near0", "near1"])
+def test_the_normaliser_scan_matches_its_recurrence(decay):
+    """The normaliser kernels (ops/triton/normaliser.py) against n_p = scale q_p . s_p, s_p = exp(g_p) s_{p-1} +
+    k_p run token by token in float64, with gradients of q, k and the gates, over four chunks of 64 tokens
+    (the last one partial), one program each, and a width that is not a power of two."""
+    from lion_vit.ops.triton.normaliser import Normaliser
+    sequences, length, heads, width, scale = 2, 200, 2, 40, 0.25
+    q, k, _, lam = make_inputs(sequences, heads, length, width, decay, torch.float64)
+    q, k = (t.transpose(1, 2).contiguous() for t in (q, k))  # the kernels' [N, L, H, W]
+    gates = None if lam is None else torch.log(lam).expand(sequences, heads, length).transpose(1, 2).contiguous()
+
+    def recurrence(q, k, gates=None):
+        state, normalisers = torch.zeros_like(k[:, 0]), []
+        for p in range(length):
+            state = state * (1.0 if gates is None else gates[:, p, :, None].exp()) + k[:, p]
+            normalisers.append(scale * (q[:, p] * state).sum(-1))
+        return torch.stack(normalisers, 1)
+
+    def kernel(q, k, gates=None):
+        return Normaliser.apply(q, k, gates, scale)
+
+    _check(kernel, recurrence, [q.float(), k.float()] + ([] if gates is None else [gates.float()]),
+           value_shape=(sequences, length, heads))
+
+
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):
@@ -284,11 +309,12 @@ def test_memory_traffic_proxy_around_the_kernels(form, written, saved):
     """scripts/benchmark_traffic.py on one attention module (qkv, LION op, proj) at 256 tokens, head width 64,
     training: bytes written by PyTorch operators and saved for backward, as multiples of |q| + |k| + |v|,
     meet the goals docs/benchmarks.md ("Traffic") records; in float16 only per-token, per-head scalars
-    around the kernels are float32 (gates, folds, the normaliser kept for backward)."""
+    around the kernels are float32 (gates, folds, normalisers) and the normaliser scan's chunk sums (a
+    vector per 64 tokens: about one more scalar per token)."""
     import runpy
     measure = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_traffic.py"))["measure_traffic"]
     result = measure(form, tokens=256, heads=1, head_dim=64)
     assert result["written"] <= written and result["saved"] <= saved, result
     assert result["by operator"]["addmm"] == pytest.approx(4 / 3)  # the counting itself: qkv and proj outputs
     if form == "chunk":
-        assert measure(form, tokens=256, heads=1, head_dim=64, dtype=torch.float16)["float32 share"] < 0.02
+        assert measure(form, tokens=256, heads=1, head_dim=64, dtype=torch.float16)["float32 share"] < 0.03

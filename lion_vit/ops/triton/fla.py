@@ -1,20 +1,20 @@
 """LION's chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
 
 FLA's scalar-gated recurrence is  S_p = exp(g_p) S_{p-1} + k_p v_p^T,  o_p = scale q_p^T S_p,  over
-[B, L, H, D] tensors. With a_t = log lam_t, v1 = [v, 1] (the normaliser's column) and a scan order o
-(o[p]: the token at scan position p), every scan is two such sequences, stacked on the batch axis so
-that one kernel launch runs all of them (docs/design.md section 3):
+[B, L, H, D] tensors. With a_t = log lam_t and a scan order o (o[p]: the token at scan position p),
+every scan is two such sequences, stacked on the batch axis so that one kernel launch runs all of them
+(docs/design.md section 3):
 
-    forward:   q, k, v1 at o[p],  g_p = a(o[p-1])                     -> token o[p] gets o_p
-    mirrored:  k, v1 at u[p] = o[L-1-p],  q at u[p+1],  g_p = a(u[p-1]) -> token u[p+1] gets lam(u[p]) o_p
+    forward:   q, k, v at o[p],  g_p = a(o[p-1])                     -> token o[p] gets o_p
+    mirrored:  k, v at u[p] = o[L-1-p],  q at u[p+1],  g_p = a(u[p-1]) -> token u[p+1] gets lam(u[p]) o_p
 
 The mirrored sequence is strictly causal: its query runs one token ahead of its keys, so it sums the
 tokens after t in scan order without t itself, and the factor lam(u[p]) = lam of the token after t
 (0 for the scan's last token) completes the mask; it scales that query (its "fold"). The diagonal is
-counted once, by the forward pass. Two fused steps (operands.py) surround the kernels: one reads raw
-q, k, v, applies the feature maps and folds and writes the kernels' operands; one sums every token's
-outputs and divides by the normaliser. Autograd keeps raw q and k, the folds, the kernels' inputs, Y
-and the normaliser.
+counted once, by the forward pass. The normalisers (the same with v = 1) come from a scan of ours
+(normaliser.py). Two fused steps (operands.py) surround the kernels: one reads raw q, k, v, applies the
+feature maps and folds and writes the kernels' operands; one sums every token's outputs and normalisers
+and divides. Autograd keeps raw q and k, the folds, the kernels' inputs, Y and the normaliser.
 
 q is scaled by 2^-round(log2(L) / 2) inside the kernels (their `scale`): exact in binary, cancelled by
 the division, and it keeps float16 normalisers of long sequences finite (docs/design.md, "float16").
@@ -181,6 +181,7 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
 @torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
          orders: Optional[Tensor], feature_map: Optional[str]) -> Tensor:
+    from .normaliser import Normaliser
     from .operands import FUSED_MAPS, Finish, Operands
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
@@ -192,5 +193,7 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
     gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
     q2, k2, v2 = Operands.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), folds, indices.layout,
                                 feature_map, dtype)
-    out, _ = kernel(q2, k2, v2, g=gates, scale=_scale(length))
-    return _FirstOrderOnly.apply(Finish.apply(out, indices.layout, batch, value_dim, v.dtype)).transpose(1, 2)
+    scale = _scale(length)
+    out, _ = kernel(q2, k2, v2, g=gates, scale=scale)
+    y = Finish.apply(out, Normaliser.apply(q2, k2, gates, scale), indices.layout, batch, value_dim, v.dtype)
+    return _FirstOrderOnly.apply(y).transpose(1, 2)

@@ -3,8 +3,8 @@
 `operands` reads raw q, k, v once (token-major views of the projection), applies the feature maps,
 and writes the stacked [B * 2S, L, H, W] operands: q and k gathered into every scan's forward and
 mirrored order, each mirrored query scaled by its token's fold (lam of the next token in scan
-order, 0 for the last), v with its normaliser column of ones. `finish` sums every token's 2S
-outputs and divides by the normaliser column, writing Y in the kernels' dtype.
+order, 0 for the last), and v. `finish` sums every token's 2S outputs and their normalisers
+(normaliser.py) and divides the one by the other, writing Y in the kernels' dtype.
 
 Both are autograd Functions: the backward of `operands` gathers the operand gradients back to the
 tokens and differentiates the feature maps by recomputing them (lion_vit.ops.features), so only
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -80,26 +81,28 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
     tl.store(k2 + out * KW + ck[None, :], x.to(k2.dtype.element_ty), mask=rows[:, None] & (ck[None, :] < KW))
 
     values = rows[:, None] & (cv[None, :] < DV)
-    x = tl.load(v + b * svb + tkv[:, None] * svl + h * svh + cv[None, :], mask=values, other=1.0)
+    x = tl.load(v + b * svb + tkv[:, None] * svl + h * svh + cv[None, :], mask=values, other=0.0)
     tl.store(v2 + out * VW + cv[None, :], x.to(v2.dtype.element_ty), mask=rows[:, None] & (cv[None, :] < VW))
 
 
 @triton.jit
-def _finish_kernel(out, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
+def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = t < L
     cv = tl.arange(0, BLOCK_V)
-    read = rows[:, None] & (cv[None, :] <= DV)
+    read = rows[:, None] & (cv[None, :] < DV)
     total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+    normaliser = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in range(SEQS):
         p = tl.load(outputs + j * L + t, mask=rows, other=0).to(tl.int64)
-        at = ((b * SEQS + j) * L + p[:, None]) * H + h
-        total += tl.load(out + at * W + cv[None, :], mask=read, other=0.0).to(tl.float32)
-    normaliser = tl.where(rows, tl.sum(tl.where(cv[None, :] == DV, total, 0.0), axis=1), 1.0)
+        at = ((b * SEQS + j) * L + p) * H + h
+        total += tl.load(out + at[:, None] * W + cv[None, :], mask=read, other=0.0).to(tl.float32)
+        normaliser += tl.load(normalisers + at, mask=rows, other=0.0)
+    normaliser = tl.where(rows, normaliser, 1.0)
     tl.store(y + b * syb + t[:, None].to(tl.int64) * syl + h * syh + cv[None, :],
-             (total / normaliser[:, None]).to(y.dtype.element_ty), mask=rows[:, None] & (cv[None, :] < DV))
+             (total / normaliser[:, None]).to(y.dtype.element_ty), mask=read)
     tl.store(den + (b * L + t.to(tl.int64)) * H + h, normaliser, mask=rows)
 
 
@@ -121,7 +124,7 @@ class Operands(torch.autograd.Function):
         batch, length, heads, key_dim = q.shape
         value_dim, sequences = v.shape[-1], len(layout.kv) // length
         # even widths: FLA refuses odd ones in 16-bit backward passes (fla/ops/common/chunk_o.py)
-        key_width, value_width = key_dim + key_dim % 2, value_dim + 1 + (value_dim + 1) % 2
+        key_width, value_width = key_dim + key_dim % 2, value_dim + value_dim % 2
         q2 = q.new_empty(batch * sequences, length, heads, key_width, dtype=dtype)
         k2 = torch.empty_like(q2)
         v2 = q.new_empty(batch * sequences, length, heads, value_width, dtype=dtype)
@@ -163,18 +166,19 @@ class Operands(torch.autograd.Function):
 
 
 class Finish(torch.autograd.Function):
-    """The kernels' outputs [B * 2S, L, H, W] -> Y [B, L, H, Dv] in dtype: every token's outputs summed,
-    divided by the normaliser column Dv."""
+    """The kernels' outputs [B * 2S, L, H, W] and normalisers [B * 2S, L, H] (float32, normaliser.py) ->
+    Y [B, L, H, Dv] in dtype: every token's outputs and normalisers summed, the one divided by the other."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, layout: Layout, batch: int, value_dim: int, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, out: Tensor, normalisers: Tensor, layout: Layout, batch: int, value_dim: int,
+                dtype: torch.dtype) -> Tensor:
         sequences, length = layout.q_positions.shape
         heads, width = out.shape[2], out.shape[3]
         y = out.new_empty(batch, length, heads, value_dim, dtype=dtype)
         normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
         _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
-            out, layout.q_positions, y, normaliser, length, heads, value_dim, width, sequences,
-            y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim + 1))
+            out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, width, sequences,
+            y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim))
         ctx.save_for_backward(y, normaliser)
         ctx.layout, ctx.width, ctx.out_dtype = layout, width, out.dtype
         return y
@@ -182,12 +186,10 @@ class Finish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         y, normaliser = ctx.saved_tensors
-        dy = dy.float()
-        grad_numerator = dy / normaliser[..., None]
-        grad_normaliser = -(grad_numerator * y.float()).sum(-1, keepdim=True)
-        pad = ctx.width - y.shape[-1] - 1
-        rows = torch.cat([grad_numerator, grad_normaliser, grad_normaliser.new_zeros(*grad_normaliser.shape[:-1], pad)],
-                         -1).to(ctx.out_dtype)
-        batch, length, heads, width = rows.shape
-        grad_out = rows.index_select(1, ctx.layout.q).view(-1, length, heads, width)
-        return grad_out, None, None, None, None
+        batch, length, heads, value_dim = y.shape
+        grad_numerator = dy.float() / normaliser[..., None]
+        grad_normaliser = -(grad_numerator * y.float()).sum(-1)
+        positions = ctx.layout.q  # each sequence position's token: its gradients, gathered
+        grad_out = F.pad(grad_numerator, (0, ctx.width - value_dim)).to(ctx.out_dtype).index_select(1, positions)
+        grad_normalisers = grad_normaliser.index_select(1, positions).view(-1, length, heads)
+        return grad_out.view(-1, length, heads, ctx.width), grad_normalisers, None, None, None, None
