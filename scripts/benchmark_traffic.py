@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--decay", choices=["fixed", "selective"], default="fixed")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--by-operator", action="store_true", help="also list the bytes written by each operator")
+    parser.add_argument("--by-operator", action="store_true", help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()
     print(f"| form | written / (q+k+v) | saved / (q+k+v) |   ({args.tokens} tokens, {args.heads} heads of "
           f"{args.head_dim}, {args.decay} decay, {args.dtype}, training)")
@@ -131,6 +131,7 @@ def main() -> None:
         print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} |")
         if args.by_operator:
             print("   " + ", ".join(f"{name} {size:.2f}" for name, size in result["by operator"].items() if size >= 0.01))
+            print(f"   float32: {result['float32 share']:.1%} of the bytes written")
 
 
 if __name__ == "__main__":
