@@ -7,7 +7,7 @@ recurrent kernels, which re-read k for one useful column.
 
 Here the sequence is cut into chunks of 64 tokens, and every chunk is a program of its own, so that even
 one image fills the GPU: one launch sums each chunk's keys, decayed to its end; a second one gives every
-chunk its carry (the decayed sum of the chunk sums before it, a short loop over vectors), adds the
+chunk its carry (the decayed sum of the chunk sums before it, 16 at a time), adds the
 chunk's own decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in
 float32.
 
@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 _TOKENS = 64  # tokens per chunk
+CARRY_TILE = 16  # chunk sums read at a time for a carry (a tuning hook)
 
 
 @triton.jit
@@ -51,11 +52,11 @@ def _chunk(x, x_factor, gates, chunk, n, h, L, H, W,
 
 
 @triton.jit
-def _sums_kernel(x, x_factor, gates, sums, decays, L, H, W, NT,
+def _sums_kernel(x, x_factor, gates, sums, log_decays, L, H, W, NT,
                  HAS_X_FACTOR: tl.constexpr, HAS_GATES: tl.constexpr, REVERSE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each chunk's sum of f_p x_p decayed to its end, and its total decay: sums [N, H, NT, W], decays
-    [N, H, NT], float32."""
+    """Each chunk's sum of f_p x_p decayed to its end, and its gates' sum (the log of its total decay): sums
+    [N, H, NT, W], log_decays [N, H, NT], float32."""
     chunk, sequence_head = tl.program_id(0), tl.program_id(1)
     n, h = (sequence_head // H).to(tl.int64), sequence_head % H
     _, _, xs, g = _chunk(x, x_factor, gates, chunk, n, h, L, H, W, HAS_X_FACTOR, HAS_GATES, REVERSE,
@@ -65,15 +66,15 @@ def _sums_kernel(x, x_factor, gates, sums, decays, L, H, W, NT,
     if HAS_GATES:  # (rows past the end have no key and gate 0: the last row's sum is the chunk's)
         total = tl.sum(tl.where(tl.arange(0, BLOCK_T) == BLOCK_T - 1, g, 0.0), 0)
         xs = xs * tl.exp(total - g)[:, None]
-        tl.store(decays + at, tl.exp(total))
+        tl.store(log_decays + at, total)
     tl.store(sums + at * W + c, tl.sum(xs, 0), mask=c < W)
 
 
 @triton.jit
-def _scan_kernel(x, x_factor, gates, sums, decays, y, dots, vectors, out_factor, scale, L, H, W, NT,
+def _scan_kernel(x, x_factor, gates, sums, log_decays, y, dots, vectors, out_factor, scale, L, H, W, NT,
                  HAS_X_FACTOR: tl.constexpr, HAS_GATES: tl.constexpr, DOTS: tl.constexpr, VECTORS: tl.constexpr,
                  HAS_OUT_FACTOR: tl.constexpr, REVERSE: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
     """s_p = exp(g_p) s_{p-1} + f_p x_p (in reverse s_p = exp(g_{p+1}) s_{p+1} + f_p x_p), one chunk per program
     from the chunks' sums; writes scale y_p . s_p to dots [N, L, H] float32 and c_p s_p to vectors, like x."""
     chunk, sequence_head = tl.program_id(0), tl.program_id(1)
@@ -82,10 +83,16 @@ def _scan_kernel(x, x_factor, gates, sums, decays, y, dots, vectors, out_factor,
     cols = c < W
     first = sequence_head.to(tl.int64) * NT
     carry = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for before in range(0, chunk):  # the state at the chunk's start
-        if HAS_GATES:
-            carry = carry * tl.load(decays + first + before)
-        carry += tl.load(sums + (first + before) * W + c, mask=cols, other=0.0)
+    for tile in range(0, chunk, BLOCK_C):  # the state at the chunk's start, from the chunks before, BLOCK_C at a time
+        before = tile + tl.arange(0, BLOCK_C)
+        earlier = before < chunk
+        e = tl.load(sums + (first + before)[:, None] * W + c[None, :], mask=earlier[:, None] & cols[None, :], other=0.0)
+        if HAS_GATES:  # each chunk's sum decays through the tile's chunks after it
+            a = tl.load(log_decays + first + before, mask=earlier, other=0.0)
+            total = tl.sum(a, 0)
+            carry = carry * tl.exp(total) + tl.sum(tl.exp(total - tl.cumsum(a, 0))[:, None] * e, 0)
+        else:
+            carry += tl.sum(e, 0)
     row, rows, xs, g = _chunk(x, x_factor, gates, chunk, n, h, L, H, W, HAS_X_FACTOR, HAS_GATES, REVERSE,
                               BLOCK_T, BLOCK_K)
     if HAS_GATES:  # s_i = sum_{j <= i} exp(G_i - G_j) x_j + exp(G_i) carry
@@ -105,9 +112,9 @@ def _scan_kernel(x, x_factor, gates, sums, decays, y, dots, vectors, out_factor,
 
 
 class _Chunks(NamedTuple):
-    """Each chunk's decayed sum [N, H, NT, W] and total decay [N, H, NT] (None without gates), float32."""
+    """Each chunk's decayed sum [N, H, NT, W] and log total decay [N, H, NT] (None without gates), float32."""
     sums: Tensor
-    decays: Optional[Tensor]
+    log_decays: Optional[Tensor]
 
 
 def _launch(kernel, x: Tensor, gates: Optional[Tensor], *args, x_factor: Optional[Tensor] = None,
@@ -122,9 +129,9 @@ def _launch(kernel, x: Tensor, gates: Optional[Tensor], *args, x_factor: Optiona
 def _chunk_sums(x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:
     sequences, length, heads, width = x.shape
     sums = x.new_empty(sequences, heads, triton.cdiv(length, _TOKENS), width, dtype=torch.float32)
-    decays = None if gates is None else sums.new_empty(sums.shape[:-1])
-    _launch(_sums_kernel, x, gates, sums, decays, **options)
-    return _Chunks(sums, decays)
+    log_decays = None if gates is None else sums.new_empty(sums.shape[:-1])
+    _launch(_sums_kernel, x, gates, sums, log_decays, **options)
+    return _Chunks(sums, log_decays)
 
 
 def _scan(x: Tensor, gates: Optional[Tensor], chunks: _Chunks, *, y: Optional[Tensor] = None, scale: float = 1.0,
@@ -133,8 +140,8 @@ def _scan(x: Tensor, gates: Optional[Tensor], chunks: _Chunks, *, y: Optional[Te
     """(scale y . s [N, L, H] float32 where y is given, the states s (times out_factor) like x where vectors)."""
     dots = x.new_empty(x.shape[:-1], dtype=torch.float32) if y is not None else None
     out = torch.empty_like(x) if vectors else None
-    _launch(_scan_kernel, x, gates, chunks.sums, chunks.decays, y, dots, out, out_factor, scale, **options,
-            DOTS=y is not None, VECTORS=vectors, HAS_OUT_FACTOR=out_factor is not None)
+    _launch(_scan_kernel, x, gates, chunks.sums, chunks.log_decays, y, dots, out, out_factor, scale, **options,
+            DOTS=y is not None, VECTORS=vectors, HAS_OUT_FACTOR=out_factor is not None, BLOCK_C=CARRY_TILE)
     return dots, out
 
 
