@@ -7,9 +7,8 @@ recurrent kernels, which re-read k for one useful column.
 
 Here the sequence is cut into chunks of 64 tokens, and every chunk is a program of its own, so that even
 one image fills the GPU: one launch sums each chunk's keys, decayed to its end; a second one gives every
-chunk its carry (the decayed sum of the chunk sums before it, 16 at a time), adds the
-chunk's own decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in
-float32.
+chunk its carry (the decayed sum of the chunk sums before it, read 16 at a time), adds the chunk's own
+decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in float32.
 
 Backward (dn the normaliser's gradient):  dq_p = scale dn_p s_p;  dk_j = r_j with r_j = exp(g_{j+1}) r_{j+1}
 + scale dn_j q_j, the same scan in reverse;  dG_j = dn_j n_j - k_j . r_j for the cumulative gate G, so dg is
