@@ -137,7 +137,8 @@ def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int
         gates = gates.expand(batch, scans, 2 * length, heads)
         fold = a.gather(-1, indices.following[:, None, None].expand_as(a)).exp().permute(0, 1, 3, 2)
     folds = fold.masked_fill(indices.last, 0.0).expand(scans, batch, length, heads)
-    return gates.reshape(batch * scans * 2, length, heads), folds
+    # contiguous once here: FLA's input guard and the normaliser scan read the same tensor, no copy each
+    return gates.reshape(batch * scans * 2, length, heads).contiguous(), folds
 
 
 def _scale(length: int) -> float:

@@ -145,12 +145,11 @@ def _scan(x: Tensor, gates: Optional[Tensor], chunks: _Chunks, *, y: Optional[Te
 
 
 class Normaliser(torch.autograd.Function):
-    """(q, k [N, L, H, W] contiguous, the kernels' operands; gates [N, L, H] float32 or None; scale) -> every
-    position's normaliser, [N, L, H] float32."""
+    """(q, k [N, L, H, W], the kernels' operands; gates [N, L, H] float32 or None; scale), all contiguous ->
+    every position's normaliser, [N, L, H] float32."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, gates: Optional[Tensor], scale: float) -> Tensor:
-        gates = None if gates is None else gates.contiguous()
         chunks = _chunk_sums(k, gates)
         normaliser, _ = _scan(k, gates, chunks, y=q, scale=scale)
         ctx.save_for_backward(q, k, gates, normaliser, *chunks)
