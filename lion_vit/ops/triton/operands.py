@@ -190,6 +190,8 @@ class Finish(torch.autograd.Function):
         grad_numerator = dy.float() / normaliser[..., None]
         grad_normaliser = -(grad_numerator * y.float()).sum(-1)
         positions = ctx.layout.q  # each sequence position's token: its gradients, gathered
-        grad_out = F.pad(grad_numerator, (0, ctx.width - value_dim)).to(ctx.out_dtype).index_select(1, positions)
+        if ctx.width > value_dim:  # the kernels' zero column of an odd value width
+            grad_numerator = F.pad(grad_numerator, (0, ctx.width - value_dim))
+        grad_out = grad_numerator.to(ctx.out_dtype).index_select(1, positions)
         grad_normalisers = grad_normaliser.index_select(1, positions).view(-1, length, heads)
         return grad_out.view(-1, length, heads, ctx.width), grad_normalisers, None, None, None, None
