@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--decay", choices=["fixed", "selective"], default="fixed")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--by-operator", action="store_true", help="also list the bytes written by each operator, and the float32 share")
+    parser.add_argument("--by-operator", action="store_true",
+                        help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()
     print(f"| form | written / (q+k+v) | saved / (q+k+v) |   ({args.tokens} tokens, {args.heads} heads of "
           f"{args.head_dim}, {args.decay} decay, {args.dtype}, training)")
