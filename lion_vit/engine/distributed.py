@@ -1,14 +1,14 @@
-"""torch.distributed setup from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or SLURM (SLURM_PROCID, ...)."""
+"""torch.distributed from torchrun's or SLURM's environment (timm's init_distributed_device_so)."""
 from __future__ import annotations
 
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import torch
 import torch.distributed as dist
-from timm.utils import world_info_from_env
+from timm.utils.distributed import init_distributed_device_so, is_distributed_env
 
 
 @dataclass
@@ -26,27 +26,17 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _slurm_master() -> None:
-    """MASTER_ADDR / MASTER_PORT of a SLURM job launched one task per GPU (e.g. via submitit): timm's
-    world_info_from_env reads the ranks from SLURM's variables, but env:// also needs the first node."""
-    if "MASTER_ADDR" not in os.environ:
+def init_distributed(device: torch.device) -> Tuple[DistInfo, torch.device]:
+    """Join the process group when launched by torchrun or SLURM (NCCL on CUDA, gloo on CPU); returns this
+    process's place in it and its device (the GPU of its local rank)."""
+    if is_distributed_env() and "SLURM_PROCID" in os.environ and "MASTER_ADDR" not in os.environ:
+        # one SLURM task per GPU (e.g. submitit): timm reads the ranks, but env:// also needs the first node
         hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
                                capture_output=True, text=True, check=True).stdout.split()
         os.environ["MASTER_ADDR"] = hosts[0]
-    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
-
-
-def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group when launched by torchrun or SLURM (several tasks); NCCL on CUDA, gloo on CPU."""
-    local_rank, rank, world_size = world_info_from_env()
-    if world_size < 2:
-        return DistInfo()
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        _slurm_master()
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", init_method="env://",
-                                rank=rank, world_size=world_size)
-    return DistInfo(rank, world_size, local_rank)
+        os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+    info = init_distributed_device_so(device.type)
+    return DistInfo(info["global_rank"], info["world_size"], info["local_rank"]), torch.device(info["device"])
 
 
 def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:

@@ -52,12 +52,9 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         keep_freed_memory()
     if device.type == "cuda":
         configure_cuda(cfg.tf32)
-    dist_info = init_distributed(device)
+    dist_info, device = init_distributed(device)
     output_dir, created = None, None
     try:
-        if device.type == "cuda":
-            device = torch.device("cuda", dist_info.local_rank)
-            torch.cuda.set_device(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
             created = rundir.claim(output_dir)
