@@ -263,22 +263,3 @@ def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):
         assert_clean_error(run_train(*SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'nowhere'}", "epochs=1",
                                      f"output_dir={output_dir}"), "does not exist")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not (tmp_path / "kept" / "a").exists()
-
-
-def test_a_step_too_large_for_the_free_memory_is_said_before_it_runs():
-    """img_size 2048 on the quickstart model (patch 2: a million tokens) cannot fit 24 GiB; the quickstart
-    itself fits in a small part of it; the chunk form has no L x L term; timm's DeiT is estimated too."""
-    import timm
-    from lion_vit.engine.memory import estimate_peak_bytes, memory_warning
-    cpu, gib = torch.device("cpu"), 2**30
-    model = timm.create_model("lion_d_natural_tiny", num_classes=10, img_size=8, patch_size=2, embed_dim=64,
-                              depth=4, num_heads=4)
-    warning = memory_warning(model, 2048, 64, True, cpu, available=24 * gib)
-    assert warning.startswith("img_size 2048 with batch_size 64 needs about ") and "more than the 24.0 GiB free" in warning
-    assert memory_warning(model, 8, 64, True, cpu, available=24 * gib) is None
-    assert estimate_peak_bytes(model, 8, 64, True) < 0.1 * gib
-    attention = estimate_peak_bytes(model, 224, 8, False)
-    assert estimate_peak_bytes(model.set_attn_form("chunk", 64), 224, 8, False) < attention / 10
-    deit = timm.create_model("deit_tiny_patch16_224")
-    assert 0 < estimate_peak_bytes(deit, 224, 32, True) < estimate_peak_bytes(deit, 448, 32, True)
-    assert estimate_peak_bytes(timm.create_model("resnet18"), 224, 32, True) is None

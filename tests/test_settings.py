@@ -166,16 +166,16 @@ def test_configure_cuda_sets_the_timm_defaults():
 def test_out_of_memory_becomes_one_line():
     """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower."""
     from omegaconf import OmegaConf
-    from lion_vit.engine.trainer import _out_of_memory
+    from lion_vit.engine.trainer import _out_of_resources
     cfg = OmegaConf.create({"img_size": 230, "batch_size": 64})
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                        "you tried to allocate 179098240000 bytes. Error code 12 (Cannot allocate memory)")
-    message = str(_out_of_memory(cpu, cfg))
+    message = str(_out_of_resources(cpu, cfg))
     assert message.startswith("out of memory at img_size 230, batch_size 64") and "179.1 GB requested" in message
     assert "lower batch_size or img_size" in message and "\n" not in message
     cuda = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...")
-    assert "(20.00 GiB requested)" in str(_out_of_memory(cuda, cfg))
-    assert _out_of_memory(RuntimeError("shape mismatch"), cfg) is None
+    assert "(20.00 GiB requested)" in str(_out_of_resources(cuda, cfg))
+    assert _out_of_resources(RuntimeError("shape mismatch"), cfg) is None
 
 
 def test_nonfinite_loss_stops_training():

@@ -38,7 +38,6 @@ from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .logs import WandbLogger, setup_logging
 from .loop import NonFiniteLoss, Precision, Training, classification_loss, evaluate, train_one_epoch, \
     updates_per_epoch
-from .memory import memory_warning
 
 log = logging.getLogger("lion_vit")
 METRICS = "metrics.jsonl"
@@ -63,17 +62,11 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         if cfg.eval_only:
             return run_eval_only(cfg, dist_info, device, output_dir)
         return _fit(cfg, dist_info, device, output_dir)
-    except RuntimeError as error:  # torch.cuda.OutOfMemoryError is one
-        out_of_memory = _out_of_memory(error, cfg)
-        if out_of_memory is None:
+    except (RuntimeError, OSError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        short = _out_of_resources(error, cfg)
+        if short is None:
             raise
-        raise out_of_memory from None
-    except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        where = f" writing {error.filename}" if error.filename else ""
-        raise UserError(f"no space left on the device{where}; free space there, then continue with resume=auto "
-                        f"(the files already written are kept)") from None
+        raise short from None
     except UserError:
         if created is not None:  # a run that failed before its first epoch's files leaves no folder behind
             setup_logging(None, dist_info.is_main)  # closes train.log
@@ -134,7 +127,6 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     training = Training(train_model, optimizer, criterion, scheduler, precision, loss_scaler, mixup_fn, ema,
                         cfg.optim.clip_grad, cfg.grad_accum_steps)
     _describe_run(cfg, model, train_set, val_set, num_classes, lr, global_batch, dist_info, device, is_main)
-    _warn_if_too_large(model, cfg, device, precision, training=True, is_main=is_main)
 
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
@@ -316,7 +308,6 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
                                   "evaluate on data with the classes the checkpoint was trained on",
                                   state["model_ema"] if use_ema else state["model"])
     precision = _precision(cfg, device)
-    _warn_if_too_large(model, cfg, device, precision, training=False, is_main=dist_info.is_main)
     model.to(device)
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, precision, show_progress=cfg.progress and dist_info.is_main,
@@ -343,46 +334,39 @@ def resolve_device(name: str) -> torch.device:
 
 
 def configure_cuda(tf32: bool) -> None:
-    """GPU defaults of DeiT / timm training: cuDNN picks the fastest convolution for the fixed input size,
-    and float32 matmuls and convolutions (those outside bf16 autocast) may use TF32 (tf32=true)."""
+    """timm's GPU defaults: cuDNN autotuning for the fixed input size; TF32 for float32 matmuls if tf32."""
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """The seed of an epoch on a rank (timm.utils.random_seed seeds python, numpy and torch with it)."""
+    """The seed of an epoch on a rank, for timm.utils.random_seed."""
     return (seed * 1_000_003 + epoch * 1_009 + rank) % 2**32
 
 
 def _precision(cfg: DictConfig, device: torch.device) -> Precision:
-    if not cfg.amp or device.type != "cuda":
-        return Precision(device)
-    return Precision(device, getattr(torch, cfg.amp_dtype))
-
-
-def _warn_if_too_large(model: nn.Module, cfg: DictConfig, device: torch.device, precision: Precision,
-                       training: bool, is_main: bool) -> None:
-    """A one-line warning, before anything runs, where a step will not fit in the free memory."""
-    value_bytes = 4 if precision.dtype is None or precision.dtype == torch.float32 else 2
-    warning = memory_warning(model, cfg.img_size, cfg.batch_size, training, device, value_bytes)
-    if warning and is_main:
-        log.warning(warning)
+    return Precision(device, getattr(torch, cfg.amp_dtype) if cfg.amp and device.type == "cuda" else None)
 
 
 _REQUESTED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?([A-Za-z]+)")
 
 
-def _out_of_memory(error: BaseException, cfg: DictConfig) -> Optional[UserError]:
-    """A UserError for an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
-    RuntimeError), saying how much was asked for and what to lower; None for any other error."""
-    message = str(error)
-    if not isinstance(error, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in message:
+def _out_of_resources(error: BaseException, cfg: DictConfig) -> Optional[UserError]:
+    """One line for a full disk or an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
+    RuntimeError) saying what to do; None for any other error."""
+    if isinstance(error, OSError):
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+        where = f" writing {error.filename}" if error.filename else ""
+        return UserError(f"no space left on the device{where}; free space there, then continue with resume=auto "
+                         f"(the files already written are kept)")
+    if not isinstance(error, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in str(error):
         return None
-    found = _REQUESTED.search(message)
+    found = _REQUESTED.search(str(error))
     amount, unit = found.groups() if found else ("", "")
-    size = f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else \
-        f" ({amount} {unit} requested)" if found else ""
+    size = "" if not found else f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else \
+        f" ({amount} {unit} requested)"
     return UserError(f"out of memory at img_size {cfg.img_size}, batch_size {cfg.batch_size} per process{size}; "
                      f"lower batch_size or img_size (the attention form's memory grows with the square of the "
                      f"tokens per image; to evaluate at high resolution use model.attn_form=chunk)")
