@@ -220,10 +220,13 @@ def test_bad_values_are_named_before_anything_is_built(override, needle):
 def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     """(As root a read-only mode does not stop writes: a read-only filesystem is simulated.)"""
     from lion_vit.engine.rundir import claim
+    real_open = os.open
 
-    def read_only(self, *args, **kwargs):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    monkeypatch.setattr(Path, "touch", read_only)
+    def read_only(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(UserError, match=r"^cannot write in output_dir .* \(Read-only file system\); choose a writable"):
         claim(tmp_path / "out")
 

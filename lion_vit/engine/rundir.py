@@ -77,14 +77,7 @@ def claim(output_dir: Path) -> Optional[Path]:
     except OSError as error:  # a file of that name, no permission, a read-only disk
         raise UserError(f"cannot create output_dir {output_dir} ({error.strerror}); choose another "
                         f"output_dir") from None
-    probe = output_dir / f".write-test-{os.getpid()}"
-    try:
-        probe.touch()
-        probe.unlink()
-    except OSError as error:
-        raise UserError(f"cannot write in output_dir {output_dir} ({error.strerror or error}); choose a writable "
-                        f"output_dir") from None
-    lock(output_dir)
+    lock(output_dir)  # (which says so where output_dir is not writable)
     return created
 
 
