@@ -1,9 +1,8 @@
 """CPU training: keep freed tensor memory in the process instead of handing it back to the OS.
 
-glibc serves large allocations with mmap and returns them with munmap, so every training step on a CPU
-page-faults its activations in again, which can cost more than the arithmetic on them
-(`scripts/benchmark_train.py --malloc default` measures it). The price: RSS keeps its peak, which a
-training loop reuses anyway. CUDA has its own caching allocator.
+glibc serves large allocations with mmap and returns them with munmap, so every CPU training step
+page-faults its activations in again (`scripts/benchmark_train.py --malloc default` measures the cost).
+The price: RSS keeps its peak, which a training loop reuses anyway. CUDA has its own caching allocator.
 """
 from __future__ import annotations
 
@@ -23,9 +22,7 @@ _NEVER = -1  # read by glibc as SIZE_MAX: never trim the heap top (any finite th
 
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc to reuse freed blocks instead of unmapping them; False where unsupported.
-
-    Applies to allocations made after the call, process-wide (also to DataLoader workers forked later).
-    """
+    Process-wide, for allocations after the call (also in DataLoader workers forked later)."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -15,17 +15,14 @@ from .. import models as lion_models  # registers the LION models with timm
 from ..errors import UserError, first_line
 from ..weights import load_into
 
-# timm.create_model arguments that choose a model's initial weights, not its architecture (fine-tuning:
-# model.kwargs.pretrained=true, model.kwargs.pretrained_cfg_overlay.file=<checkpoint>). A model whose
+# timm.create_model arguments that choose initial weights, not the architecture (fine-tuning); a model whose
 # weights come from a checkpoint (resume, eval_only) is built without them.
 INITIAL_WEIGHT_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
 
 
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
-    """timm.create_model from the `model` config group, with clear errors for bad settings.
-
-    initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights).
-    """
+    """timm.create_model from the `model` config group, with clear errors for bad settings;
+    initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights)."""
     name = model_cfg.name
     if not timm.is_model(name):
         raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
@@ -73,8 +70,8 @@ def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
 
 
 def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
-    """Load weights, resampling positional embeddings to the model's grid when needed."""
-    state_dict = clean_state_dict(state_dict)  # DDP's module. and torch.compile's _orig_mod. prefixes
+    """Load weights (without DDP's or torch.compile's prefixes), positional embeddings resampled to the grid."""
+    state_dict = clean_state_dict(state_dict)
     if "pos_embed" in state_dict and hasattr(model, "pos_embed"):
         state_dict = lion_models.checkpoint_filter_fn(state_dict, model)
     try:
@@ -84,8 +81,7 @@ def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
 
 
 def architecture(model_settings: Dict[str, Any]) -> Dict[str, Any]:
-    """The model settings that fix an architecture: name, patch_size and kwargs (without the ones that
-    only choose initial weights)."""
+    """The model settings that fix an architecture: name, patch_size and kwargs (less initial weights')."""
     settings = {key: model_settings[key] for key in ("name", "patch_size", "kwargs") if key in model_settings}
     if settings.get("kwargs"):
         settings["kwargs"] = _without_initial_weights(settings["kwargs"])

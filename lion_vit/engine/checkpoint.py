@@ -1,6 +1,7 @@
 """Checkpoints that survive crashes: atomic writes, the previous one kept, clear errors."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -24,10 +25,8 @@ def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path]
 
 
 def save_together(writes: List[Tuple[Dict[str, Any], Path, Optional[Path]]]) -> None:
-    """Several save_atomic writes that land together or not at all: every file is written and fsynced
-    to its temp file first, and only then are they renamed into place (an epoch's last and best
-    checkpoints, so that checkpoint-best.pt and the best_acc1 recorded in checkpoint-last.pt always
-    agree). A write that fails (a full disk) removes every temp file and changes nothing."""
+    """save_atomic writes that land together or not at all (an epoch's last and best checkpoints agree on
+    best_acc1): all temp files are written first; a failed write (a full disk) removes them, changing nothing."""
     with deferred():  # a Ctrl-C or SIGTERM meanwhile waits until the files are in place
         written: List[Path] = []
         try:
@@ -62,8 +61,7 @@ def _write_temp(state: Dict[str, Any], path: Path) -> Path:
 
 
 def write_failure(error: BaseException) -> str:
-    """Why a write failed, in words: a full disk says so also where torch's writer reports it as a
-    failed internal check ("unexpected pos ...", "failed writing ...")."""
+    """Why a write failed, in words; a full disk also where torch's writer reports a failed internal check."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on the device"
     text = str(error)
@@ -74,23 +72,17 @@ def write_failure(error: BaseException) -> str:
 
 
 def _fsync_directory(directory: Path) -> None:
-    """Flush a directory's entries (renames) to disk. A no-op where directories cannot be opened
-    (Windows) or fsynced (some network filesystems): the file data is already on disk."""
-    try:
+    """Flush a directory's renames to disk; skipped where it cannot be opened (Windows) or fsynced."""
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Load a training checkpoint (lion_vit.weights: weights_only, so a file that would run other code when
-    unpickled is refused, not executed) or raise UserError saying what is wrong with it."""
+    """A training checkpoint (read weights_only: a file that would run code is refused), or a UserError."""
     if Path(path).is_dir():
         raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
     try:

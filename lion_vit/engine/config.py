@@ -1,9 +1,8 @@
 """The settings of train.py as Hydra structured configs: every setting's type and allowed values.
 
 The values live in configs/ (YAML, grouped by concern) and only there: these dataclasses hold no defaults.
-`check_settings(cfg)` merges the composed config into the schema (types, unknown keys), then checks each
-field's rule and the rules that relate two settings: a bad value is one line naming the setting and what
-it must be, before any data or model is built (Hydra's own schema check ends in a multi-line report).
+`check_settings(cfg)` turns a bad value into one line naming the setting and what it must be, before any
+data or model is built (Hydra's own schema check ends in a multi-line report).
 """
 from __future__ import annotations
 
@@ -73,13 +72,10 @@ _AUGMENT_OPTION = re.compile(r"[a-z]+\d[\d.]*")  # a letter key and its number: 
 
 
 def _is_timm_auto_augment(value: Any) -> bool:
-    """null / '' (off), or a policy timm builds with every option read: its parsers assert on an
-    unknown policy or option deep inside create_transform, and silently skip an option that has no
-    number (rand-mfoo would train with the default magnitude)."""
-    if value is None or value == "":
-        return True
-    if not isinstance(value, str):
-        return False
+    """null / '' (off), or a policy timm builds with every option read: its parsers assert deep inside
+    create_transform, and skip an option without a number (rand-mfoo: the default magnitude)."""
+    if not isinstance(value, str) or not value:
+        return value in (None, "")
     name, *options = value.split("-")
     # RandAugment's t<choices> option names its op set instead of a number
     if not all(_AUGMENT_OPTION.fullmatch(o) or (name == "rand" and o.startswith("t")) for o in options):
@@ -93,9 +89,8 @@ def _is_timm_auto_augment(value: Any) -> bool:
 
 
 def setting(rule: Optional[Rule] = None, expected: str = "", *, choices: tuple = (), training: bool = False) -> Any:
-    """A schema field, without a default (the YAML in configs/ holds every value): the rule its value
-    must meet (a Rule, or a test with `expected`, or `choices`), checked for training runs only with
-    training=True."""
+    """A schema field without a default (configs/ holds the values) and the rule its value must meet: a Rule,
+    a test with `expected`, or `choices`; training=True: checked for training runs only."""
     test, wording = (rule, "") if callable(rule) else rule or (None, "")
     if choices:
         test, wording = (lambda v: v in choices), " | ".join(choices)
@@ -254,10 +249,8 @@ _ABSENT = object()
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """One clear line for a setting of the wrong type, out of range, unknown, or a switch that is not
-    true/false, before any data or model is built (torch, timm and the DataLoader would otherwise fail
-    deep inside with their own assertion, or take the value silently). Settings a config does not
-    have are left to the code that reads them; training-only rules are skipped with eval_only=true."""
+    """One clear line for a setting that is unknown, of the wrong type or out of range (torch, timm and the
+    DataLoader would fail deep inside, or take it silently). Training-only rules are skipped with eval_only."""
     rules = {name: (f, training_only) for name, f, training_only in _fields(RunConfig)}
     try:
         OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
@@ -290,11 +283,9 @@ def _type_name(annotation: str) -> str:
 
 def _check_related(cfg: DictConfig) -> None:
     """The rules that relate two settings."""
-    if cfg.aug.mixup > 0 or cfg.aug.cutmix > 0:  # timm's Mixup asserts on an odd batch, deep in the first step
-        if cfg.batch_size % 2:
-            raise _not_allowed("batch_size", cfg.batch_size,
-                               "an even number while mixup or cutmix is on (timm's Mixup mixes each image with its "
-                               "mirror in the batch), or turn them off with aug.mixup=0 aug.cutmix=0")
+    if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and cfg.batch_size % 2:  # timm's Mixup asserts, deep in a step
+        raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
+                           "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
     distill = OmegaConf.select(cfg, "distill")
     if distill is not None and distill.type != "none" and not (distill.teacher or distill.teacher_checkpoint):
         raise UserError(f"distill.type={distill.type} needs a teacher: set distill.teacher=<timm model name> or "

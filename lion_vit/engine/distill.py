@@ -104,13 +104,14 @@ def build_distillation(cfg: DictConfig, base_criterion: Callable, num_classes: i
 
 def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
                   ) -> Tuple[nn.Module, Tuple[int, Sequence[float], Sequence[float]]]:
-    """The teacher model and its input (size, mean, std): from a checkpoint of this project's train.py
-    (its config gives the architecture, size and normalisation), or a timm model with its pretrained_cfg
-    (weights from distill.teacher_checkpoint, a state dict in a torch or .safetensors file, or else from
-    the hub)."""
+    """The teacher and its input (size, mean, std): from a train.py checkpoint (its config gives all three), or
+    a timm model with its pretrained_cfg (weights from distill.teacher_checkpoint's state dict, or the hub)."""
     path = distill.teacher_checkpoint
     if path:
-        state = _load_state(Path(path))
+        try:
+            state = read_weights(Path(path))
+        except ValueError as error:
+            raise UserError(f"distill.teacher_checkpoint {error}; pass the path to the teacher's weights") from None
         if isinstance(state.get("config"), dict):
             return _trained_teacher(state, Path(path), distill, classes)
     name = distill.teacher
@@ -146,10 +147,3 @@ def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, cla
                                     list(classes), "the training data", f"distil with a teacher trained on these "
                                     f"classes ({path} was trained on others)", state["model"])
     return teacher, (config["img_size"], config["data"]["mean"], config["data"]["std"])
-
-
-def _load_state(path: Path) -> Dict[str, Any]:
-    try:
-        return read_weights(path)
-    except ValueError as error:
-        raise UserError(f"distill.teacher_checkpoint {error}; pass the path to the teacher's weights") from None

@@ -2,10 +2,9 @@
 step boundary, as KeyboardInterrupt (SIGTERM: its subclass Terminated), which train.py turns into exit
 status 130 (143) and one line saying where the run stands.
 
-Raised wherever the main thread is, as Python's handler does, the interrupt is often lost or turned into
-another error (in an os.fork callback as the DataLoader starts its workers; inside torch.save, with the
-checkpoint lost); SIGTERM's default kills the process silently. So while training a first signal is only
-noted and the loops stop before their next step (all ranks before the same one); a second raises at once.
+Raised wherever the main thread is, the interrupt is often lost or turned into another error (in the
+DataLoader's fork, inside torch.save); SIGTERM's default kills silently. So while training a first signal
+is only noted and the loops stop before their next step (all ranks the same one); a second raises at once.
 """
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ def _main_thread() -> bool:
 
 
 def _ours(signum: int) -> bool:
-    """Whether this signal's handler is one that stops the run (Python's Ctrl-C handler; for SIGTERM the
-    default action or raise_terminated): a process that ignores a signal, or handles it itself, keeps it."""
+    """Whether the signal's handler stops the run (Python's, SIGTERM's default or raise_terminated); a
+    process that ignores a signal, or handles it itself, keeps it."""
     handler = signal.getsignal(signum)
     return handler is _RAISING[signum] or (signum == signal.SIGTERM and handler == signal.SIG_DFL)
 
@@ -56,8 +55,7 @@ def _ours(signum: int) -> bool:
 @contextlib.contextmanager
 def stop_between_steps(announce: bool = True) -> Iterator[None]:
     """Within the block, the first Ctrl-C or SIGTERM is noted (and, with announce, said on stderr) for the
-    loops to stop before their next step; the second raises at once. Only handlers that stop the run
-    (see _ours) are replaced, in the main thread."""
+    loops to stop before their next step; the second raises at once. Main thread, _ours handlers only."""
     global _requested, _noting
     if _noting:  # nested: the outer block notes
         yield
@@ -97,9 +95,8 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     enclosing stop_between_steps block.
 
     Distributed ranks must stop before the same step, or one waits in a collective for a peer that has
-    gone: with `agree_on` (the process group's device) every rank calls this before every training step
-    and they decide together (one tiny all-reduce); without it (eval_only's shards may differ by a batch)
-    a distributed run goes on to the next agreed step."""
+    gone: with `agree_on` (the process group's device) they decide together, in one tiny all-reduce;
+    without it (eval_only's shards may differ by a batch) a distributed run goes on to the next agreed step."""
     noted = _requested if _noting else None
     if dist.is_available() and dist.is_initialized():
         if agree_on is None:
@@ -113,9 +110,8 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold a Ctrl-C or SIGTERM until the block ends (writes that must finish once begun, such as a
-    checkpoint), then hand it to the handler it was meant for. Nested blocks pass a held signal outwards;
-    handlers that are not Python's, and threads other than the main one, are left as they are."""
+    """Hold a Ctrl-C or SIGTERM until the block ends (a checkpoint's writes), then hand it to the handler
+    it was meant for; nested blocks pass it outwards. Main thread and Python handlers only."""
     if not _main_thread():
         yield
         return

@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 from ..errors import UserError, first_line
 
 def setup_logging(output_dir: Optional[Path], is_main: bool) -> None:
-    """Console and (rank 0) train.log; the "lion_vit.file" logger writes to train.log alone. Called again,
-    it replaces the handlers (timm's setup_default_logging adds more, and rotates the log at 2 MB)."""
+    """Console and (rank 0) train.log; "lion_vit.file" logs to train.log alone. Called again, it replaces the
+    handlers (timm's setup_default_logging adds more, and rotates the log at 2 MB)."""
     handlers: list = [logging.StreamHandler(sys.stdout)]
     if output_dir is not None and is_main:
         handlers.append(logging.FileHandler(output_dir / "train.log"))
@@ -24,11 +24,8 @@ def setup_logging(output_dir: Optional[Path], is_main: bool) -> None:
 
 
 class WandbLogger:
-    """wandb on rank 0 only; mode=disabled makes every call a no-op (tests, no account).
-
-    run_id: the wandb run of the checkpoint being resumed, continued so that a killed and resumed
-    training run keeps one set of curves.
-    """
+    """wandb on rank 0 only; mode=disabled makes every call a no-op. run_id: the resumed checkpoint's wandb
+    run, continued so that a killed and resumed run keeps one set of curves."""
 
     def __init__(self, cfg: DictConfig, output_dir: Path, enabled: bool, run_id: Optional[str] = None) -> None:
         self.run = None

@@ -39,9 +39,8 @@ class Precision:
 
 
 class Progress:
-    """Progress of the main process through a loader: tqdm's bar on a terminal. Where stderr is not a
-    terminal (a SLURM log, nohup, a pipe) a bar's redraws, several a second, would pile up in the file,
-    so it logs a line every `log_interval` steps instead, as timm's train.py does (0: none)."""
+    """Progress through a loader: tqdm's bar on a terminal; elsewhere (a SLURM log, a pipe), where a bar's
+    redraws would pile up, a line every `log_interval` steps as timm's train.py logs (0: none)."""
 
     def __init__(self, loader, desc: str, show: bool, log_interval: int) -> None:
         self.total, self.desc, self.log_interval = len(loader), desc, log_interval
@@ -53,8 +52,8 @@ class Progress:
         return iter(self.bar if self.bar is not None else self.loader)
 
     def report(self, step: int, **values: str) -> None:
-        """After batch `step` (from 0): values (already formatted) go to the bar, or to every
-        log_interval-th line with the mean time per step and the time left (the last step is the epoch's line)."""
+        """After batch `step` (from 0): formatted values to the bar, or to every log_interval-th line with
+        the time per step and the time left (the last step has the epoch's line)."""
         done = step + 1
         if self.bar is not None:
             self.bar.set_postfix(values, refresh=False)
@@ -66,21 +65,18 @@ class Progress:
 
 
 def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The schedule's current lr: the largest over parameter groups (with optim.layer_decay the head's,
-    whose lr_scale is 1; the first group would be the patch embedding's, scaled down the most)."""
+    """The schedule's current lr: the largest group's (with optim.layer_decay the head's, of lr_scale 1)."""
     return max(group["lr"] for group in optimizer.param_groups)
 
 
 def updates_per_epoch(num_batches: int, grad_accum_steps: int) -> int:
-    """Optimizer steps in an epoch of num_batches batches: one per grad_accum_steps batches (the last
-    step of an epoch may take fewer)."""
+    """Optimizer steps in an epoch: one per grad_accum_steps batches (the last may take fewer)."""
     return -(-num_batches // grad_accum_steps)
 
 
 @dataclass
 class Training:
-    """What the epoch loop carries from one epoch to the next: the model (DDP- or compile-wrapped as it
-    trains), its optimizer, per-update schedule, loss and settings."""
+    """What the epoch loop carries: the model (DDP- or compile-wrapped), optimizer, schedule, loss, settings."""
     model: nn.Module
     optimizer: torch.optim.Optimizer
     criterion: Callable  # criterion(images, outputs, targets): images for a distillation teacher
@@ -100,12 +96,9 @@ def classification_loss(loss_fn: Callable) -> Callable:
 
 def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool = True,
                     log_interval: int = 50) -> Dict[str, float]:
-    """Returns the epoch's mean loss (over all ranks), last lr, images seen (all ranks) and time, and the
-    mean of every part of a criterion that reports parts (its `parts` dict, e.g. a distillation loss's).
-
-    With grad_accum_steps > 1 the gradients of that many batches are averaged before each optimizer
-    step (as one batch that many times larger; DDP synchronises only the last of them).
-    """
+    """The epoch's mean loss over all ranks (and of each of a criterion's `parts`, as a distillation loss
+    has), last lr, images seen and time. With grad_accum_steps > 1 the gradients of that many batches are
+    averaged before each optimizer step (DDP synchronises only the last of them)."""
     t = training
     model, optimizer, device = t.model, t.optimizer, t.precision.device
     model.train()
@@ -152,8 +145,7 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
 
 
 def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:
-    """Backward, and on an update's last batch clip and step: timm train.py's, with its NativeScaler
-    for float16 and the plain steps otherwise."""
+    """Backward, and on an update's last batch clip and step (timm's NativeScaler for float16)."""
     if t.loss_scaler is not None:
         t.loss_scaler(loss, t.optimizer, clip_grad=t.clip_grad, parameters=t.model.parameters(),
                       need_update=need_update)
@@ -168,10 +160,8 @@ def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
              show_progress: bool = True, log_interval: int = 50, interruptible: bool = True) -> Dict[str, float]:
-    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks.
-
-    interruptible=False (an epoch's evaluation in training): a first Ctrl-C lets it finish, so that the
-    epoch just trained gets its checkpoint, and training stops before its next step instead."""
+    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks. interruptible=False
+    (an epoch's evaluation in training): a first Ctrl-C lets it finish, so the epoch gets its checkpoint."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
@@ -207,8 +197,7 @@ _named_unreadable: set = set()  # files already named in this process
 
 
 def _name_unreadable(indices, dataset) -> None:
-    """Name the unreadable images an evaluation left out: each file once per run in train.log, and a
-    count on the console."""
+    """The unreadable images an evaluation left out: each named once in train.log, a count on the console."""
     paths = [dataset.samples[i][0] for i in indices]
     new = sorted(set(paths) - _named_unreadable)
     _named_unreadable.update(new)

@@ -143,13 +143,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                     kept = (f"The last good checkpoint is kept in {output_dir}" if (output_dir / ckpt.LAST).exists()
                             else "No epoch finished, so there is no checkpoint")
                     raise UserError(f"{error}; stopped. {kept} (lower optim.lr or set optim.clip_grad)") from None
-                # a Ctrl-C from here on stops the run after this epoch's checkpoint, not before it: the
-                # evaluation takes a small part of an epoch, whose training would be lost (as in torchrun
-                # runs, whose ranks stop only before an agreed training step)
+                # a Ctrl-C from here on stops the run after this epoch's checkpoint: its training is not lost
                 val = evaluate(model, val_loader, device, precision, show, cfg.log_interval, interruptible=False)
-                metrics = {"epoch": epoch + 1, **{k: v for k, v in stats.items() if k.startswith("train_")},
-                           "val_loss": val["loss"], "val_acc1": val["acc1"], "val_acc5": val["acc5"],
-                           "lr": stats["lr"], "epoch_time_s": stats["epoch_time_s"], "imgs_per_s": stats["imgs_per_s"]}
+                metrics = {"epoch": epoch + 1, **{f"val_{k}": val[k] for k in ("loss", "acc1", "acc5")},
+                           **{k: v for k, v in stats.items() if k != "images"}}
                 if ema is not None:
                     metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
                                                        cfg.log_interval, interruptible=False)["acc1"]
@@ -169,8 +166,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         logger.finish()
     if is_main and best[0] >= 0:
         last = f", last {metrics['val_acc1']:.2f} %" if metrics else ""
-        at = f" (epoch {best[1]})" if best[1] else ""
-        log.info("done: best top-1 %.2f %%%s%s; run folder %s, best checkpoint %s", best[0], at, last,
+        log.info("done: best top-1 %.2f %% (epoch %s)%s; run folder %s, best checkpoint %s", best[0], best[1], last,
                  output_dir, output_dir / ckpt.BEST)
     return metrics
 
@@ -215,11 +211,10 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     load_weights(model, state["model"])
     try:
         optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as error:  # a checkpoint older than the checks above
+    except (ValueError, KeyError) as error:  # other parameter groups: another weight_decay, say
         raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
                         f"({first_line(error)}); {RESUME_SAME_OPTIMIZER}") from None
-    # The schedule is rebuilt from this command's settings, not loaded: its state is only those
-    # settings in units of updates, stale once the number of processes, batch_size or epochs changed.
+    # the schedule is rebuilt from this run's settings, not loaded: the processes, batch_size or epochs may differ
     scheduler.step_update(num_updates=(state["epoch"] + 1) * updates)
     if loss_scaler is not None and state.get("scaler"):
         loss_scaler.load_state_dict(state["scaler"])
@@ -234,14 +229,14 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if is_main:
         rundir.drop_metrics_after(output_dir / METRICS, start_epoch)
     if start_epoch >= cfg.epochs:
-        log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (with a "
-                 "larger epochs, training goes on along that longer schedule)", start_epoch, cfg.epochs)
+        log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (a larger epochs "
+                 "goes on along that longer schedule)", start_epoch, cfg.epochs)
     return start_epoch, (state.get("best_acc1", -1.0), state.get("best_epoch"))
 
 
 def _save_epoch(output_dir: Path, metrics: Dict[str, Any], state: Dict[str, Any], is_best: bool) -> None:
-    """The epoch's metrics line, then its last (and best) checkpoint: a run killed in between re-trains
-    this epoch and drops its line on resume; a Ctrl-C meanwhile waits until all of them are written."""
+    """The epoch's metrics line, then its checkpoints, with signals held (a run killed in between re-trains
+    this epoch and drops its line on resume)."""
     with interrupts.deferred():
         rundir.append_line(output_dir / METRICS, json.dumps(metrics))
         ckpt.save_together([(state, output_dir / ckpt.LAST, output_dir / ckpt.PREVIOUS)]
@@ -271,8 +266,8 @@ def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_cla
 
 
 def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[Dict[str, Any]]:
-    """resume=auto: newest readable checkpoint in output_dir (none, in a folder without checkpoints: a fresh
-    start); resume=<path>: that file. A fresh start in a folder holding a run is refused."""
+    """The state to resume (resume=auto: the newest readable one in output_dir, if any; resume=<path>), or None.
+    A fresh start in a folder holding a run is refused."""
     found = rundir.run_files(output_dir)
     if cfg.resume in (None, "", False):
         if found:
@@ -325,7 +320,6 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto | cpu | cuda (engine/config.py checks the name)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
