@@ -6,7 +6,9 @@
 
 A student with a distillation token (`*_distilled`, distilled=True) is trained with its class head on
 the labels and its distillation head on the teacher; any other student distils through its one head.
-The teacher sees the (mixed) batch at its own input size and normalisation.
+The teacher sees the (mixed) batch at its own input size and normalisation. Kept beside timm's newer
+timm.task distillation because that one divides the soft loss by the batch (DeiT: by the logits' count)
+and does not resize the teacher's input.
 """
 from __future__ import annotations
 
