@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The GPU targets (docs/benchmarks.md, "GPU check") against what `make gpu-check` measured: one line per
 target with the measured ratio and whether it is met, read from the CSVs in the gpu-check folder
-(scripts/gpu_check.sh runs this last), then the dispatch settings the timings pick. A target or a
-setting whose measurement is missing or failed says so.
+(scripts/gpu_check.sh runs this last), then the least inference ratio any attention could reach, then the
+dispatch settings the timings pick. A target or a setting whose measurement is missing or failed says so.
 
     python scripts/gpu_targets.py docs/benchmarks/gpu
 """
@@ -21,6 +21,8 @@ TRAINING_896 = {"lion_d_small": 0.7}  # training step against DeiT-S at 896 px b
 INFERENCE_TIME = {1248: 0.5, 1792: 0.3}  # chunk form's time against DeiT-S's, batch 1 and 16
 INFERENCE_MODELS = ("lion_d_small", "lion_d_natural_small")
 RNN_OVER_CHUNK = 3.0  # the rnn form's time against the chunk form's
+BASELINE = "deit_small_patch16_224"
+FIT_FROM = 896  # px: the smallest size fitted (below it a batch of 16 may wait on the host, as batch 1 does)
 
 
 def read(path: Path) -> List[Dict[str, str]]:
@@ -64,6 +66,39 @@ def target_lines(folder: Path) -> List[str]:
                 lines.append(line(f"{where} rnn time x chunk", rnn_time / chunk_time if rnn_time and chunk_time
                                   else None, RNN_OVER_CHUNK))
     return lines
+
+
+def floor_lines(folder: Path) -> List[str]:
+    """The least inference ratio against DeiT-S that any attention can reach: DeiT-S's batch-16 times fitted
+    as a L^2 + b L over the sizes measured (its attention grows with the square of the tokens L, the rest of
+    its blocks linearly), by least squares of the relative error. A LION model runs the same blocks around
+    its attention, so b L / time is its ratio with an attention that takes no time at all."""
+    lines = ["| DeiT-S b16 at | time | its rest (b L) | least ratio | target |", "|---|---|---|---|---|"]
+    rows = [r for r in read(folder / "resolution_b16" / "resolution.csv") if r["model"] == BASELINE]
+    points = {int(r["resolution"]): (int(r["tokens"]), number(r, "time_s")) for r in rows}
+    points = {size: point for size, point in points.items() if point[1] and size >= FIT_FROM}
+    if len(points) < 2:
+        return lines + [f"| {size} px | not measured (needs DeiT-S at two sizes) | - | - | x{limit:g} |"
+                        for size, limit in INFERENCE_TIME.items()]
+    # weighted normal equations of t = a x + b y, x = L^2, y = L, weights 1 / t^2
+    sums = [0.0] * 5
+    for tokens_, time in points.values():
+        x, y, w = float(tokens_) ** 2, float(tokens_), 1.0 / time ** 2
+        for i, term in enumerate((x * x, x * y, y * y, x * time, y * time)):
+            sums[i] += w * term
+    xx, xy, yy, xt, yt = sums
+    a, b = (xt * yy - yt * xy) / (xx * yy - xy * xy), (xx * yt - xy * xt) / (xx * yy - xy * xy)
+    for size, limit in INFERENCE_TIME.items():
+        if size not in points:
+            found = "not measured | - | -"
+        elif a <= 0 or b <= 0:
+            found = f"the times do not fit a L^2 + b L (a {a:.3g}, b {b:.3g}) | - | -"
+        else:
+            tokens_, time = points[size]
+            found = f"{time * 1e3:.1f} ms | {b * tokens_ * 1e3:.1f} ms | x{b * tokens_ / time:.3g}"
+        lines.append(f"| {size} px | {found} | x{limit:g} |")
+    residual = max(abs(a * tokens_ ** 2 + b * tokens_ - time) / time for tokens_, time in points.values())
+    return lines + [f"| (the fit) | {len(points)} sizes | worst relative residual {residual:.1%} | - | - |"]
 
 
 def size_of(row: Dict[str, str]) -> int:
@@ -118,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder; give the folder gpu_check.sh wrote (its --out)")
-    print("\n".join(target_lines(args.folder) + [""] + setting_lines(args.folder)))
+    print("\n".join(target_lines(args.folder) + [""] + floor_lines(args.folder) + [""] + setting_lines(args.folder)))
 
 
 if __name__ == "__main__":

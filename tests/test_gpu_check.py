@@ -153,6 +153,26 @@ def test_targets_table_reads_the_measurements(tmp_path):
     assert len(lines) == 2 + 5 + 1 + 2 * 2 * 2 * 2 + 2 * 2  # every target has its line
 
 
+def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_path):
+    """DeiT-S's times made exactly a L^2 + b L: each size's least ratio is b L / time; a LION row is not
+    read; with one size measured there is no fit."""
+    a, b = 2e-10, 4e-6
+    csv = tmp_path / "resolution_b16" / "resolution.csv"
+    csv.parent.mkdir()
+    rows = [f"deit_small_patch16_224,,{size},{(size // 16) ** 2},ok,{a * (size // 16) ** 4 + b * (size // 16) ** 2}"
+            for size in (896, 1248, 1792)]
+    header = "model,form,resolution,tokens,status,time_s"
+    csv.write_text("\n".join([header, *rows, "lion_d_small,chunk,1248,6084,ok,1.0"]))
+    floor_lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["floor_lines"]
+    row = {cells[1].strip(): [c.strip() for c in cells[2:6]]
+           for cells in (line.split("|") for line in floor_lines(tmp_path)[2:])}
+    for size in (1248, 1792):
+        tokens = (size // 16) ** 2
+        assert float(row[f"{size} px"][2].lstrip("x")) == pytest.approx(b / (a * tokens + b), rel=2e-3)
+    csv.write_text("\n".join([header, rows[1]]))
+    assert all("not measured" in line for line in floor_lines(tmp_path)[2:])
+
+
 @pytest.mark.parametrize("args, message", [
     (["bench"], "unknown part 'bench' (parts: tests equivalence inference train fallback forms compile compile_natural)"),
     (["--out"], "--out needs a value"),
