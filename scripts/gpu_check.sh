@@ -8,7 +8,7 @@
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests equivalence | inference | train fallback | forms | compile | compile_natural
+#   tests inference | equivalence train fallback | forms | compile | compile_natural
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
