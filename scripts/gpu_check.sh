@@ -129,6 +129,6 @@ for part in "${parts[@]}"; do
         pack
     fi
 done
-run targets python3 scripts/gpu_targets.py "$out"  # the targets against what was measured
+run targets python3 scripts/gpu_targets.py "$out"  # the targets (docs/benchmarks.md) against what was measured
 [[ -n $dry ]] || { pack; echo "written: $out${bundle:+ (packed into $bundle)}"; }
 if ((${#failed[@]})); then echo "FAILED: ${failed[*]} (their logs are in $out)"; exit 1; fi
