@@ -3,25 +3,31 @@
 
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py                 # chunk and rnn, 256 tokens
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 1024 --dtype float16
+    TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 576 --scans 2 --inference
 
-One attention module of a one-block lion_d (qkv projection, LION op, output projection) runs a
-training-mode forward on the triton backend under Triton's interpreter. Two byte counts, as multiples
-of |q| + |k| + |v| (the bytes of the three projections' outputs):
+One attention module of a one-block lion_d (qkv projection, LION op, output projection; --scans 2: of
+lion_d_natural, on a square grid) runs a training-mode forward (--inference: an evaluation forward
+without autograd) on the triton backend under Triton's interpreter. Byte counts, as multiples of
+|q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
-- saved: the tensors autograd keeps for backward (each storage once, parameters excluded).
-Counted on the module's second call, as in every training step after the first.
+- saved: the tensors autograd keeps for backward (each storage once, parameters excluded);
+- peak: the most bytes of the tensors those operators allocated that are alive at once (the call's
+  share of peak memory).
+Counted on the module's second call, as in every step after the first.
 On a GPU the kernels' own reads and writes add to these; what this counts is everything around them.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from collections import Counter
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Tuple
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's language module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
@@ -36,13 +42,30 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class _Written(TorchDispatchMode):
-    """Sums the bytes of every operator's new tensor outputs, by operator and by dtype, while `counting`."""
+    """Sums the bytes of every operator's new tensor outputs, by operator and by dtype, while `counting`,
+    and the most bytes of the storages they allocated that are alive at once (`peak`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_operator: Counter = Counter()
         self.by_dtype: Counter = Counter()
         self.counting = True
+        self.alive: Dict[int, Tuple[str, int]] = {}  # storage address -> (operator, bytes), while it lives
+        self.peak = 0
+        self.at_peak: Counter = Counter()  # the bytes alive at the peak, by the operator that allocated them
+
+    def _allocated(self, operator: str, storage: torch.UntypedStorage) -> None:
+        address = storage.data_ptr()
+        if address in self.alive or not storage.nbytes():
+            return
+        self.alive[address] = (operator, storage.nbytes())
+        alive = sum(size for _, size in self.alive.values())
+        if alive > self.peak:
+            self.peak = alive
+            self.at_peak = Counter()
+            for name, size in self.alive.values():
+                self.at_peak[name] += size
+        weakref.finalize(storage, self.alive.pop, address, None)  # (torch keeps one Python storage per storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -50,10 +73,13 @@ class _Written(TorchDispatchMode):
             # a view shares its input's storage (nothing written); an in-place operator writes into it
             inputs = set() if func._schema.is_mutable else {
                 t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            operator = func.__name__.split(".")[0]
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    self.by_operator[func.__name__.split(".")[0]] += t.numel() * t.element_size()
+                    self.by_operator[operator] += t.numel() * t.element_size()
                     self.by_dtype[t.dtype] += t.numel() * t.element_size()
+                    if not func._schema.is_mutable:
+                        self._allocated(operator, t.untyped_storage())
         return out
 
 
@@ -80,18 +106,25 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 
 
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
-                    dtype: torch.dtype = torch.float32, decay: str = "fixed") -> Dict[str, float]:
-    """written and saved bytes of one training-mode forward of a LION attention module on the triton
-    backend, as multiples of |q| + |k| + |v|."""
+                    dtype: torch.dtype = torch.float32, decay: str = "fixed", scans: int = 1,
+                    training: bool = True) -> Dict[str, float]:
+    """written, saved and peak bytes of one forward of a LION attention module on the triton backend, as
+    multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens (the grid the snakes read)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import interpret  # the interpreter's two adaptations (tests/interpret.py)
     interpret.adapt_interpreter()
 
     torch.manual_seed(0)
     dim = heads * head_dim
-    layer = LionAttention(dim, heads, qkv_bias=True, decay=decay, attn_form=form, attn_backend="triton").to(dtype)
-    layer.train()
-    x = torch.randn(1, tokens, dim, dtype=dtype, requires_grad=True)
+    layer = LionAttention(dim, heads, qkv_bias=True, decay=decay, num_scans=scans, attn_form=form,
+                          attn_backend="triton").to(dtype)
+    layer.train(training)
+    if scans == 2:
+        side = math.isqrt(tokens)
+        if side * side != tokens:
+            raise ValueError(f"--scans 2 reads a square grid: --tokens {tokens} is not a square (e.g. 576)")
+        layer.grid_size = (side, side)
+    x = torch.randn(1, tokens, dim, dtype=dtype, requires_grad=training)
     qkv_bytes = 3 * x.numel() * x.element_size()
     parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved = {}
@@ -102,15 +135,18 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    layer(x)  # a first call builds what the path keeps between calls (its index tensors): count a later one
-    written = _Written()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _not_inside_launches(written), written:
-        y = layer(x)
-    y.float().sum().backward()  # the backward runs (and the saved tensors were enough)
+    with torch.set_grad_enabled(training):
+        layer(x)  # a first call builds what the path keeps between calls (its index tensors): count a later one
+        written = _Written()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _not_inside_launches(written), written:
+            y = layer(x)
+    if training:
+        y.float().sum().backward()  # the backward runs (and the saved tensors were enough)
     total = sum(written.by_operator.values())
-    return {"written": total / qkv_bytes, "saved": sum(saved.values()) / qkv_bytes,
+    return {"written": total / qkv_bytes, "saved": sum(saved.values()) / qkv_bytes, "peak": written.peak / qkv_bytes,
             "float32 share": written.by_dtype[torch.float32] / total,
-            "by operator": {name: size / qkv_bytes for name, size in written.by_operator.most_common()}}
+            "by operator": {name: size / qkv_bytes for name, size in written.by_operator.most_common()},
+            "at peak": {name: size / qkv_bytes for name, size in written.at_peak.most_common()}}
 
 
 def main() -> None:
@@ -120,19 +156,27 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--decay", choices=["fixed", "selective"], default="fixed")
+    parser.add_argument("--scans", type=int, choices=[1, 2], default=1, help="2: lion_d_natural's two snakes")
+    parser.add_argument("--inference", action="store_true", help="an evaluation forward, without autograd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--by-operator", action="store_true",
                         help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()
-    print(f"| form | written / (q+k+v) | saved / (q+k+v) |   ({args.tokens} tokens, {args.heads} heads of "
-          f"{args.head_dim}, {args.decay} decay, {args.dtype}, training)")
-    print("|---|---|---|")
+    if args.scans == 2 and math.isqrt(args.tokens) ** 2 != args.tokens:
+        parser.error(f"--scans 2 reads a square grid: --tokens {args.tokens} is not a square (e.g. 576)")
+    mode = "inference" if args.inference else "training"
+    print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) |   ({args.tokens} tokens, {args.heads} "
+          f"heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, {args.dtype}, {mode})")
+    print("|---|---|---|---|")
     for form in args.forms:
-        result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay)
-        print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} |")
+        result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay,
+                                 args.scans, training=not args.inference)
+        print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} |")
         if args.by_operator:
             print("   " + ", ".join(f"{name} {size:.2f}" for name, size in result["by operator"].items() if size >= 0.01))
             print(f"   float32: {result['float32 share']:.1%} of the bytes written")
+            print("   alive at the peak, by the operator that allocated it: "
+                  + ", ".join(f"{name} {size:.2f}" for name, size in result["at peak"].items() if size >= 0.01))
 
 
 if __name__ == "__main__":
