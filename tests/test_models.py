@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Tuple
 
 import pytest
 import timm
@@ -280,9 +281,9 @@ def test_device_and_dtype_factory_arguments(name):
             assert out.dtype == torch.bfloat16 and rel_err(out.float(), reference) < 0.1, form
 
 
-def _one_block_model(name: str) -> torch.nn.Module:
-    """A tiny model of one block on a 2 x 3 patch grid: small graphs for torch.compile / export."""
-    return trained_like(timm.create_model(name, num_classes=5, depth=1, img_size=(32, 48)))
+def _one_block_model(name: str, img_size: Tuple[int, int] = (32, 48)) -> torch.nn.Module:
+    """A tiny model of one block (by default on a 2 x 3 patch grid): small graphs for torch.compile / export."""
+    return trained_like(timm.create_model(name, num_classes=5, depth=1, img_size=img_size))
 
 
 @pytest.mark.parametrize("name", TINY_NAMES)
@@ -303,19 +304,27 @@ def test_empty_batch_gives_empty_logits_in_every_form(name):
 
 # aot_eager traces the forward and backward graphs as inductor does, without generating code (seconds
 # instead of tens of seconds); one model runs through inductor in the training form (train.py's
-# compile=true)
-@pytest.mark.parametrize("name, backend, form", [(n, "aot_eager", f) for n in TINY_NAMES for f in FORMS] +
-                         [("lion_s_natural_tiny", "inductor", FORMS[0])],
-                         ids=lambda value: value[0] if isinstance(value, tuple) else None)
-def test_compile_fullgraph_trains_like_eager(name, backend, form):
+# compile=true). On the 2 x 3 grid the chunk form is the attention form's one product, so it compiles
+# where chunks run: one scan with per-head decays, two scans with per-token decays.
+CHUNKED = [("lion_d_tiny", "aot_eager", ("chunk", 16), (208, 208)),
+           ("lion_s_natural_tiny", "aot_eager", ("chunk", 16), (288, 288))]
+
+
+@pytest.mark.parametrize("name, backend, form, img_size",
+                         [(n, "aot_eager", f, (32, 48)) for n in TINY_NAMES for f in FORMS if f[0] != "chunk"]
+                         + CHUNKED + [("lion_s_natural_tiny", "inductor", FORMS[0], (32, 48))],
+                         ids=lambda value: (value[0] if isinstance(value[0], str) else "x".join(map(str, value)))
+                         if isinstance(value, tuple) else None)
+def test_compile_fullgraph_trains_like_eager(name, backend, form, img_size):
     """torch.compile(fullgraph=True), so with no graph break, gives eager's outputs and gradients, and
     eager's outputs without autograd (the inference paths: in-place sums, row groups), in every form.
     (LION-lit failed while its backward was traced, and the selective masks of the two-scan models
     broke the graph on block bounds read from a tensor.)"""
     torch._dynamo.reset()
-    model = _one_block_model(name)
+    model = _one_block_model(name, img_size)
     model.set_attn_form(*form)
-    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    assert form[0] != "chunk" or model.attn_plan(img_size).chunks > 1  # chunks, not the one product
+    x = torch.randn(2, 3, *img_size, generator=torch.Generator().manual_seed(0))
     reference = model(x)
     reference.logsumexp(-1).sum().backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
