@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
+
 # training step against DeiT-S, both compiled, 224 px batch 256
 COMPILED_TRAINING = {"lion_lit_small": 1.0, "lion_d_small": 1.2, "lion_s_small": 1.3, "lion_d_natural_small": 1.25,
                      "lion_s_natural_small": 1.4}
@@ -80,14 +82,10 @@ def floor_lines(folder: Path) -> List[str]:
     if len(points) < 2:
         return lines + [f"| {size} px | not measured (needs DeiT-S at two sizes) | - | - | x{limit:g} |"
                         for size, limit in INFERENCE_TIME.items()]
-    # weighted normal equations of t = a x + b y, x = L^2, y = L, weights 1 / t^2
-    sums = [0.0] * 5
-    for tokens_, time in points.values():
-        x, y, w = float(tokens_) ** 2, float(tokens_), 1.0 / time ** 2
-        for i, term in enumerate((x * x, x * y, y * y, x * time, y * time)):
-            sums[i] += w * term
-    xx, xy, yy, xt, yt = sums
-    a, b = (xt * yy - yt * xy) / (xx * yy - xy * xy), (xx * yt - xy * xt) / (xx * yy - xy * xy)
+    lengths, times = np.array(list(points.values()), dtype=np.float64).T
+    # (a L^2 + b L) / t = 1 in the least-squares sense: the relative error
+    (a, b), *_ = np.linalg.lstsq(np.stack([lengths ** 2, lengths], 1) / times[:, None], np.ones_like(times),
+                                 rcond=None)
     for size, limit in INFERENCE_TIME.items():
         if size not in points:
             found = "not measured | - | -"
@@ -97,7 +95,7 @@ def floor_lines(folder: Path) -> List[str]:
             tokens_, time = points[size]
             found = f"{time * 1e3:.1f} ms | {b * tokens_ * 1e3:.1f} ms | x{b * tokens_ / time:.3g}"
         lines.append(f"| {size} px | {found} | x{limit:g} |")
-    residual = max(abs(a * tokens_ ** 2 + b * tokens_ - time) / time for tokens_, time in points.values())
+    residual = np.abs((a * lengths ** 2 + b * lengths) / times - 1).max()
     return lines + [f"| (the fit) | {len(points)} sizes | worst relative residual {residual:.1%} | - | - |"]
 
 
