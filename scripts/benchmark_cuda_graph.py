@@ -6,7 +6,7 @@ autotuner lookups, a few dozen launches per LION layer), not by the GPU; a CUDA 
 launches without the host, so the two times side by side say how much of a forward is launch overhead.
 
     python scripts/benchmark_cuda_graph.py             # 1248 px, batch 1: DeiT-S, LION-d and LION-d-natural chunk
-    python scripts/benchmark_cuda_graph.py --profile   # and the eager forward's top host-time operators
+    python scripts/benchmark_cuda_graph.py --profile   # and the eager forward's top operators: host, GPU
 
 Weights and input in bfloat16; times from triton.testing.do_bench (ms); the graph's output is checked
 against an eager forward's. Prints a markdown table with each time as a ratio to the first model's.
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--img-size", type=positive_int, default=1248)
     parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--profile", action="store_true",
-                        help="also print each model's top operators by host time over three eager forwards")
+                        help="also print each model's top operators by host time, then by GPU time, over three eager "
+                             "forwards")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)",
@@ -80,8 +81,8 @@ def main(argv=None) -> int:
                         model(x)
                     torch.cuda.synchronize()
                 print(f"{name} {form or ''}: eager forwards x3")
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
-                                                max_name_column_width=50))
+                for key in ("self_cpu_time_total", "self_cuda_time_total"):  # host time, then the GPU's kernels
+                    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50))
         rows.append({"model": name, "form": form or "", "eager_ms": eager, "graph_ms": graphed,
                      "graph_vs_eager": check})
         print(f"{name} {form or ''}: eager {eager:.2f} ms, CUDA graph "

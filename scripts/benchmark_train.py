@@ -113,7 +113,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            step(name)
+            print(f"{name}: warm-up step {step(name):.1f} s{' (compile included)' if args.compile else ''}", flush=True)
         except torch.cuda.OutOfMemoryError:  # this model does not fit at this batch and size; the others may
             if name == baseline:
                 sys.exit(f"benchmark_train.py: the baseline {name} runs out of memory at --batch-size "
