@@ -18,9 +18,9 @@ set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference train fallback forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): tests and fallback as measured on a cold H200 (docs/benchmarks.md), train
-# from its 224 px half there plus the fallback's 896 px step, the others estimates until the durations
-# printed after each part replace them
+# compiles each model once): tests, equivalence and fallback as measured on a cold H200
+# (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, the others
+# estimates until the durations printed after each part replace them
 declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [forms]=6 [compile]=8
                     [compile_natural]=7)
 out="" bundle="" commit="" dry="" parts=()
