@@ -8,7 +8,7 @@
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback | forms | compile | compile_natural
+#   tests inference | equivalence train fallback | forms | compile compile_natural
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -19,10 +19,11 @@ usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.
 all_parts="tests equivalence inference train fallback forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, equivalence and fallback as measured on a cold H200
-# (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, the others
-# estimates until the durations printed after each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [forms]=6 [compile]=8
-                    [compile_natural]=7)
+# (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, compile from
+# two models compiled and timed there in 77 s, the others estimates until the durations printed after
+# each part replace them
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [forms]=6 [compile]=4
+                    [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
     case $1 in

@@ -98,7 +98,7 @@ def test_parts_run_alone_in_the_order_given():
     whole = gpu_check("--dry-run").stdout.splitlines()
     assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) - 1 for part in PARTS) == len(whole) - 1
     compile_then_tests = gpu_check("--dry-run", "compile", "tests").stdout.splitlines()
-    assert compile_then_tests[0] == "# part compile: about 8 min on a cold H100"
+    assert compile_then_tests[0] == "# part compile: about 4 min on a cold H100"
     assert "--compile" in compile_then_tests[1] and "pytest" in compile_then_tests[3]
     assert "gpu_targets.py" in compile_then_tests[4]
 
