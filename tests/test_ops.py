@@ -1,6 +1,8 @@
 """Every form of the op against the plain float64 oracle in tests/naive.py."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -187,6 +189,24 @@ def test_autocast_bf16_close_to_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = lion_attention(q, k, v, torch.log(lam).float(), form=form, chunk_size=chunk)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 3e-2
+
+
+@pytest.mark.parametrize("decay", [None, -1e-5])
+def test_float16_autocast_of_long_sequences_stays_finite(decay):
+    """Under float16 autocast the forms' sums come out in float16; without a decay (or with one near 1) the
+    normaliser grows like L, here past 65,504 (asserted). The power-of-two scale on q keeps every form's
+    numerator and normaliser finite, and the output as close as float16 allows (docs/design.md, "float16")."""
+    length, generator = 1024, torch.Generator().manual_seed(0)
+    q = torch.rand(1, 1, length, 16, generator=generator) * 16 + 8
+    k = torch.nn.functional.normalize(torch.rand(1, 1, length, 16, generator=generator) + 0.2, dim=-1)
+    v = torch.randn(1, 1, length, 16, generator=generator) + 2
+    assert float((q * k.sum(2, keepdim=True)).sum(-1).max()) > torch.finfo(torch.float16).max
+    log_decay = None if decay is None else torch.full((1, 1, 1), decay)
+    reference = naive_lion(q, k, v, None if decay is None else torch.full((1, 1, 1), math.exp(decay)))
+    for form, chunk in [("attention", None), ("rnn", None), ("chunk", 64)]:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = lion_attention(q, k, v, log_decay, form=form, chunk_size=chunk)
+        assert torch.isfinite(out).all() and rel_err(out, reference) < 3e-3, form
 
 
 @pytest.mark.parametrize("form,chunk", [("softmax", None), ("chunk", 0), ("chunk", -3), ("chunk", 2.5)])

@@ -29,7 +29,7 @@ from . import cpu as cpu_backend
 from . import triton as triton_backend
 from .attention import attention_form
 from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
-from .features import mapped
+from .features import mapped, query_scale
 from .recurrent import recurrent_form
 
 FORM_NAMES = ("attention", "rnn", "chunk")
@@ -183,9 +183,10 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
 def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
              chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
     """Y of a form that returns numerator and normaliser: q, k mapped first (feature_map: a FEATURE_MAPS
-    name, or None for features), the division in the dtype the form returns (float32 for its sums of
-    16-bit inputs), then cast to v's."""
-    numerator, normaliser = form(*mapped(q, k, feature_map), v, log_decays, orders, chunk_size=chunk_size)
+    name, or None for features) and q scaled by query_scale (float16 under autocast stays finite), the
+    division in the dtype the form returns, then cast to v's."""
+    q, k = mapped(q, k, feature_map)
+    numerator, normaliser = form(q * query_scale(q.shape[-2]), k, v, log_decays, orders, chunk_size=chunk_size)
     return (numerator / normaliser).to(v.dtype)
 
 

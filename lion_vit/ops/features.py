@@ -2,6 +2,7 @@
 normaliser q_i^T sum_j M_ij k_j > 0)."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -43,6 +44,13 @@ def get_feature_map(name: str) -> Tuple[FeatureMap, FeatureMap]:
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
     return FEATURE_MAPS[name]
+
+
+def query_scale(length: int) -> float:
+    """2^-round(log2(L) / 2), about 1 / sqrt(L): the factor on q that keeps the numerator and normaliser of
+    L tokens within float16's range. A power of two, so exact, and cancelled by the division
+    (docs/design.md, "float16")."""
+    return 2.0 ** -round(math.log2(length) / 2)
 
 
 def mapped(q: Tensor, k: Tensor, feature_map: Optional[str]) -> Tuple[Tensor, Tensor]:

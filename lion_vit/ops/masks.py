@@ -20,7 +20,7 @@ FLOAT64_CUMSUM_ABOVE = 512
 
 
 def mask_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Masks and normalisers stay in float32 (or float64) even for half-precision inputs."""
+    """Masks stay in float32 (or float64) even for half-precision inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

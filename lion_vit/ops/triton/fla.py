@@ -22,7 +22,6 @@ the division, and it keeps float16 normalisers of long sequences finite (docs/de
 from __future__ import annotations
 
 import importlib.util
-import math
 import re
 import weakref
 from functools import lru_cache
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..features import mapped
+from ..features import mapped, query_scale
 
 if TYPE_CHECKING:  # (operands.py imports Triton: only once a call runs the kernels)
     from .operands import Layout
@@ -141,11 +140,6 @@ def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int
     return gates.reshape(batch * scans * 2, length, heads).contiguous(), folds
 
 
-def _scale(length: int) -> float:
-    """2^-round(log2(L) / 2): about 1 / sqrt(L), a power of two."""
-    return 2.0 ** -round(math.log2(length) / 2)
-
-
 class _FirstOrderOnly(torch.autograd.Function):
     """The identity, whose backward refuses to be differentiated: FLA's hand-written backwards have no
     double backward, and without this a second-order gradient fails deep inside autograd or comes
@@ -194,7 +188,7 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
     gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
     q2, k2, v2 = Operands.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), folds, indices.layout,
                                 feature_map, dtype)
-    scale = _scale(length)
+    scale = query_scale(length)
     out, _ = kernel(q2, k2, v2, g=gates, scale=scale)
     y = Finish.apply(out, Normaliser.apply(q2, k2, gates, scale), indices.layout, batch, value_dim, v.dtype)
     return _FirstOrderOnly.apply(y).transpose(1, 2)
