@@ -253,6 +253,22 @@ def test_the_normaliser_scan_matches_its_recurrence(decay, monkeypatch):
            value_shape=(sequences, length, heads))
 
 
+@pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the sweep times every combination: run the script")
+def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsys):
+    """scripts/benchmark_normaliser.py (the GPU sweep of the scan's launch settings) under the interpreter: chunks
+    of 16 tokens (three over 37 tokens) with carries read two at a time give the normalisers and gradients of
+    the code's settings, which it leaves as they were."""
+    import runpy
+    from lion_vit.ops.triton import normaliser
+    before = (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE)
+    main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_normaliser.py"))["main"]
+    assert main(["--img-size", "96", "--batch-sizes", "1", "--tokens", "16", "--warps", "4", "--carry", "2"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
+    assert [[cell.strip() for cell in row[:4]] for row in rows] == [["1", "64", "4", "16"], ["1", "16", "4", "2"]]
+    assert all(float(row[-1]) < 1e-4 for row in rows)
+    assert (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE) == before
+
+
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):

@@ -5,10 +5,10 @@ a decayed running sum of the keys, a vector per token, not a matrix. FLA's kerne
 column of ones beside v, but at head width 64 that column needs a second value tile in their state and
 recurrent kernels, which re-read k for one useful column.
 
-Here the sequence is cut into chunks of 64 tokens, and every chunk is a program of its own, so that even
+Here the sequence is cut into chunks of CHUNK_TOKENS, and every chunk is a program of its own, so that even
 one image fills the GPU: one launch sums each chunk's keys, decayed to its end; a second one gives every
-chunk its carry (the decayed sum of the chunk sums before it, read 16 at a time), adds the chunk's own
-decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in float32.
+chunk its carry (the decayed sum of the chunk sums before it, read CARRY_TILE at a time), adds the chunk's
+own decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in float32.
 
 Backward (dn the normaliser's gradient):  dq_p = scale dn_p s_p;  dk_j = r_j with r_j = exp(g_{j+1}) r_{j+1}
 + scale dn_j q_j, the same scan in reverse;  dG_j = dn_j n_j - k_j . r_j for the cumulative gate G, so dg is
@@ -23,8 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_TOKENS = 64  # tokens per chunk
-CARRY_TILE = 16  # chunk sums read at a time for a carry (a tuning hook)
+# launch settings, tuning hooks (scripts/benchmark_normaliser.py sweeps them on a GPU)
+CHUNK_TOKENS = 64  # tokens per chunk and program: a power of two, at least 16 (tl.dot)
+CARRY_TILE = 16  # chunk sums read at a time for a carry
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -119,15 +121,15 @@ class _Chunks(NamedTuple):
 def _launch(kernel, x: Tensor, gates: Optional[Tensor], *args, x_factor: Optional[Tensor] = None,
             reverse: bool = False, **flags) -> None:
     sequences, length, heads, width = x.shape
-    kernel[(triton.cdiv(length, _TOKENS), sequences * heads)](
-        x, x_factor, gates, *args, length, heads, width, triton.cdiv(length, _TOKENS),
+    kernel[(triton.cdiv(length, CHUNK_TOKENS), sequences * heads)](
+        x, x_factor, gates, *args, length, heads, width, triton.cdiv(length, CHUNK_TOKENS),
         HAS_X_FACTOR=x_factor is not None, HAS_GATES=gates is not None, REVERSE=reverse, **flags,
-        BLOCK_T=_TOKENS, BLOCK_K=max(16, triton.next_power_of_2(width)))
+        BLOCK_T=CHUNK_TOKENS, BLOCK_K=max(16, triton.next_power_of_2(width)), num_warps=NUM_WARPS)
 
 
 def _chunk_sums(x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:
     sequences, length, heads, width = x.shape
-    sums = x.new_empty(sequences, heads, triton.cdiv(length, _TOKENS), width, dtype=torch.float32)
+    sums = x.new_empty(sequences, heads, triton.cdiv(length, CHUNK_TOKENS), width, dtype=torch.float32)
     log_decays = None if gates is None else sums.new_empty(sums.shape[:-1])
     _launch(_sums_kernel, x, gates, sums, log_decays, **options)
     return _Chunks(sums, log_decays)
