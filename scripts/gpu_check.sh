@@ -4,11 +4,11 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference train fallback forms compile compile_natural (all by default, in
+# PART: tests equivalence inference train fallback normaliser forms compile compile_natural (all by default, in
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback | forms | compile compile_natural
+#   tests inference | equivalence train fallback normaliser | forms | compile compile_natural
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -16,14 +16,14 @@
 # commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference train fallback forms compile compile_natural"
+all_parts="tests equivalence inference train fallback normaliser forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, equivalence and fallback as measured on a cold H200
 # (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, compile from
 # two models compiled and timed there in 77 s, the others estimates until the durations printed after
 # each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [forms]=6 [compile]=4
-                    [compile_natural]=4)
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [normaliser]=2 [forms]=6
+                    [compile]=4 [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
     case $1 in
@@ -112,6 +112,8 @@ for part in "${parts[@]}"; do
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"
             run fallback_rnn "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
                 --models $deit lion_d_small:rnn lion_d_natural_small:rnn --out "$out/fallback_rnn" ;;
+        normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16
+            run normaliser python3 scripts/benchmark_normaliser.py ;;
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
             for size in 384 512 640 896; do
                 run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \
