@@ -31,18 +31,17 @@ from lion_vit.ops.features import query_scale
 SETTINGS = ("CHUNK_TOKENS", "NUM_WARPS", "CARRY_TILE")
 
 
-def chunk_tokens(text: str) -> int:
-    value = positive_int(text)
-    if value < 16 or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"{text} tokens per chunk: use a power of two, at least 16")
-    return value
-
-
 def power_of_two(text: str) -> int:
     value = positive_int(text)
     if value & (value - 1):
         raise argparse.ArgumentTypeError(f"{text}: use a power of two")
     return value
+
+
+def chunk_tokens(text: str) -> int:
+    if power_of_two(text) < 16:
+        raise argparse.ArgumentTypeError(f"{text} tokens per chunk: use a power of two, at least 16")
+    return int(text)
 
 
 def main(argv=None) -> int:
@@ -85,15 +84,16 @@ def main(argv=None) -> int:
         def forward():
             return normaliser.Normaliser.apply(*leaves, query_scale(length))
 
-        def train():
-            return torch.autograd.grad(forward(), leaves, grad)
+        def train(out=None):
+            return torch.autograd.grad(forward() if out is None else out, leaves, grad)
 
-        expected = None
+        expected, first = None, len(rows)
         for combination in combinations:
             for name, value in zip(SETTINGS, combination):
                 setattr(normaliser, name, value)
             try:
-                results = [forward().detach(), *train()]
+                out = forward()
+                results = [out.detach(), *train(out)]
                 if expected is None:
                     expected = results
                 diff = max(float((got.float() - want.float()).norm() / want.float().norm())
@@ -104,10 +104,10 @@ def main(argv=None) -> int:
                     setattr(normaliser, name, value)
             rows.append(dict(batch=batch, tokens=combination[0], warps=combination[1], carry=combination[2],
                              forward_us=forward_us, train_us=train_us, diff=f"{diff:.1e}"))
-        base = next(row for row in rows if row["batch"] == batch)
-        for row in rows[rows.index(base):] if not interpreted else []:
-            row["forward_x"] = row["forward_us"] / base["forward_us"]
-            row["train_x"] = row["train_us"] / base["train_us"]
+        if not interpreted:  # ratios to this batch's first row, the code's settings
+            for row in rows[first:]:
+                row["forward_x"] = row["forward_us"] / rows[first]["forward_us"]
+                row["train_x"] = row["train_us"] / rows[first]["train_us"]
     print(f"{args.img_size} px ({length} tokens), {heads} heads of {width}, {dtype}, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreted: no times'}\n")
     print(markdown_table(rows, ["batch", "tokens", "warps", "carry", "forward_us", "forward_x", "train_us", "train_x",
