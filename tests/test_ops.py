@@ -199,16 +199,23 @@ def test_autocast_bf16_close_to_fp32():
         assert torch.isfinite(out).all() and rel_err(out, ref) < 3e-2
 
 
+def float16_overflowing_inputs(length: int):
+    """q, k, v [1, 1, L, 16] whose normaliser without a decay passes float16's 65,504 (asserted): large
+    positive queries, unit keys."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.rand(1, 1, length, 16, generator=generator) * 16 + 8
+    k = torch.nn.functional.normalize(torch.rand(1, 1, length, 16, generator=generator) + 0.2, dim=-1)
+    v = torch.randn(1, 1, length, 16, generator=generator) + 2
+    assert float((q * k.sum(2, keepdim=True)).sum(-1).max()) > torch.finfo(torch.float16).max
+    return q, k, v
+
+
 @pytest.mark.parametrize("decay", [None, -1e-5])
 def test_float16_autocast_of_long_sequences_stays_finite(decay):
     """Under float16 autocast the forms' sums come out in float16; without a decay (or with one near 1) the
     normaliser grows like L, here past 65,504 (asserted). The power-of-two scale on q keeps every form's
     numerator and normaliser finite, and the output as close as float16 allows (docs/design.md, "float16")."""
-    length, generator = 1024, torch.Generator().manual_seed(0)
-    q = torch.rand(1, 1, length, 16, generator=generator) * 16 + 8
-    k = torch.nn.functional.normalize(torch.rand(1, 1, length, 16, generator=generator) + 0.2, dim=-1)
-    v = torch.randn(1, 1, length, 16, generator=generator) + 2
-    assert float((q * k.sum(2, keepdim=True)).sum(-1).max()) > torch.finfo(torch.float16).max
+    q, k, v = float16_overflowing_inputs(1024)
     log_decay = None if decay is None else torch.full((1, 1, 1), decay)
     reference = naive_lion(q, k, v, None if decay is None else torch.full((1, 1, 1), math.exp(decay)))
     for form, chunk in [("attention", None), ("rnn", None), ("chunk", 64)]:
