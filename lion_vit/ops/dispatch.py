@@ -186,7 +186,8 @@ def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[T
     name, or None for features) and q scaled by query_scale (float16 under autocast stays finite), the
     division in the dtype the form returns, then cast to v's."""
     q, k = mapped(q, k, feature_map)
-    numerator, normaliser = form(q * query_scale(q.shape[-2]), k, v, log_decays, orders, chunk_size=chunk_size)
+    q = q * query_scale(q.shape[-2])  # rebound: the unscaled features are not kept while the form runs
+    numerator, normaliser = form(q, k, v, log_decays, orders, chunk_size=chunk_size)
     return (numerator / normaliser).to(v.dtype)
 
 
