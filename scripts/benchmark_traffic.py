@@ -4,10 +4,11 @@
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py                 # chunk and rnn, 256 tokens
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 1024 --dtype float16
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 576 --scans 2 --inference
+    TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --inference --batch 16 --heads 1
 
 One attention module of a one-block lion_d (qkv projection, LION op, output projection; --scans 2: of
 lion_d_natural, on a square grid) runs a training-mode forward (--inference: an evaluation forward
-without autograd) on the triton backend under Triton's interpreter. Byte counts, as multiples of
+without autograd, whose batch runs in groups of images: --batch) on the triton backend under Triton's interpreter. Byte counts, as multiples of
 |q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
@@ -107,7 +108,7 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
                     dtype: torch.dtype = torch.float32, decay: str = "fixed", scans: int = 1,
-                    training: bool = True) -> Dict[str, float]:
+                    training: bool = True, batch: int = 1) -> Dict[str, float]:
     """written, saved and peak bytes of one forward of a LION attention module on the triton backend, as
     multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens (the grid the snakes read)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -124,7 +125,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
         if side * side != tokens:
             raise ValueError(f"--scans 2 reads a square grid: --tokens {tokens} is not a square (e.g. 576)")
         layer.grid_size = (side, side)
-    x = torch.randn(1, tokens, dim, dtype=dtype, requires_grad=training)
+    x = torch.randn(batch, tokens, dim, dtype=dtype, requires_grad=training)
     qkv_bytes = 3 * x.numel() * x.element_size()
     parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved = {}
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", choices=["chunk", "rnn"], default=["chunk", "rnn"])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=1, help="images (with --inference: run in groups)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--decay", choices=["fixed", "selective"], default="fixed")
     parser.add_argument("--scans", type=int, choices=[1, 2], default=1, help="2: lion_d_natural's two snakes")
@@ -165,12 +167,12 @@ def main() -> None:
     if args.scans == 2 and math.isqrt(args.tokens) ** 2 != args.tokens:
         parser.error(f"--scans 2 reads a square grid: --tokens {args.tokens} is not a square (e.g. 576)")
     mode = "inference" if args.inference else "training"
-    print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) |   ({args.tokens} tokens, {args.heads} "
-          f"heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, {args.dtype}, {mode})")
+    print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) |   ({args.batch} x {args.tokens} tokens, "
+          f"{args.heads} heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, {args.dtype}, {mode})")
     print("|---|---|---|---|")
     for form in args.forms:
         result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay,
-                                 args.scans, training=not args.inference)
+                                 args.scans, training=not args.inference, batch=args.batch)
         print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} |")
         if args.by_operator:
             print("   " + ", ".join(f"{name} {size:.2f}" for name, size in result["by operator"].items() if size >= 0.01))

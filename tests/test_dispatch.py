@@ -55,7 +55,7 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
     monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_TOKENS", thresholds)
     for (training, scans), long in thresholds.items():
         assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training) == \
-            dispatch.Plan("chunk", "triton", chunks=-(-long // 64)), (training, scans)
+            dispatch.Plan("chunk", "triton", chunks=-(-long // 64), grouped=not training), (training, scans)
         assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
             "attention", (training, scans)
     assert plan("auto", None, 1024, 64, 64, device=CPU).form == "attention"
@@ -67,7 +67,8 @@ def test_chunk_form_runs_one_product_where_cheaper(kernels):
     assert plan("chunk", 64, 196, 64, 64, num_scans=2).whole  # natural models at 224 px
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole
     assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13)
-    assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=13)
+    assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == \
+        dispatch.Plan("chunk", "triton", chunks=13, grouped=True)
 
 
 def test_triton_without_kernels_is_an_error_and_auto_warns_once_on_cuda(kernels):
@@ -110,6 +111,8 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     assert all(attn.attn_backend == "auto" for attn in model.lion_attentions())
     model.set_attn_form("rnn")  # backend None: kept
     assert str(model.attn_plan((896, 896), device=CUDA)) == "rnn form, triton backend: fused recurrent kernels"
+    assert str(model.eval().attn_plan((896, 896), device=CUDA)) == \
+        "rnn form, triton backend: fused recurrent kernels, in groups of images"
 
 
 @pytest.mark.parametrize("name, inference", [("lion_s_tiny", "cpu"), ("lion_d_natural_tiny", "torch")])
@@ -149,7 +152,7 @@ def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monk
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
     monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
     expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49), "rnn": dispatch.Plan("rnn", "triton")}[fallback]
-    assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49)
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49, grouped=True)
     said = {"torch": "portable chunk form", "rnn": "fused recurrent kernels"}[fallback]
     with pytest.warns(UserWarning, match=f"Triton 3.4.0 to 3.7.0.*{said}.*3.7.1 or later"):
         assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == expected

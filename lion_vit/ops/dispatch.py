@@ -13,7 +13,9 @@ exact way to get it:
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
-- the triton backend reads q, k, v token-major (Plan.tokens_major), the torch forms head-major.
+- the triton backend reads q, k, v token-major (Plan.tokens_major), the torch forms head-major;
+- inference on the triton backend runs the batch in groups of images (Plan.grouped), so that the kernels'
+  buffers stay a share of the batch's activations (lion_vit.ops.triton.fla.GROUP_SHARE).
 """
 from __future__ import annotations
 
@@ -59,13 +61,15 @@ class Plan:
 
     form: the form that runs (attention | rnn | chunk); backend: torch | cpu | triton; whole: the chunk form
     runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
-    the chunk form).
+    the chunk form); grouped: the triton backend runs the batch in groups of images (inference, where
+    autograd keeps nothing and the kernels' buffers are what a call holds).
     """
 
     form: str
     backend: str
     whole: bool = False
     chunks: int = 1
+    grouped: bool = False
 
     @property
     def tokens_major(self) -> bool:
@@ -81,7 +85,7 @@ class Plan:
                 {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
-        return f"{self.form} form, {self.backend} backend: {what}"
+        return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "")
 
 
 def check_form(form: str, chunk_size: Optional[int] = None) -> None:
@@ -143,8 +147,9 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
             length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
     if form == "attention":
         return Plan("attention", "torch", whole=True)
+    grouped = backend == "triton" and not training
     if form == "rnn":
-        return Plan("rnn", backend)
+        return Plan("rnn", backend, grouped=grouped)
     if backend == "triton":
         chunk_size = TRITON_CHUNK
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
@@ -163,7 +168,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     if auto_backend and backend == "torch" and device.type == "cpu" and not training and \
             not torch.compiler.is_compiling():
         backend = "cpu"
-    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size))
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), grouped=grouped)
 
 
 Form = Callable[..., Tuple[Tensor, Tensor]]
@@ -175,7 +180,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     """The function that computes a plan, (q, k, v, log_decays, orders, chunk_size=, feature_map=) -> Y: the
     triton backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser."""
     if run.backend == "triton":
-        return {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+        kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+        return partial(kernels, grouped=True) if run.grouped else kernels
     return partial(_divided, cpu_backend.chunk_form if run.backend == "cpu" else
                    TORCH_FORMS["attention" if run.whole else run.form])
 

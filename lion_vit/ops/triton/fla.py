@@ -157,27 +157,35 @@ class _FirstOrderOnly(torch.autograd.Function):
         return grad
 
 
+# Inference (dispatch.Plan.grouped) runs the batch in groups of images whose kernel buffers (the stacked
+# operands, FLA's outputs and chunk states) take at most this share of the batch's |q| + |k| + |v|: at 4/3 a
+# layer's attention holds no more than a ViT MLP's hidden activations, 8 dim per token against the
+# projection's 3 dim (docs/benchmarks.md, "Peak"). A tuning hook: tests set 0, one image per group.
+GROUP_SHARE = 4 / 3
+
+
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-               chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+               chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False) -> Tensor:
     """Y [B, H, L, Dv] by FLA's chunked kernels (`chunk_simple_gla`), every scan and direction in one call.
     chunk_size is the torch backend's; the kernels use their own tile of 64 tokens. q, k, v: [B, H, L, D]
     (any strides; token-major reads best); log_decays: None or [S, B|1, H|1, L|1] in token order; orders:
-    [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features)."""
-    return _run(_kernels()[0], q, k, v, log_decays, orders, feature_map)
+    [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features);
+    grouped: one call per group of images (GROUP_SHARE), for inference: no autograd."""
+    return _run(_kernels()[0], q, k, v, log_decays, orders, feature_map, grouped, states=True)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-                   chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+                   chunk_size: Optional[int] = None, feature_map: Optional[str] = None,
+                   grouped: bool = False) -> Tensor:
     """Y by FLA's fused recurrent kernel: every scan and direction in one launch, O(L d) memory. Arguments
     as chunk_form's."""
-    return _run(_kernels()[1], q, k, v, log_decays, orders, feature_map)
+    return _run(_kernels()[1], q, k, v, log_decays, orders, feature_map, grouped, states=False)
 
 
 @torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-         orders: Optional[Tensor], feature_map: Optional[str]) -> Tensor:
-    from .normaliser import Normaliser
-    from .operands import FUSED_MAPS, Finish, Operands
+         orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, states: bool) -> Tensor:
+    from .operands import FUSED_MAPS
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
         raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
@@ -185,10 +193,48 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
         (q, k), feature_map = mapped(q, k, feature_map), None
     batch, heads, length, value_dim = v.shape
     indices = _scan_indices(orders, length, q.device)
+    if not grouped:
+        y = _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
+        return y.transpose(1, 2)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_decays)):
+        raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
+    y = v.new_empty(batch, length, heads, value_dim)
+    groups = -(-batch // _images_per_group(batch, q.shape[-1], value_dim, len(indices.layout.kv) // length, dtype,
+                                           states))
+    for group in range(groups):  # (sizes within one image of each other)
+        part = slice(batch * group // groups, batch * (group + 1) // groups)
+        decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
+        _on_kernels(kernel, q[part], k[part], v[part], decays, indices, feature_map, dtype, into=y[part])
+    return y.transpose(1, 2)
+
+
+def _images_per_group(batch: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
+                      states: bool) -> int:
+    """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
+    the chunk kernels' outputs and states of a 64-token tile, or the recurrent kernel's float32 outputs and
+    their cast), within GROUP_SHARE of the batch's q, k, v."""
+    itemsize = torch.finfo(dtype).bits // 8
+    key_width, value_width = key_dim + key_dim % 2, value_dim + value_dim % 2
+    kernels = (value_width + key_width * value_width // 64) * itemsize if states else value_width * (4 + itemsize)
+    per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
+    return max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
+
+
+def _on_kernels(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
+                log_decays: Optional[Tensor], indices: _Indices, feature_map: Optional[str], dtype: torch.dtype,
+                into: Optional[Tensor] = None) -> Tensor:
+    """Y [B, L, H, Dv] of one call of the kernels on every scan and direction (or, without autograd, written
+    into `into`, a slice of a batch's Y)."""
+    from .normaliser import Normaliser
+    from .operands import Finish, Operands, finish
+    batch, heads, length, value_dim = v.shape
     gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
     q2, k2, v2 = Operands.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), folds, indices.layout,
                                 feature_map, dtype)
     scale = query_scale(length)
     out, _ = kernel(q2, k2, v2, g=gates, scale=scale)
-    y = Finish.apply(out, Normaliser.apply(q2, k2, gates, scale), indices.layout, batch, value_dim, v.dtype)
-    return _FirstOrderOnly.apply(y).transpose(1, 2)
+    normalisers = Normaliser.apply(q2, k2, gates, scale)
+    if into is None:
+        return Finish.apply(out, normalisers, indices.layout, batch, value_dim, v.dtype)
+    finish(out, normalisers, indices.layout, into)
+    return into

@@ -4,7 +4,8 @@
 and writes the stacked [B * 2S, L, H, W] operands: q and k gathered into every scan's forward and
 mirrored order, each mirrored query scaled by its token's fold (lam of the next token in scan
 order, 0 for the last), and v. `finish` sums every token's 2S outputs and their normalisers
-(normaliser.py) and divides the one by the other, writing Y in the kernels' dtype.
+(normaliser.py) and divides the one by the other, writing Y in the kernels' dtype (or, in inference,
+into a slice of a whole batch's Y: `finish`).
 
 Both are autograd Functions: the backward of `operands` gathers the operand gradients back to the
 tokens and differentiates the feature maps by recomputing them (lion_vit.ops.features), so only
@@ -165,6 +166,18 @@ class Operands(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_folds, None, None, None
 
 
+def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor) -> Tensor:
+    """Writes Y into y [B, L, H, Dv] (any strides but the last; its dtype) from the kernels' outputs
+    [B * 2S, L, H, W] and normalisers [B * 2S, L, H]; returns every token's normaliser [B, L, H] float32."""
+    sequences, length = layout.q_positions.shape
+    batch, _, heads, value_dim = y.shape
+    normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
+    _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+        out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, out.shape[3], sequences,
+        y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim))
+    return normaliser
+
+
 class Finish(torch.autograd.Function):
     """The kernels' outputs [B * 2S, L, H, W] and normalisers [B * 2S, L, H] (float32, normaliser.py) ->
     Y [B, L, H, Dv] in dtype: every token's outputs and normalisers summed, the one divided by the other."""
@@ -172,15 +185,10 @@ class Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, normalisers: Tensor, layout: Layout, batch: int, value_dim: int,
                 dtype: torch.dtype) -> Tensor:
-        sequences, length = layout.q_positions.shape
-        heads, width = out.shape[2], out.shape[3]
-        y = out.new_empty(batch, length, heads, value_dim, dtype=dtype)
-        normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
-        _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
-            out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, width, sequences,
-            y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim))
+        y = out.new_empty(batch, layout.q_positions.shape[1], out.shape[2], value_dim, dtype=dtype)
+        normaliser = finish(out, normalisers, layout, y)
         ctx.save_for_backward(y, normaliser)
-        ctx.layout, ctx.width, ctx.out_dtype = layout, width, out.dtype
+        ctx.layout, ctx.width, ctx.out_dtype = layout, out.shape[3], out.dtype
         return y
 
     @staticmethod
