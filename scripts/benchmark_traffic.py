@@ -8,8 +8,8 @@
 
 One attention module of a one-block lion_d (qkv projection, LION op, output projection; --scans 2: of
 lion_d_natural, on a square grid) runs a training-mode forward (--inference: an evaluation forward
-without autograd, whose batch runs in groups of images: --batch) on the triton backend under Triton's interpreter. Byte counts, as multiples of
-|q| + |k| + |v| (the bytes of the three projections' outputs):
+without autograd, whose batch runs in groups of images: --batch) on the triton backend under Triton's
+interpreter. Byte counts, as multiples of |q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
 - saved: the tensors autograd keeps for backward (each storage once, parameters excluded);
@@ -137,7 +137,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
         return t
 
     with torch.set_grad_enabled(training):
-        layer(x)  # a first call builds what the path keeps between calls (its index tensors): count a later one
+        layer(x[:1])  # a first call builds what the path keeps between calls (its index tensors): count a later one
         written = _Written()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _not_inside_launches(written), written:
             y = layer(x)
