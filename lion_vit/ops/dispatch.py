@@ -197,6 +197,11 @@ def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[T
     return (numerator / normaliser).to(v.dtype)
 
 
+def records_autograd(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd records a call on these tensors (None entries ignored): plan's `training`."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def exporting() -> bool:
     """Whether torch.export is tracing: its programs are torch ops, which the GPU kernels are not. The flag
     behind torch.compiler.is_exporting is read directly: Dynamo before torch 2.13 traces that function as

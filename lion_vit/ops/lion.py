@@ -67,8 +67,7 @@ def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], o
     return dispatch.plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1],
                          num_scans=1 if orders is None else len(orders), decayed=log_decays is not None,
                          device=q.device, dtype=q.dtype, backend=backend,
-                         training=torch.is_grad_enabled() and any(
-                             t is not None and t.requires_grad for t in (q, k, v, log_decays)))
+                         training=dispatch.records_autograd(q, k, v, log_decays))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],

@@ -196,7 +196,8 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
     if not grouped:
         y = _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
         return y.transpose(1, 2)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_decays)):
+    from ..dispatch import records_autograd
+    if records_autograd(q, k, v, log_decays):
         raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
     y = v.new_empty(batch, length, heads, value_dim)
     groups = -(-batch // _images_per_group(batch, q.shape[-1], value_dim, len(indices.layout.kv) // length, dtype,
@@ -211,11 +212,14 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
 def _images_per_group(batch: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
                       states: bool) -> int:
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
-    the chunk kernels' outputs and states of a 64-token tile, or the recurrent kernel's float32 outputs and
-    their cast), within GROUP_SHARE of the batch's q, k, v."""
+    the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
+    float32 outputs and their cast), within GROUP_SHARE of the batch's q, k, v."""
+    from ..dispatch import TRITON_CHUNK
+    from .operands import even
     itemsize = torch.finfo(dtype).bits // 8
-    key_width, value_width = key_dim + key_dim % 2, value_dim + value_dim % 2
-    kernels = (value_width + key_width * value_width // 64) * itemsize if states else value_width * (4 + itemsize)
+    key_width, value_width = even(key_dim), even(value_dim)
+    kernels = ((value_width + key_width * value_width // TRITON_CHUNK) * itemsize if states
+               else value_width * (4 + itemsize))
     per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
     return max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
 

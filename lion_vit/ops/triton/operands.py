@@ -107,6 +107,12 @@ def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, sy
     tl.store(den + (b * L + t.to(tl.int64)) * H + h, normaliser, mask=rows)
 
 
+def even(width: int) -> int:
+    """The operands' width for a head width: even, since FLA refuses odd widths in 16-bit backward passes
+    (fla/ops/common/chunk_o.py); the extra column is zero."""
+    return width + width % 2
+
+
 def _block(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
@@ -124,8 +130,7 @@ class Operands(torch.autograd.Function):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows)
         batch, length, heads, key_dim = q.shape
         value_dim, sequences = v.shape[-1], len(layout.kv) // length
-        # even widths: FLA refuses odd ones in 16-bit backward passes (fla/ops/common/chunk_o.py)
-        key_width, value_width = key_dim + key_dim % 2, value_dim + value_dim % 2
+        key_width, value_width = even(key_dim), even(value_dim)
         q2 = q.new_empty(batch * sequences, length, heads, key_width, dtype=dtype)
         k2 = torch.empty_like(q2)
         v2 = q.new_empty(batch * sequences, length, heads, value_width, dtype=dtype)
