@@ -1,20 +1,26 @@
 #!/usr/bin/env python
-"""A CPU proxy for a LION layer's GPU memory traffic on the triton path (docs/benchmarks.md, "Traffic").
+"""A CPU proxy for a LION layer's GPU memory traffic (docs/benchmarks.md, "Traffic").
 
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py                 # chunk and rnn, 256 tokens
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 1024 --dtype float16
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 576 --scans 2 --inference
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --inference --batch 16 --heads 1
+    python scripts/benchmark_traffic.py --backend torch --forms deit attention --tokens 197 --batch 8 \
+        --dtype bfloat16 --autocast                                          # GPU training at 224 px
 
 One attention module of a one-block lion_d (qkv projection, LION op, output projection; --scans 2: of
 lion_d_natural, on a square grid) runs a training-mode forward (--inference: an evaluation forward
-without autograd, whose batch runs in groups of images: --batch) on the triton backend under Triton's
-interpreter. Byte counts, as multiples of |q| + |k| + |v| (the bytes of the three projections' outputs):
+without autograd, whose batch runs in groups of images on the triton backend: --batch) on the triton
+backend under Triton's interpreter, or on the portable torch forms (--backend torch). Form "deit" is
+timm's softmax Attention (SDPA) of the same width, the baseline. --autocast keeps the weights in float32
+and runs under CPU autocast to --dtype, as training on a GPU does. Byte counts, as multiples of
+|q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
 - saved: the tensors autograd keeps for backward (each storage once, parameters excluded);
 - peak: the most bytes of the tensors those operators allocated that are alive at once (the call's
-  share of peak memory).
+  share of peak memory);
+- backward (training): what the backward's operators write, parameter gradients included.
 Counted on the module's second call, as in every step after the first.
 On a GPU the kernels' own reads and writes add to these; what this counts is everything around them.
 """
@@ -36,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from timm.layers import Attention
 
 from lion_vit.layers import LionAttention
 
@@ -108,25 +116,32 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
                     dtype: torch.dtype = torch.float32, decay: str = "fixed", scans: int = 1,
-                    training: bool = True, batch: int = 1) -> Dict[str, float]:
-    """written, saved and peak bytes of one forward of a LION attention module on the triton backend, as
-    multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens (the grid the snakes read)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import interpret  # the interpreter's two adaptations (tests/interpret.py)
-    interpret.adapt_interpreter()
+                    training: bool = True, batch: int = 1, backend: str = "triton",
+                    autocast: bool = False) -> Dict[str, float]:
+    """written, saved, peak and backward bytes of one forward (and backward) of a LION attention module
+    (form "deit": timm's Attention) as multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens
+    (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype."""
+    if backend == "triton":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import interpret  # the interpreter's two adaptations (tests/interpret.py)
+        interpret.adapt_interpreter()
 
     torch.manual_seed(0)
     dim = heads * head_dim
-    layer = LionAttention(dim, heads, qkv_bias=True, decay=decay, num_scans=scans, attn_form=form,
-                          attn_backend="triton").to(dtype)
-    layer.train(training)
+    if form == "deit":
+        layer = Attention(dim, heads, qkv_bias=True)
+    else:
+        layer = LionAttention(dim, heads, qkv_bias=True, decay=decay, num_scans=scans, attn_form=form,
+                              attn_backend=backend)
+    weights = torch.float32 if autocast else dtype
+    layer.to(weights).train(training)
     if scans == 2:
         side = math.isqrt(tokens)
         if side * side != tokens:
             raise ValueError(f"--scans 2 reads a square grid: --tokens {tokens} is not a square (e.g. 576)")
         layer.grid_size = (side, side)
-    x = torch.randn(batch, tokens, dim, dtype=dtype, requires_grad=training)
-    qkv_bytes = 3 * x.numel() * x.element_size()
+    x = torch.randn(batch, tokens, dim, dtype=weights, requires_grad=training)
+    qkv_bytes = 3 * x.numel() * dtype.itemsize
     parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved = {}
 
@@ -136,23 +151,32 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.set_grad_enabled(training):
+    precision = torch.autocast("cpu", dtype=dtype, enabled=autocast)
+    with torch.set_grad_enabled(training), precision:
         layer(x[:1])  # a first call builds what the path keeps between calls (its index tensors): count a later one
         written = _Written()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _not_inside_launches(written), written:
             y = layer(x)
-    if training:
-        y.float().sum().backward()  # the backward runs (and the saved tensors were enough)
+    backward = _Written()
+    if training:  # the backward runs (and the saved tensors were enough)
+        loss = y.float().sum()
+        with _not_inside_launches(backward), backward:
+            loss.backward()
     total = sum(written.by_operator.values())
     return {"written": total / qkv_bytes, "saved": sum(saved.values()) / qkv_bytes, "peak": written.peak / qkv_bytes,
+            "backward": sum(backward.by_operator.values()) / qkv_bytes,
             "float32 share": written.by_dtype[torch.float32] / total,
+            "float32 backward": backward.by_dtype[torch.float32] / qkv_bytes,
             "by operator": {name: size / qkv_bytes for name, size in written.by_operator.most_common()},
+            "backward by operator": {name: size / qkv_bytes for name, size in backward.by_operator.most_common()},
             "at peak": {name: size / qkv_bytes for name, size in written.at_peak.most_common()}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--forms", nargs="+", choices=["chunk", "rnn"], default=["chunk", "rnn"])
+    parser.add_argument("--forms", nargs="+", choices=["attention", "chunk", "rnn", "deit"], default=["chunk", "rnn"],
+                        help="LION forms, or deit: timm's softmax Attention, the baseline")
+    parser.add_argument("--backend", choices=["triton", "torch"], default="triton")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="images (with --inference: run in groups)")
@@ -161,24 +185,33 @@ def main() -> None:
     parser.add_argument("--scans", type=int, choices=[1, 2], default=1, help="2: lion_d_natural's two snakes")
     parser.add_argument("--inference", action="store_true", help="an evaluation forward, without autograd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--autocast", action="store_true", help="float32 weights, the call under autocast to --dtype")
     parser.add_argument("--by-operator", action="store_true",
                         help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()
     if args.scans == 2 and math.isqrt(args.tokens) ** 2 != args.tokens:
         parser.error(f"--scans 2 reads a square grid: --tokens {args.tokens} is not a square (e.g. 576)")
     mode = "inference" if args.inference else "training"
-    print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) |   ({args.batch} x {args.tokens} tokens, "
-          f"{args.heads} heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, {args.dtype}, {mode})")
-    print("|---|---|---|---|")
+    precision = f"autocast to {args.dtype}" if args.autocast else args.dtype
+    print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) | backward / (q+k+v) |   ({args.batch} x "
+          f"{args.tokens} tokens, {args.heads} heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, "
+          f"{args.backend} backend, {precision}, {mode})")
+    print("|---|---|---|---|---|")
     for form in args.forms:
         result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay,
-                                 args.scans, training=not args.inference, batch=args.batch)
-        print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} |")
+                                 args.scans, training=not args.inference, batch=args.batch, backend=args.backend,
+                                 autocast=args.autocast)
+        backward = "-" if args.inference else f"{result['backward']:.1f}"
+        print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} | {backward} |")
         if args.by_operator:
             print("   " + ", ".join(f"{name} {size:.2f}" for name, size in result["by operator"].items() if size >= 0.01))
             print(f"   float32: {result['float32 share']:.1%} of the bytes written")
             print("   alive at the peak, by the operator that allocated it: "
                   + ", ".join(f"{name} {size:.2f}" for name, size in result["at peak"].items() if size >= 0.01))
+            if not args.inference:
+                print("   backward: " + ", ".join(f"{name} {size:.2f}" for name, size in
+                                                  result["backward by operator"].items() if size >= 0.01)
+                      + f"; float32 {result['float32 backward']:.2f}")
 
 
 if __name__ == "__main__":
