@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .masks import decay_mask
+from .masks import decay_mask, masked_scores
 
 
 def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
@@ -24,7 +24,6 @@ def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     scan_orders = [None] * len(log_decays) if orders is None else orders.unbind(0)
     masks = [decay_mask(a, length, order) for a, order in zip(log_decays.unbind(0), scan_orders)]
     mask = sum(masks[1:], masks[0])
-    weights = (q @ k.transpose(-1, -2)).to(mask.dtype) * mask  # float32 under autocast
     # [v, 1]: the normaliser rides along as a column (one matmul, no separate pass for the row sums)
-    out = weights @ torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).to(weights.dtype)
+    out = masked_scores(q, k, mask) @ torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     return out[..., :-1], out[..., -1:]

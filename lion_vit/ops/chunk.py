@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import decay_mask, mask_dtype
+from .masks import decay_mask, mask_dtype, masked_scores
 from .scans import over_scans
 
 
@@ -59,7 +59,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
         a = F.pad(a.expand(*a.shape[:-1], length), (0, pad)).unflatten(-1, (num_chunks, size))  # [B|1, H|1, N, C]
         # one decay per head: every chunk shares one [C, C] Toeplitz block
         intra_mask = decay_mask(log_decay[..., None, :] if log_decay.shape[-1] == 1 else a, size)
-        out = ((qc @ kc.transpose(-1, -2)).to(intra_mask.dtype) * intra_mask) @ v1c.to(intra_mask.dtype)
+        out = masked_scores(qc, kc, intra_mask) @ v1c
     for reverse in (False, True) if num_chunks > 1 else ():
         out = out + _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse)
     out = out.flatten(-3, -2)[..., :length, :]

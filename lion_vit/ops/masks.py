@@ -24,6 +24,13 @@ def mask_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def masked_scores(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+    """Q K^T * M in the dtype the scores come out in (autocast's): the mask is rounded to it, not the scores
+    widened to the mask's float32, since the product with V rounds the weights to that dtype anyway."""
+    scores = q @ k.transpose(-1, -2)
+    return scores * mask.to(scores.dtype)
+
+
 def decay_mask(log_decay: Tensor, length: int, order: Optional[Tensor] = None) -> Tensor:
     """M [..., L, L] in token order from log decays [..., L] (one per token) or [..., 1] (one per head,
     LION-d's Toeplitz mask lam^|i-j|), given in token order.
