@@ -7,22 +7,22 @@ order, 0 for the last), and v. `finish` sums every token's 2S outputs and their 
 (normaliser.py) and divides the one by the other, writing Y in the kernels' dtype (or, in inference,
 into a slice of a whole batch's Y: `finish`).
 
-Both are autograd Functions: the backward of `operands` gathers the operand gradients back to the
-tokens and differentiates the feature maps by recomputing them (lion_vit.ops.features), so only
-raw q and k and the folds are kept; that of `finish` keeps Y and the normaliser. (In plain PyTorch
-the same steps write every intermediate and keep the feature maps and the kernels' outputs.)
+Both are autograd Functions whose backwards are fused kernels too: that of `operands` sums every
+token's 2S operand gradients, differentiates the folds and the feature maps (recomputed from raw q and
+k, which are kept with the folds) and writes the gradients of raw q, k, v in their dtypes; that of
+`finish` keeps Y and the normaliser and writes the gradients of every sequence's output and
+normaliser. (In plain PyTorch the same steps write every intermediate, in float32, and keep the
+feature maps and the kernels' outputs.)
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..features import mapped
 
 # How the kernel applies a feature map: (elementwise map, divided by its row's norm)
 IDENTITY, SHIFTED_SILU, ELU_PLUS_ONE = 0, 1, 2
@@ -107,6 +107,85 @@ def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, sy
     tl.store(den + (b * L + t.to(tl.int64)) * H + h, normaliser, mask=rows)
 
 
+@triton.jit
+def _features_grad(x, g, valid, rows, kind: tl.constexpr, norm: tl.constexpr):
+    """The gradient of raw rows x [T, D] from that of their features g: through the row's norm (norm),
+    then the elementwise map."""
+    if norm:
+        f = tl.where(valid, _mapped(x, kind), 0.0)
+        n = tl.where(rows, tl.sqrt(tl.sum(f * f, axis=1)), 1.0)[:, None]
+        f = f / n
+        g = (g - f * tl.sum(f * g, axis=1)[:, None]) / n
+    if kind == 1:  # d/dx (x sigmoid(x)) = sigmoid(x) (1 + x (1 - sigmoid(x)))
+        s = tl.sigmoid(x)
+        g = g * s * (1.0 + x * (1.0 - s))
+    elif kind == 2:
+        g = tl.where(x > 0, g, g * tl.exp(tl.minimum(x, 0.0)))
+    return tl.where(valid, g, 0.0)
+
+
+@triton.jit
+def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, dv2, gq, gk, gv, gfolds,
+                              sqb, sql, sqh, skb, skl, skh, sfs, sfb, sfl, sfh, sgs,
+                              L, H, DK, DV, KW, VW, SEQS,
+                              MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
+                              FOLD_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_V: tl.constexpr):
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t < L
+    ck, cv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    keys = rows[:, None] & (ck[None, :] < DK)
+    values = rows[:, None] & (cv[None, :] < DV)
+    token = (b * L + t.to(tl.int64)) * H + h  # in [B, L, H]
+
+    xq = tl.load(q + b * sqb + t[:, None] * sql + h * sqh + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+    fq = tl.where(keys, _mapped(xq, MAP_Q), 0.0)
+    if NORM_Q:
+        fq = fq / tl.where(rows, tl.sqrt(tl.sum(fq * fq, axis=1)), 1.0)[:, None]
+    grad_q = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    grad_k = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    grad_v = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
+    for j in range(SEQS):  # every sequence's rows of this token, summed
+        at = ((b * SEQS + j) * L + tl.load(q_positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        g = tl.load(dq2 + at[:, None] * KW + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+        mirrored = rows & (j % 2 == 1)  # a mirrored query carries its token's fold
+        fold = tl.load(folds + (j // 2) * sfs + b * sfb + t * sfl + h * sfh, mask=mirrored, other=1.0)
+        grad_q += g * fold[:, None]
+        if FOLD_GRAD:
+            tl.store(gfolds + (j // 2) * sgs + token, tl.sum(g * fq, axis=1), mask=mirrored)
+        at = ((b * SEQS + j) * L + tl.load(kv_positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        grad_k += tl.load(dk2 + at[:, None] * KW + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+        grad_v += tl.load(dv2 + at[:, None] * VW + cv[None, :], mask=values, other=0.0).to(tl.float32)
+    grad_q = _features_grad(xq, grad_q, keys, rows, MAP_Q, NORM_Q)
+    tl.store(gq + token[:, None] * DK + ck[None, :], grad_q.to(gq.dtype.element_ty), mask=keys)
+    xk = tl.load(k + b * skb + t[:, None] * skl + h * skh + ck[None, :], mask=keys, other=0.0).to(tl.float32)
+    grad_k = _features_grad(xk, grad_k, keys, rows, MAP_K, NORM_K)
+    tl.store(gk + token[:, None] * DK + ck[None, :], grad_k.to(gk.dtype.element_ty), mask=keys)
+    tl.store(gv + token[:, None] * DV + cv[None, :], grad_v.to(gv.dtype.element_ty), mask=values)
+
+
+@triton.jit
+def _finish_backward_kernel(dy, y, den, positions, grad_out, grad_normalisers, L, H, DV, W, SEQS, sdb, sdl, sdh,
+                            BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = t < L
+    cv = tl.arange(0, BLOCK_V)
+    read = rows[:, None] & (cv[None, :] < DV)
+    token = (b * L + t.to(tl.int64)) * H + h
+    normaliser = tl.load(den + token, mask=rows, other=1.0)
+    grad = tl.load(dy + b * sdb + t[:, None].to(tl.int64) * sdl + h * sdh + cv[None, :], mask=read,
+                   other=0.0).to(tl.float32) / normaliser[:, None]
+    grad_normaliser = -tl.sum(grad * tl.load(y + token[:, None] * DV + cv[None, :], mask=read,
+                                             other=0.0).to(tl.float32), axis=1)
+    for j in range(SEQS):  # the same gradients for every sequence's row of this token
+        at = ((b * SEQS + j) * L + tl.load(positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        tl.store(grad_out + at[:, None] * W + cv[None, :], grad.to(grad_out.dtype.element_ty),
+                 mask=rows[:, None] & (cv[None, :] < W))
+        tl.store(grad_normalisers + at, grad_normaliser, mask=rows)
+
+
 def even(width: int) -> int:
     """The operands' width for a head width: even, since FLA refuses odd widths in 16-bit backward passes
     (fla/ops/common/chunk_o.py); the extra column is zero."""
@@ -149,26 +228,21 @@ class Operands(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq2: Tensor, dk2: Tensor, dv2: Tensor):
         q, k, folds = ctx.saved_tensors
-        layout, value_dim = ctx.layout, ctx.value_dim
+        layout = ctx.layout
         batch, length, heads, key_dim = q.shape
-        sequences = len(layout.kv) // length
-
-        def by_token(grad: Tensor, positions: Tensor, width: int) -> list:
-            """Each sequence's row gradients gathered back to the tokens: 2S of [B, L, H, width], float32."""
-            rows = grad.view(batch, sequences, length, heads, -1)[..., :width]
-            return [rows[:, j].index_select(1, positions[j]).float() for j in range(sequences)]
-
-        with torch.enable_grad():  # the feature maps again, to differentiate them
-            q_in, k_in = q.detach().requires_grad_(), k.detach().requires_grad_()
-            fq, fk = mapped(q_in.float(), k_in.float(), ctx.feature_map)
-        parts = by_token(dq2, layout.q_positions, key_dim)
-        mirrored = torch.stack(parts[1::2])  # [S, B, L, H, Dk], before the folds
-        grad_fq = sum(parts[0::2]) + (mirrored * folds[..., None]).sum(0)
-        grad_folds = (mirrored * fq.detach()).sum(-1) if ctx.needs_input_grad[3] else None
-        grad_q, grad_k = torch.autograd.grad((fq, fk), (q_in, k_in),
-                                             (grad_fq, sum(by_token(dk2, layout.kv_positions, key_dim))))
-        grad_v = sum(by_token(dv2, layout.kv_positions, value_dim)).to(ctx.value_dtype)
-        return grad_q, grad_k, grad_v, grad_folds, None, None, None
+        grad_q, grad_k = q.new_empty(q.shape), k.new_empty(k.shape)  # (contiguous)
+        grad_v = q.new_empty(batch, length, heads, ctx.value_dim, dtype=ctx.value_dtype)
+        fold_grad = ctx.needs_input_grad[3]
+        grad_folds = folds.new_empty(folds.shape) if fold_grad else grad_q  # (unused without fold_grad)
+        (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(ctx.feature_map, ((IDENTITY, False),) * 2)
+        _operands_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+            q, k, folds, layout.q_positions, layout.kv_positions, dq2.contiguous(), dk2.contiguous(),
+            dv2.contiguous(), grad_q, grad_k, grad_v, grad_folds,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *folds.stride(),
+            grad_folds.stride(0), length, heads, key_dim, ctx.value_dim, dq2.shape[-1], dv2.shape[-1],
+            len(layout.kv) // length, MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k, FOLD_GRAD=fold_grad,
+            BLOCK_T=_TOKENS, BLOCK_K=_block(dq2.shape[-1]), BLOCK_V=_block(dv2.shape[-1]))
+        return grad_q, grad_k, grad_v, grad_folds if fold_grad else None, None, None, None
 
 
 def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor) -> Tensor:
@@ -200,11 +274,12 @@ class Finish(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         y, normaliser = ctx.saved_tensors
         batch, length, heads, value_dim = y.shape
-        grad_numerator = dy.float() / normaliser[..., None]
-        grad_normaliser = -(grad_numerator * y.float()).sum(-1)
-        positions = ctx.layout.q  # each sequence position's token: its gradients, gathered
-        if ctx.width > value_dim:  # the kernels' zero column of an odd value width
-            grad_numerator = F.pad(grad_numerator, (0, ctx.width - value_dim))
-        grad_out = grad_numerator.to(ctx.out_dtype).index_select(1, positions)
-        grad_normalisers = grad_normaliser.index_select(1, positions).view(-1, length, heads)
-        return grad_out.view(-1, length, heads, ctx.width), grad_normalisers, None, None, None, None
+        layout = ctx.layout
+        sequences = len(layout.q) // length
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        grad_out = y.new_empty(batch * sequences, length, heads, ctx.width, dtype=ctx.out_dtype)
+        grad_normalisers = normaliser.new_empty(batch * sequences, length, heads)
+        _finish_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+            dy, y, normaliser, layout.q_positions, grad_out, grad_normalisers, length, heads, value_dim, ctx.width,
+            sequences, dy.stride(0), dy.stride(1), dy.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(ctx.width))
+        return grad_out, grad_normalisers, None, None, None, None
