@@ -87,18 +87,30 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
 
 
 @triton.jit
+def _token_block(L, BLOCK_T: tl.constexpr):
+    """A token-major program's image b, head h, tokens t and which of them exist (grid: token blocks, B, H)."""
+    b, h = tl.program_id(1).to(tl.int64), tl.program_id(2)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return b, h, t, t < L
+
+
+@triton.jit
+def _row(positions, b, j, t, rows, L, H, SEQS):
+    """Where image b's tokens t sit in sequence j of the stacked [B * SEQS, L, H] tensors (positions: [SEQS, L]),
+    as a flat index less the head's."""
+    return ((b * SEQS + j) * L + tl.load(positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H
+
+
+@triton.jit
 def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = t < L
+    b, h, t, rows = _token_block(L, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
     total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in range(SEQS):
-        p = tl.load(outputs + j * L + t, mask=rows, other=0).to(tl.int64)
-        at = ((b * SEQS + j) * L + p) * H + h
+        at = _row(outputs, b, j, t, rows, L, H, SEQS) + h
         total += tl.load(out + at[:, None] * W + cv[None, :], mask=read, other=0.0).to(tl.float32)
         normaliser += tl.load(normalisers + at, mask=rows, other=0.0)
     normaliser = tl.where(rows, normaliser, 1.0)
@@ -131,9 +143,7 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
                               MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
                               FOLD_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_V: tl.constexpr):
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = t < L
+    b, h, t, rows = _token_block(L, BLOCK_T)
     ck, cv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     keys = rows[:, None] & (ck[None, :] < DK)
     values = rows[:, None] & (cv[None, :] < DV)
@@ -147,14 +157,14 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
     grad_k = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     grad_v = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     for j in range(SEQS):  # every sequence's rows of this token, summed
-        at = ((b * SEQS + j) * L + tl.load(q_positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        at = _row(q_positions, b, j, t, rows, L, H, SEQS) + h
         g = tl.load(dq2 + at[:, None] * KW + ck[None, :], mask=keys, other=0.0).to(tl.float32)
         mirrored = rows & (j % 2 == 1)  # a mirrored query carries its token's fold
         fold = tl.load(folds + (j // 2) * sfs + b * sfb + t * sfl + h * sfh, mask=mirrored, other=1.0)
         grad_q += g * fold[:, None]
         if FOLD_GRAD:
             tl.store(gfolds + (j // 2) * sgs + token, tl.sum(g * fq, axis=1), mask=mirrored)
-        at = ((b * SEQS + j) * L + tl.load(kv_positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        at = _row(kv_positions, b, j, t, rows, L, H, SEQS) + h
         grad_k += tl.load(dk2 + at[:, None] * KW + ck[None, :], mask=keys, other=0.0).to(tl.float32)
         grad_v += tl.load(dv2 + at[:, None] * VW + cv[None, :], mask=values, other=0.0).to(tl.float32)
     grad_q = _features_grad(xq, grad_q, keys, rows, MAP_Q, NORM_Q)
@@ -168,9 +178,7 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
 @triton.jit
 def _finish_backward_kernel(dy, y, den, positions, grad_out, grad_normalisers, L, H, DV, W, SEQS, sdb, sdl, sdh,
                             BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    block, b, h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = t < L
+    b, h, t, rows = _token_block(L, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
     token = (b * L + t.to(tl.int64)) * H + h
@@ -180,7 +188,7 @@ def _finish_backward_kernel(dy, y, den, positions, grad_out, grad_normalisers, L
     grad_normaliser = -tl.sum(grad * tl.load(y + token[:, None] * DV + cv[None, :], mask=read,
                                              other=0.0).to(tl.float32), axis=1)
     for j in range(SEQS):  # the same gradients for every sequence's row of this token
-        at = ((b * SEQS + j) * L + tl.load(positions + j * L + t, mask=rows, other=0).to(tl.int64)) * H + h
+        at = _row(positions, b, j, t, rows, L, H, SEQS) + h
         tl.store(grad_out + at[:, None] * W + cv[None, :], grad.to(grad_out.dtype.element_ty),
                  mask=rows[:, None] & (cv[None, :] < W))
         tl.store(grad_normalisers + at, grad_normaliser, mask=rows)
