@@ -34,7 +34,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from collections import Counter
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's language module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
@@ -117,10 +117,11 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
                     dtype: torch.dtype = torch.float32, decay: str = "fixed", scans: int = 1,
                     training: bool = True, batch: int = 1, backend: str = "triton",
-                    autocast: bool = False) -> Dict[str, float]:
+                    autocast: bool = False, chunk_size: Optional[int] = None) -> Dict[str, float]:
     """written, saved, peak and backward bytes of one forward (and backward) of a LION attention module
     (form "deit": timm's Attention) as multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens
-    (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype."""
+    (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype; chunk_size: the
+    torch backend's chunk form's (None: one chunk)."""
     if backend == "triton":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         import interpret  # the interpreter's two adaptations (tests/interpret.py)
@@ -132,7 +133,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
         layer = Attention(dim, heads, qkv_bias=True)
     else:
         layer = LionAttention(dim, heads, qkv_bias=True, decay=decay, num_scans=scans, attn_form=form,
-                              attn_backend=backend)
+                              chunk_size=chunk_size, attn_backend=backend)
     weights = torch.float32 if autocast else dtype
     layer.to(weights).train(training)
     if scans == 2:
@@ -177,6 +178,8 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", choices=["attention", "chunk", "rnn", "deit"], default=["chunk", "rnn"],
                         help="LION forms, or deit: timm's softmax Attention, the baseline")
     parser.add_argument("--backend", choices=["triton", "torch"], default="triton")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="the torch backend's chunk form's (default: one chunk; the triton kernels tile 64)")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="images (with --inference: run in groups)")
@@ -200,7 +203,7 @@ def main() -> None:
     for form in args.forms:
         result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay,
                                  args.scans, training=not args.inference, batch=args.batch, backend=args.backend,
-                                 autocast=args.autocast)
+                                 autocast=args.autocast, chunk_size=args.chunk_size)
         backward = "-" if args.inference else f"{result['backward']:.1f}"
         print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} | {backward} |")
         if args.by_operator:
