@@ -494,19 +494,27 @@ def test_autocast_bf16_backward(decay):
         assert rel_err(got, ref) < 5e-2
 
 
-@pytest.mark.parametrize("form", ["attention", "chunk"])
-def test_autocast_keeps_the_masked_products_in_its_dtype(form):
-    """Under bf16 autocast a per-head decay's mask is float32 once for the batch, and the L x L products it
-    multiplies stay bf16, forward and backward (masks.masked_scores). Counted by the traffic proxy
-    (scripts/benchmark_traffic.py, torch backend) on a training step of 8 images of 97 tokens, where one float32
-    L x L pass per image is 4 (q+k+v): float32 stays a tenth of the forward's bytes (the mask, the input's
-    cast back) and the backward's float32 within 3 (q+k+v) (the mask's gradient, the input's and weights')."""
+@pytest.mark.parametrize("form, decay", [("attention", "fixed"), ("chunk", "fixed"), ("attention", "selective")])
+def test_autocast_keeps_the_masked_products_in_its_dtype(form, decay):
+    """Under bf16 autocast the L x L products a mask multiplies stay bf16, forward and backward
+    (masks.masked_scores). Counted by the traffic proxy (scripts/benchmark_traffic.py, torch backend) on a
+    training step of 8 images of 97 tokens, where one float32 L x L pass per image is 4 (q+k+v). A per-head
+    decay's mask is float32 once for the batch: float32 stays a tenth of the forward's bytes (the mask, the
+    input's cast back) and the backward's float32 within 3 (q+k+v) (the mask's gradient, the input's and
+    weights'). A per-token decay's mask is float32 per image; its backward writes fewer than five float32
+    L x L passes (the exponential's, the where's two, the cast's), no negated copies of its gradient."""
     import runpy
     measure = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "benchmark_traffic.py"))
-    result = measure["measure_traffic"](form, tokens=97, heads=2, head_dim=16, dtype=torch.bfloat16, batch=8,
-                                        backend="torch", autocast=True)
-    assert result["by operator"]["addmm"] == pytest.approx(4 / 3)  # the counting itself: qkv and proj in bf16
-    assert result["float32 share"] < 0.15 and result["float32 backward"] < 3, result
+    tokens, heads, head_dim = 97, 2, 16
+    result = measure["measure_traffic"](form, tokens=tokens, heads=heads, head_dim=head_dim, dtype=torch.bfloat16,
+                                        decay=decay, batch=8, backend="torch", autocast=True)
+    # the counting itself: qkv and proj in bf16 (and a per-token decay's projection, H values per token)
+    assert result["by operator"]["addmm"] == pytest.approx(4 / 3 + (decay == "selective") / (3 * head_dim))
+    if decay == "fixed":
+        assert result["float32 share"] < 0.15 and result["float32 backward"] < 3, result
+    else:
+        square = tokens * heads * 4 / (3 * heads * head_dim * 2)  # one float32 L x L pass, per q+k+v in bf16
+        assert result["float32 backward"] < 5 * square, result
 
 
 

@@ -51,6 +51,8 @@ def decay_mask(log_decay: Tensor, length: int, order: Optional[Tensor] = None) -
     if order is not None:
         inclusive, exclusive = inclusive[..., position], exclusive[..., position]  # back to token order
     after = position[:, None] > position[None, :]  # query i reads key j from its past along the scan
-    exponent = torch.where(after, exclusive[..., :, None] - exclusive[..., None, :],
-                           inclusive[..., None, :] - inclusive[..., :, None])
+    # differences as sums with negated vectors: the backward of a broadcast subtraction would negate the
+    # whole L x L gradient, that of a sum passes it on (bit for bit the same exponents)
+    exponent = torch.where(after, exclusive[..., :, None] + (-exclusive)[..., None, :],
+                           inclusive[..., None, :] + (-inclusive)[..., :, None])
     return torch.exp(exponent.to(dtype))
