@@ -20,7 +20,8 @@ FLOAT64_CUMSUM_ABOVE = 512
 
 
 def mask_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Masks stay in float32 (or float64) even for half-precision inputs."""
+    """Masks are built in float32 (or float64) even for half-precision inputs (masked_scores then rounds them
+    to the scores' dtype)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
