@@ -296,6 +296,22 @@ def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
         "benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)"
 
 
+def test_products_script_times_the_six_products_as_they_are_and_padded(monkeypatch, capsys):
+    """scripts/benchmark_products.py (for a GPU) on a CPU as a check: four rows per length, the keys and [V, 1]'s
+    width padded to the multiple or not, each timed as a ratio to the first; without a GPU, --device cuda is
+    one line."""
+    main = runpy.run_path(str(ROOT / "scripts" / "benchmark_products.py"))["main"]
+    assert main(["--device", "cpu", "--dtype", "float32", "--tokens", "13", "--batch-size", "2", "--heads", "1",
+                 "--head-dim", "8", "--multiple", "4", "--min-time", "0.01"]) == 0
+    table = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 13")]
+    assert [(int(tokens), int(keys), int(width)) for tokens, keys, width, _, _ in table] == [
+        (13, 13, 9), (13, 16, 9), (13, 13, 12), (13, 16, 12)]
+    assert float(table[0][4]) == 1 and all(float(row[3]) > 0 for row in table)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([]) == 2
+    assert capsys.readouterr().err.strip().startswith("benchmark_products.py: --device cuda, but")
+
+
 # Runs each script's --help as from a clone where lion-vit was never installed, one after the other in
 # one process: the editable install's import hooks and the repository root are taken off the import path
 # first (exit 3 when lion_vit can still be imported), and before each script the path is reset and
@@ -331,7 +347,7 @@ for script in scripts:
 def test_scripts_run_from_a_clone_without_installing(tmp_path):
     """`python scripts/<name>.py` works from a fresh clone before `pip install -e .`, as train.py does."""
     scripts = ["benchmark_train.py", "benchmark_resolution.py", "benchmark_chunk.py", "benchmark_cuda_graph.py",
-               "check_equivalence.py"]
+               "benchmark_products.py", "check_equivalence.py"]
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_INSTALLED_PACKAGE, str(ROOT),
                            *(str(ROOT / "scripts" / script) for script in scripts)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,

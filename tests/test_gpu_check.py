@@ -64,6 +64,10 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
             continue
+        if command[1] == "scripts/benchmark_products.py":  # the same: 224 px, batch 256, bf16, on the GPU
+            assert args.tokens == [197] and args.batch_size == 256
+            assert args.device == "cuda" and args.dtype == "bfloat16"
+            continue
         assert args.device == "cuda" and ("benchmark_" not in command[1] or args.dtype == "bfloat16"), command
         folder = getattr(args, "out", None) or getattr(args, "json", None)
         assert Path(folder).is_relative_to(out), command  # every result lands in --out
@@ -102,8 +106,8 @@ def test_parts_run_alone_in_the_order_given():
     assert sum(len(gpu_check("--dry-run", part).stdout.splitlines()) - 1 for part in PARTS) == len(whole) - 1
     compile_then_tests = gpu_check("--dry-run", "compile", "tests").stdout.splitlines()
     assert compile_then_tests[0] == "# part compile: about 4 min on a cold H100"
-    assert "--compile" in compile_then_tests[1] and "pytest" in compile_then_tests[3]
-    assert "gpu_targets.py" in compile_then_tests[4]
+    assert "benchmark_products.py" in compile_then_tests[1] and "--compile" in compile_then_tests[2]
+    assert "pytest" in compile_then_tests[4] and "gpu_targets.py" in compile_then_tests[5]
 
 
 def test_each_part_is_estimated_to_fit_a_ten_minute_call():
