@@ -77,6 +77,9 @@ print(f"float32 dots: PyTorch matmul precision {torch.get_float32_matmul_precisi
       f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}), Triton kernels "
       f"{os.environ.get('TRITON_F32_DEFAULT', 'tf32')!r}; the tests part runs both in IEEE float32, "
       "the benchmarks in bfloat16")
+fails = triton.available() and triton.chunk_backward_fails(torch.device("cuda"))
+print(f"flash-linear-attention's chunk backward: {'FAILS here' if fails else 'runs'} (where it fails, training in "
+      "the chunk form runs dispatch.CHUNK_BACKWARD_FALLBACK)")
 PY
 ) || exit 2
     mkdir -p "$out"

@@ -110,9 +110,13 @@ def tokens(size: int) -> int:
 def setting_lines(folder: Path) -> List[str]:
     """The dispatch settings the timings pick: dispatch.AUTO_CHUNK_MIN_TOKENS (the smallest size measured
     from which the chunk kernels are faster than the attention form, training and inference, one and two
-    scans) and dispatch.CHUNK_BACKWARD_FALLBACK (the faster of the portable chunk form and the recurrent
+    scans; where environment.txt says FLA's chunk backward fails, the training rows timed the fallback and
+    say so) and dispatch.CHUNK_BACKWARD_FALLBACK (the faster of the portable chunk form and the recurrent
     kernels where FLA's chunk backward fails)."""
     lines = ["| setting | measured | pick |", "|---|---|---|"]
+    environment = folder / "environment.txt"
+    # where FLA's chunk backward fails, the forms part's "chunk" rows trained through the fallback
+    fallback = environment.is_file() and "chunk backward: FAILS" in environment.read_text()
     training = [r for path in sorted(folder.glob("forms_*/train.csv")) for r in read(path)]
     inference = read(folder / "resolution_b16" / "resolution.csv")
     for (is_training, scans), model in (((True, 1), "lion_d_small"), ((True, 2), "lion_d_natural_small"),
@@ -130,6 +134,9 @@ def setting_lines(folder: Path) -> List[str]:
         faster = [size for size, ratio in ratios.items() if ratio < 1]
         measured = ", ".join(f"{size} px: chunk x{ratio:.2f}" for size, ratio in ratios.items())
         pick = f"{tokens(faster[0])}" if faster else "above the sizes measured"
+        if is_training and fallback:
+            measured = measured.replace("chunk", "fallback")
+            pick += " (not for the chunk kernels: their backward fails here, the fallback trained)"
         lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
     for model in ("lion_d_small", "lion_d_natural_small"):
         found = {}

@@ -134,6 +134,12 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["AUTO_CHUNK_MIN_TOKENS[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
     assert row["CHUNK_BACKWARD_FALLBACK (lion_d_small, 896 px b32)"][1] == '"torch"'
     assert row["CHUNK_BACKWARD_FALLBACK (lion_d_natural_small, 896 px b32)"] == ["not measured", "-"]
+    # where the chunk backward fails, the training rows timed the fallback: the pick says so
+    (tmp_path / "environment.txt").write_text("flash-linear-attention's chunk backward: FAILS here (...)\n")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
+    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
+    measured, pick = row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"]
+    assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
