@@ -87,11 +87,12 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
 
 
 @triton.jit
-def _token_block(L, BLOCK_T: tl.constexpr):
-    """A token-major program's image b, head h, tokens t and which of them exist (grid: token blocks, B, H)."""
+def _token_block(L, H, BLOCK_T: tl.constexpr):
+    """A token-major program's image b, head h, tokens t, which of them exist, and their flat index in a
+    contiguous [B, L, H] tensor (grid: token blocks, B, H)."""
     b, h = tl.program_id(1).to(tl.int64), tl.program_id(2)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    return b, h, t, t < L
+    return b, h, t, t < L, (b * L + t.to(tl.int64)) * H + h
 
 
 @triton.jit
@@ -104,7 +105,7 @@ def _row(positions, b, j, t, rows, L, H, SEQS):
 @triton.jit
 def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    b, h, t, rows = _token_block(L, BLOCK_T)
+    b, h, t, rows, token = _token_block(L, H, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
     total = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
@@ -116,7 +117,7 @@ def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, sy
     normaliser = tl.where(rows, normaliser, 1.0)
     tl.store(y + b * syb + t[:, None].to(tl.int64) * syl + h * syh + cv[None, :],
              (total / normaliser[:, None]).to(y.dtype.element_ty), mask=read)
-    tl.store(den + (b * L + t.to(tl.int64)) * H + h, normaliser, mask=rows)
+    tl.store(den + token, normaliser, mask=rows)
 
 
 @triton.jit
@@ -143,11 +144,10 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
                               MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
                               FOLD_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_V: tl.constexpr):
-    b, h, t, rows = _token_block(L, BLOCK_T)
+    b, h, t, rows, token = _token_block(L, H, BLOCK_T)
     ck, cv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     keys = rows[:, None] & (ck[None, :] < DK)
     values = rows[:, None] & (cv[None, :] < DV)
-    token = (b * L + t.to(tl.int64)) * H + h  # in [B, L, H]
 
     xq = tl.load(q + b * sqb + t[:, None] * sql + h * sqh + ck[None, :], mask=keys, other=0.0).to(tl.float32)
     fq = tl.where(keys, _mapped(xq, MAP_Q), 0.0)
@@ -178,10 +178,9 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
 @triton.jit
 def _finish_backward_kernel(dy, y, den, positions, grad_out, grad_normalisers, L, H, DV, W, SEQS, sdb, sdl, sdh,
                             BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    b, h, t, rows = _token_block(L, BLOCK_T)
+    b, h, t, rows, token = _token_block(L, H, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
-    token = (b * L + t.to(tl.int64)) * H + h
     normaliser = tl.load(den + token, mask=rows, other=1.0)
     grad = tl.load(dy + b * sdb + t[:, None].to(tl.int64) * sdl + h * sdh + cv[None, :], mask=read,
                    other=0.0).to(tl.float32) / normaliser[:, None]
