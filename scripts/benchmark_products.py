@@ -27,9 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared 
 
 from benchmarking import HelpFormatter, markdown_table, positive_int
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 def padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
@@ -64,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--multiple", type=positive_int, default=8, help="pad widths to a multiple of this")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of timing per row")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -73,7 +70,7 @@ def main(argv=None) -> int:
         return 2
     from torch.utils.benchmark import Timer
 
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows_of_table = []
     for length in args.tokens:
         first = None

@@ -132,10 +132,10 @@ def setting_lines(folder: Path) -> List[str]:
             lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | not measured | - |")
             continue
         faster = [size for size, ratio in ratios.items() if ratio < 1]
-        measured = ", ".join(f"{size} px: chunk x{ratio:.2f}" for size, ratio in ratios.items())
+        timed = "fallback" if is_training and fallback else "chunk"
+        measured = ", ".join(f"{size} px: {timed} x{ratio:.2f}" for size, ratio in ratios.items())
         pick = f"{tokens(faster[0])}" if faster else "above the sizes measured"
-        if is_training and fallback:
-            measured = measured.replace("chunk", "fallback")
+        if timed == "fallback":
             pick += " (not for the chunk kernels: their backward fails here, the fallback trained)"
         lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
     for model in ("lion_d_small", "lion_d_natural_small"):
