@@ -50,15 +50,22 @@ from lion_vit.layers import LionAttention
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# allocations without values: counted as written by whatever fills them (a kernel, or an operator's out=)
+_EMPTY = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "empty_permuted"}
+
+
 class _Written(TorchDispatchMode):
     """Sums the bytes of every operator's new tensor outputs, by operator and by dtype, while `counting`,
-    and the most bytes of the storages they allocated that are alive at once (`peak`)."""
+    and the most bytes of the storages they allocated that are alive at once (`peak`). An empty allocation
+    counts as written once: the first bytes an operator then writes into it (out=, in place) are not
+    counted again, those a kernel writes are not seen."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_operator: Counter = Counter()
         self.by_dtype: Counter = Counter()
         self.counting = True
+        self.unfilled: Dict[int, int] = {}  # storage address -> bytes of an empty allocation not yet written
         self.alive: Dict[int, Tuple[str, int]] = {}  # storage address -> (operator, bytes), while it lives
         self.peak = 0
         self.at_peak: Counter = Counter()  # the bytes alive at the peak, by the operator that allocated them
@@ -85,11 +92,26 @@ class _Written(TorchDispatchMode):
             operator = func.__name__.split(".")[0]
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    self.by_operator[operator] += t.numel() * t.element_size()
-                    self.by_dtype[t.dtype] += t.numel() * t.element_size()
-                    if not func._schema.is_mutable:
-                        self._allocated(operator, t.untyped_storage())
+                    size, storage = t.numel() * t.element_size(), t.untyped_storage()
+                    if func._schema.is_mutable:  # into an allocation counted already: only what is beyond it
+                        filled = min(size, self.unfilled.get(storage.data_ptr(), 0))
+                        if filled:
+                            self.unfilled[storage.data_ptr()] -= filled
+                            size -= filled
+                    else:
+                        self._allocated(operator, storage)
+                        if operator in _EMPTY:
+                            self.unfilled[storage.data_ptr()] = storage.nbytes()
+                            weakref.finalize(storage, self.unfilled.pop, storage.data_ptr(), None)
+                    self.by_operator[operator] += size
+                    self.by_dtype[t.dtype] += size
         return out
+
+    def launched(self, arguments) -> None:
+        """A kernel launch on these arguments, which may fill their empty allocations."""
+        for t in tree_leaves(arguments):
+            if isinstance(t, torch.Tensor):
+                self.unfilled.pop(t.untyped_storage().data_ptr(), None)
 
 
 @contextmanager
@@ -101,6 +123,7 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
     call = GridExecutor.__call__
 
     def launch(self, *args, **kwargs):
+        mode.launched((args, kwargs))
         mode.counting = False
         try:
             return call(self, *args, **kwargs)
