@@ -143,17 +143,19 @@ def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
     assert not fla.chunk_backward_fails(CPU)
 
 
-@pytest.mark.parametrize("fallback", ["torch", "rnn"])
+@pytest.mark.parametrize("fallback", ["torch", "rnn", "forward"])
 def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monkeypatch, fallback):
     """Inference keeps the chunk kernels; training runs CHUNK_BACKWARD_FALLBACK (the portable chunk form by
-    default, or the fused recurrent kernels: the same function) and says once why and how to get the
-    chunk kernels back."""
+    default, the fused recurrent kernels, or the chunk kernels with a backward of their forward pass: the
+    same function) and says once why and how to get the chunk kernels' own backward back."""
     kernels(True)
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
     monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
-    expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49), "rnn": dispatch.Plan("rnn", "triton")}[fallback]
+    expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49), "rnn": dispatch.Plan("rnn", "triton"),
+                "forward": dispatch.Plan("chunk", "triton", chunks=49, backward_by_forward=True)}[fallback]
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49, grouped=True)
-    said = {"torch": "portable chunk form", "rnn": "fused recurrent kernels"}[fallback]
+    said = {"torch": "portable chunk form", "rnn": "fused recurrent kernels",
+            "forward": "their forward passes"}[fallback]
     with pytest.warns(UserWarning, match=f"Triton 3.4.0 to 3.7.0.*{said}.*3.7.1 or later"):
         assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == expected
     with warnings.catch_warnings():

@@ -4,6 +4,8 @@ multiple of the kernels' 64-token tile. On a CPU the kernels run under Triton's 
 shapes (tests/interpret.py); on a GPU (make gpu-check) natively, with TF32 off."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import timm
 import torch
@@ -209,11 +211,11 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
 
 def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monkeypatch):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
-    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (the recurrent kernels
-    where the chunk backward fails), against the torch backend's chunk form, eager, on the same weights."""
+    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (with a backward of their
+    forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights."""
     from lion_vit.ops import dispatch
     if dispatch.triton_backend.chunk_backward_fails(DEVICE):
-        monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", "rnn")
+        monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", "forward")
     model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=56, patch_size=4, embed_dim=32,
                               depth=1, num_heads=2).to(DEVICE)
     randomize_decays(model)
@@ -235,21 +237,34 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monk
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
 
 
-@pytest.mark.parametrize("fallback", ["torch", "rnn"])
-def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fallback):
+@pytest.mark.parametrize("fallback, scans, decay, dtype", [
+    ("torch", 1, "selective", torch.float32), ("rnn", 1, "selective", torch.float32),
+    ("forward", 1, "selective", torch.float32), ("forward", 1, "near1", torch.float32),
+    ("forward", 2, "fixed", torch.float32), ("forward", 1, "selective", HALF)])
+def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fallback, scans, decay, dtype):
     """Where FLA's chunk backward fails (Hopper with Triton 3.4.0-3.7.0), training in the chunk form runs
-    the portable chunk form or the fused recurrent kernels: the same outputs and gradients."""
+    the portable chunk form, the fused recurrent kernels or the chunk kernels with a backward of their
+    forward pass: the same outputs and gradients (two scans over an 11x18 grid and a class token)."""
     from lion_vit.ops import dispatch
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: True)
     monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
     monkeypatch.setattr(dispatch, "_warned", set())
-    q, k, v, lam = make_inputs(1, 2, 70, 16, "selective", torch.float32)
-
-    def triton(q, k, v, log_decay):
-        return lion_attention(q, k, v, log_decay, form="chunk", backend="triton")
-
+    orders = None if scans == 1 else snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
+    q, k, v, lam = make_inputs(1, 2, 70 if scans == 1 else 199, 16, decay, torch.float32)
+    log_decays = torch.log(lam if scans == 1 else torch.stack([lam, lam ** 0.5])).float()
+    if scans == 1:
+        def triton(q, k, v, log_decay):
+            return lion_attention(q, k, v, log_decay, form="chunk", backend="triton")
+        reference = lion_reference
+    else:
+        def triton(q, k, v, log_decays):
+            return lion_attention_multiscan(q, k, v, log_decays, orders, form="chunk", backend="triton")
+        reference = partial(lion_reference_multiscan, orders=orders.cpu())
     with pytest.warns(UserWarning, match="chunk backward fails"):
-        _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
+        _check(triton, reference, [t.to(dtype) for t in (q, k, v)] + [log_decays],
+               tol=TOL if dtype == torch.float32 else 3e-2 if interpret.ON_GPU else 3e-3)
+    assert plan("chunk", None, q.shape[2], 16, 16, num_scans=scans, device=DEVICE, backend="triton",
+                training=True).backward_by_forward is (fallback == "forward")
 
 
 @pytest.mark.parametrize("decay", ["lit", "selective", "near0", "near1"])

@@ -44,8 +44,11 @@ BACKENDS = ("auto", "torch", "triton")
 AUTO_CHUNK_MIN_TOKENS = {(False, 1): 1024, (False, 2): 1024, (True, 1): 1024, (True, 2): 1024}
 
 # Training in the chunk form where FLA's chunk backward fails: "torch" (the portable chunk form, parallel
-# over chunks) or "rnn" (FLA's fused recurrent kernels, serial over tokens). The portable form until the
-# forms part of `make gpu-check` has timed both (scripts/gpu_targets.py prints the winner).
+# over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward" (the chunk kernels,
+# whose backward runs as three more of their forward passes). The portable form until the fallback part
+# of `make gpu-check` has timed the three (scripts/gpu_targets.py prints the winner).
+CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels",
+                            "forward": "the chunk kernels with a backward of their forward passes"}
 CHUNK_BACKWARD_FALLBACK = "torch"
 
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
@@ -62,7 +65,8 @@ class Plan:
     form: the form that runs (attention | rnn | chunk); backend: torch | cpu | triton; whole: the chunk form
     runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
     the chunk form); grouped: the triton backend runs the batch in groups of images (inference, where
-    autograd keeps nothing and the kernels' buffers are what a call holds).
+    autograd keeps nothing and the kernels' buffers are what a call holds); backward_by_forward: the chunk
+    kernels' backward runs as their forward pass (where FLA's own fails).
     """
 
     form: str
@@ -70,6 +74,7 @@ class Plan:
     whole: bool = False
     chunks: int = 1
     grouped: bool = False
+    backward_by_forward: bool = False
 
     @property
     def tokens_major(self) -> bool:
@@ -82,7 +87,8 @@ class Plan:
             what = "fused recurrent kernels" if self.backend == "triton" else "recurrence loop"
         elif self.form == "chunk" and not self.whole:
             what = ("one chunk" if self.chunks == 1 else f"{self.chunks} chunks") + \
-                {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "")
+                {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "") + \
+                (", backward by their forward pass" if self.backward_by_forward else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
         return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "")
@@ -157,12 +163,14 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     if whole:  # a product of torch matmuls either way
         return Plan("chunk", "torch", whole=True)
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
-        instead = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels"}[CHUNK_BACKWARD_FALLBACK]
+        instead = CHUNK_BACKWARD_FALLBACKS[CHUNK_BACKWARD_FALLBACK]
         _warn_once(f"flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
                    f"(fla-org/flash-linear-attention#640): LION layers train through {instead} instead (the same "
                    f"function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
         if CHUNK_BACKWARD_FALLBACK == "rnn":
             return Plan("rnn", "triton")
+        if CHUNK_BACKWARD_FALLBACK == "forward":
+            return Plan("chunk", "triton", chunks=chunk_count(length, chunk_size), backward_by_forward=True)
         return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size))
     # (a compiler traces whole tensors: groups would tie its graph to the traced batch size)
     if auto_backend and backend == "torch" and device.type == "cpu" and not training and \
@@ -181,6 +189,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     triton backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser."""
     if run.backend == "triton":
         kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+        if run.backward_by_forward:
+            return partial(kernels, backward_by_forward=True)
         return partial(kernels, grouped=True) if run.grouped else kernels
     return partial(_divided, cpu_backend.chunk_form if run.backend == "cpu" else
                    TORCH_FORMS["attention" if run.whole else run.form])

@@ -140,6 +140,76 @@ def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int
     return gates.reshape(batch * scans * 2, length, heads).contiguous(), folds
 
 
+class _ForwardBackward(torch.autograd.Function):
+    """FLA's chunk kernels with a backward made of their own forward pass, for where FLA's chunk backward
+    fails (chunk_backward_fails). The gradients of o = scale (q k^T * M) v, M_ts = exp(G_t - G_s) for s <= t
+    (G: the gates' cumulative sum), are such causal products themselves (docs/design.md section 3):
+
+        dq = forward(do, v, k; g)      dk = R forward(R v, R do, R q; g')      dv = R forward(R k, R q, R do; g')
+
+    R reverses the tokens, and g'_p = g_{L-p} (g'_0 = 0) makes the reversed sequence's mask M^T; the gates'
+    gradient is the reverse cumulative sum of q . dq - k . dk. One launch runs the three problems, stacked
+    on the batch axis, where the key and value widths agree."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], scale: float) -> Tensor:
+        ctx.save_for_backward(q, k, v, g)
+        ctx.scale = scale
+        return _kernels()[0](q, k, v, g=g, scale=scale)[0]
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, g = ctx.saved_tensors
+        gates = None if g is None else F.pad(g.flip(1)[:, :-1], (0, 0, 1, 0))  # g'_p = g_{L-p}
+        dq, dk, dv = _forwards([(((do, False), (v, False), (k, False)), g),
+                                (((v, True), (do, True), (q, True)), gates),
+                                (((k, True), (q, True), (do, True)), gates)], ctx.scale)
+        dk, dv = dk.flip(1), dv.flip(1)
+        dg = None
+        if g is not None and ctx.needs_input_grad[3]:  # d/dG_t; g_s is in every G_t with t >= s
+            dG = (q * dq).sum(-1, dtype=torch.float32) - (k * dk).sum(-1, dtype=torch.float32)
+            dg = dG.flip(1).cumsum(1).flip(1)
+        return dq, dk, dv, dg, None
+
+
+def _forwards(problems, scale: float) -> list:
+    """The outputs of causal problems by FLA's chunk forward, those of the same query and value widths in
+    one call, stacked on the batch axis. A problem: its queries, keys and values as (tensor [N, L, H, D],
+    whether it is read in reversed token order), and its gates [N, L, H] or None."""
+    outputs = [None] * len(problems)
+    widths: Dict[Tuple[int, int], list] = {}
+    for index, (((q, _), _, (v, _)), _) in enumerate(problems):
+        widths.setdefault((q.shape[-1], v.shape[-1]), []).append(index)
+    for members in widths.values():
+        q, k, v = (_stacked([problems[index][0][part] for index in members]) for part in range(3))
+        g = problems[members[0]][1]
+        g = None if g is None else torch.cat([problems[index][1] for index in members])
+        out, _ = _kernels()[0](q, k, v, g=g, scale=scale)
+        for index, output in zip(members, out.chunk(len(members))):
+            outputs[index] = output
+    return outputs
+
+
+def _stacked(parts) -> Tensor:
+    """(tensor, reversed) pairs stacked on the batch axis, each written once, in reversed token order where
+    asked (no flipped copy first)."""
+    first = parts[0][0]
+    out = first.new_empty((len(parts) * first.shape[0], *first.shape[1:]))
+    for target, (tensor, reverse) in zip(out.chunk(len(parts)), parts):
+        if reverse:
+            length = tensor.shape[1]
+            torch.index_select(tensor, 1, torch.arange(length - 1, -1, -1, device=tensor.device), out=target)
+        else:
+            target.copy_(tensor)
+    return out
+
+
+def _chunk_with_forward_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None,
+                                 scale: Optional[float] = None) -> Tuple[Tensor, None]:
+    """chunk_simple_gla's call and outputs, with _ForwardBackward's backward."""
+    return _ForwardBackward.apply(q, k, v, g, scale), None
+
+
 class _FirstOrderOnly(torch.autograd.Function):
     """The identity, whose backward refuses to be differentiated: FLA's hand-written backwards have no
     double backward, and without this a second-order gradient fails deep inside autograd or comes
@@ -165,13 +235,16 @@ GROUP_SHARE = 4 / 3
 
 
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-               chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False) -> Tensor:
+               chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False,
+               backward_by_forward: bool = False) -> Tensor:
     """Y [B, H, L, Dv] by FLA's chunked kernels (`chunk_simple_gla`), every scan and direction in one call.
     chunk_size is the torch backend's; the kernels use their own tile of 64 tokens. q, k, v: [B, H, L, D]
     (any strides; token-major reads best); log_decays: None or [S, B|1, H|1, L|1] in token order; orders:
     [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features);
-    grouped: one call per group of images (GROUP_SHARE), for inference: no autograd."""
-    return _run(_kernels()[0], q, k, v, log_decays, orders, feature_map, grouped, states=True)
+    grouped: one call per group of images (GROUP_SHARE), for inference: no autograd; backward_by_forward:
+    the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails."""
+    kernel = _chunk_with_forward_backward if backward_by_forward else _kernels()[0]
+    return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, states=True)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
