@@ -5,6 +5,7 @@
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 1024 --dtype float16
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 576 --scans 2 --inference
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --inference --batch 16 --heads 1
+    TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --heads 1 --fallback forward
     python scripts/benchmark_traffic.py --backend torch --forms deit attention --tokens 197 --batch 8 \
         --dtype bfloat16 --autocast                                          # GPU training at 224 px
 
@@ -13,7 +14,9 @@ lion_d_natural, on a square grid) runs a training-mode forward (--inference: an 
 without autograd, whose batch runs in groups of images on the triton backend: --batch) on the triton
 backend under Triton's interpreter, or on the portable torch forms (--backend torch). Form "deit" is
 timm's softmax Attention (SDPA) of the same width, the baseline. --autocast keeps the weights in float32
-and runs under CPU autocast to --dtype, as training on a GPU does. Byte counts, as multiples of
+and runs under CPU autocast to --dtype, as training on a GPU does. --fallback trains as where FLA's chunk
+backward fails (Hopper with Triton 3.4.0-3.7.0), through that dispatch.CHUNK_BACKWARD_FALLBACK. Byte
+counts, as multiples of
 |q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
   allocated by one), not what the interpreter does inside a kernel launch;
@@ -30,6 +33,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from timm.layers import Attention
 
 from lion_vit.layers import LionAttention
+from lion_vit.ops import dispatch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -137,14 +142,34 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
         GridExecutor.__call__ = call
 
 
+@contextmanager
+def _chunk_backward_failing(fallback: str) -> Iterator[None]:
+    """dispatch's plans as on a Hopper GPU with Triton 3.4.0-3.7.0, training through `fallback` (its warning
+    kept quiet)."""
+    saved = dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails
+    dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails = fallback, lambda device: True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*chunk backward fails")
+            yield
+    finally:
+        dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails = saved
+
+
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
                     dtype: torch.dtype = torch.float32, decay: str = "fixed", scans: int = 1,
                     training: bool = True, batch: int = 1, backend: str = "triton",
-                    autocast: bool = False, chunk_size: Optional[int] = None) -> Dict[str, float]:
+                    autocast: bool = False, chunk_size: Optional[int] = None,
+                    fallback: Optional[str] = None) -> Dict[str, float]:
     """written, saved, peak and backward bytes of one forward (and backward) of a LION attention module
     (form "deit": timm's Attention) as multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens
     (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype; chunk_size: the
-    torch backend's chunk form's (None: one chunk)."""
+    torch backend's chunk form's (None: one chunk); fallback: train as where FLA's chunk backward fails, through
+    this dispatch.CHUNK_BACKWARD_FALLBACK."""
+    if fallback is not None:
+        with _chunk_backward_failing(fallback):
+            return measure_traffic(form, tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,
+                                   autocast, chunk_size)
     if backend == "triton":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         import interpret  # the interpreter's two adaptations (tests/interpret.py)
@@ -212,6 +237,8 @@ def main() -> None:
     parser.add_argument("--inference", action="store_true", help="an evaluation forward, without autograd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--autocast", action="store_true", help="float32 weights, the call under autocast to --dtype")
+    parser.add_argument("--fallback", choices=sorted(dispatch.CHUNK_BACKWARD_FALLBACKS),
+                        help="train as where FLA's chunk backward fails, through this CHUNK_BACKWARD_FALLBACK")
     parser.add_argument("--by-operator", action="store_true",
                         help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()
@@ -221,12 +248,13 @@ def main() -> None:
     precision = f"autocast to {args.dtype}" if args.autocast else args.dtype
     print(f"| form | written / (q+k+v) | saved / (q+k+v) | peak / (q+k+v) | backward / (q+k+v) |   ({args.batch} x "
           f"{args.tokens} tokens, {args.heads} heads of {args.head_dim}, {args.scans} scan(s), {args.decay} decay, "
-          f"{args.backend} backend, {precision}, {mode})")
+          f"{args.backend} backend, {precision}, {mode}"
+          + (f", where FLA's chunk backward fails: {args.fallback}" if args.fallback else "") + ")")
     print("|---|---|---|---|---|")
     for form in args.forms:
         result = measure_traffic(form, args.tokens, args.heads, args.head_dim, DTYPES[args.dtype], args.decay,
                                  args.scans, training=not args.inference, batch=args.batch, backend=args.backend,
-                                 autocast=args.autocast, chunk_size=args.chunk_size)
+                                 autocast=args.autocast, chunk_size=args.chunk_size, fallback=args.fallback)
         backward = "-" if args.inference else f"{result['backward']:.1f}"
         print(f"| {form} | {result['written']:.1f} | {result['saved']:.1f} | {result['peak']:.1f} | {backward} |")
         if args.by_operator:

@@ -18,11 +18,11 @@ set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference train fallback normaliser forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): tests, equivalence and fallback as measured on a cold H200
+# compiles each model once): tests, equivalence and fallback's first two steps as measured on a cold H200
 # (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, compile from
 # two models compiled and timed there in 77 s, the others estimates until the durations printed after
 # each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=1 [normaliser]=2 [forms]=6
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=2 [normaliser]=2 [forms]=6
                     [compile]=4 [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -114,7 +114,10 @@ for part in "${parts[@]}"; do
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"
             run fallback_rnn "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
-                --models $deit lion_d_small:rnn lion_d_natural_small:rnn --out "$out/fallback_rnn" ;;
+                --models $deit lion_d_small:rnn lion_d_natural_small:rnn --out "$out/fallback_rnn"
+            run fallback_forward "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
+                --chunk-backward-fallback forward --models $deit lion_d_small:chunk lion_d_natural_small:chunk \
+                --out "$out/fallback_forward" ;;
         normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16
             run normaliser python3 scripts/benchmark_normaliser.py ;;
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS

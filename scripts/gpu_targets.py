@@ -111,8 +111,8 @@ def setting_lines(folder: Path) -> List[str]:
     """The dispatch settings the timings pick: dispatch.AUTO_CHUNK_MIN_TOKENS (the smallest size measured
     from which the chunk kernels are faster than the attention form, training and inference, one and two
     scans; where environment.txt says FLA's chunk backward fails, the training rows timed the fallback and
-    say so) and dispatch.CHUNK_BACKWARD_FALLBACK (the faster of the portable chunk form and the recurrent
-    kernels where FLA's chunk backward fails)."""
+    say so) and dispatch.CHUNK_BACKWARD_FALLBACK (the fastest of the portable chunk form, the recurrent
+    kernels and the chunk kernels with a backward of their forward pass, where FLA's chunk backward fails)."""
     lines = ["| setting | measured | pick |", "|---|---|---|"]
     environment = folder / "environment.txt"
     # where FLA's chunk backward fails, the forms part's "chunk" rows trained through the fallback
@@ -138,17 +138,23 @@ def setting_lines(folder: Path) -> List[str]:
         if timed == "fallback":
             pick += " (not for the chunk kernels: their backward fails here, the fallback trained)"
         lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
+    names = {"torch": "portable chunk form", "rnn": "recurrent kernels",
+             "forward": "chunk kernels (backward by forward)"}
     for model in ("lion_d_small", "lion_d_natural_small"):
         found = {}
-        for backend in ("torch", "rnn"):
-            rows = {r["model"]: r for r in read(folder / f"fallback_{backend}" / "train.csv")}
-            found[backend] = number(rows.get(model), "x_baseline")
-        if None in found.values():
+        for fallback in names:
+            rows = {r["model"]: r for r in read(folder / f"fallback_{fallback}" / "train.csv")}
+            ratio = number(rows.get(model), "x_baseline")
+            if ratio is not None:
+                found[fallback] = ratio
+        if not found:
             lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | not measured | - |")
             continue
-        pick = "torch" if found["torch"] <= found["rnn"] else "rnn"
-        lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | portable chunk form x{found['torch']:.2f}, "
-                     f"recurrent kernels x{found['rnn']:.2f} of DeiT-S | \"{pick}\" |")
+        measured = ", ".join(f"{names[fallback]} x{ratio:.2f}" for fallback, ratio in found.items())
+        pick = min(found, key=found.get)
+        missing = [names[fallback] for fallback in names if fallback not in found]
+        lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
+                     + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
     return lines
 
 

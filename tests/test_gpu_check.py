@@ -94,9 +94,11 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert len({a.img_size for a in forms}) >= 3
     for args in forms:
         assert ("lion_d_small", "chunk", None) in args.models
-    fallback = {a.attn_backend: a for a in train if a.img_size == 896 and a.attn_backend != "auto"}
-    assert ("lion_d_small", "chunk", 64) in fallback["torch"].models  # the portable form needs its chunks
-    assert ("lion_d_small", "rnn", None) in fallback["triton"].models
+    fallback = {(a.attn_backend, a.chunk_backward_fallback): a for a in train
+                if a.img_size == 896 and a.attn_backend != "auto"}
+    assert ("lion_d_small", "chunk", 64) in fallback["torch", "torch"].models  # the portable form needs its chunks
+    assert ("lion_d_small", "rnn", None) in fallback["triton", "torch"].models
+    assert ("lion_d_small", "chunk", None) in fallback["triton", "forward"].models
     assert all(a.models[0] == ("deit_small_patch16_224", None, None) for a in train)
 
 
@@ -127,13 +129,19 @@ def test_settings_table_picks_from_the_timings(tmp_path):
         write(f"forms_{size}/train.csv", "model,form,img_size,status,step_s",
               f"lion_d_small,attention,{size},ok,{attention}", f"lion_d_small,chunk,{size},ok,{chunk}")
     write("fallback_torch/train.csv", "model,form,status,x_baseline", "lion_d_small,chunk,ok,0.8")
-    write("fallback_rnn/train.csv", "model,form,status,x_baseline", "lion_d_small,rnn,ok,1.3")
+    write("fallback_rnn/train.csv", "model,form,status,x_baseline", "lion_d_small,rnn,ok,1.3",
+          "lion_d_natural_small,rnn,ok,2.0")
+    write("fallback_forward/train.csv", "model,form,status,x_baseline", "lion_d_small,chunk,ok,0.7",
+          "lion_d_natural_small,chunk,out of memory,")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
     assert row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"][1] == "1601"  # 640 px: 40 x 40 patches + 1
     assert row["AUTO_CHUNK_MIN_TOKENS[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
-    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_small, 896 px b32)"][1] == '"torch"'
-    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_natural_small, 896 px b32)"] == ["not measured", "-"]
+    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_small, 896 px b32)"] == [
+        "portable chunk form x0.80, recurrent kernels x1.30, chunk kernels (backward by forward) x0.70 of DeiT-S",
+        '"forward"']
+    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_natural_small, 896 px b32)"][1] == (
+        '"rnn" (not measured: portable chunk form, chunk kernels (backward by forward))')
     # where the chunk backward fails, the training rows timed the fallback: the pick says so
     (tmp_path / "environment.txt").write_text("flash-linear-attention's chunk backward: FAILS here (...)\n")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)

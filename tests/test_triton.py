@@ -267,6 +267,19 @@ def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fal
                 training=True).backward_by_forward is (fallback == "forward")
 
 
+@pytest.mark.skipif(interpret.ON_GPU, reason="the proxy counts operators around the interpreter's kernel launches")
+def test_the_forward_fallback_writes_its_stacked_inputs_once():
+    """The "forward" fallback's backward, counted by scripts/benchmark_traffic.py (float16, 256 tokens, head
+    width 64): the three problems' stacked inputs are written once each (reversed as they are copied, not
+    flipped and then stacked), and the gates' dot products sum 16-bit products in float32 without float32
+    copies of q, dq, k, dk (docs/benchmarks.md, "Traffic")."""
+    import runpy
+    measure = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_traffic.py"))["measure_traffic"]
+    result = measure("chunk", tokens=256, heads=1, head_dim=64, dtype=torch.float16, fallback="forward")
+    assert result["backward"] <= 21.5 and result["float32 backward"] <= 1.0, result
+    assert "flip" not in result["by operator"] and result["backward by operator"]["flip"] <= 1.5, result
+
+
 @pytest.mark.parametrize("decay", ["lit", "selective", "near0", "near1"])
 def test_the_normaliser_scan_matches_its_recurrence(decay, monkeypatch):
     """The normaliser kernels (ops/triton/normaliser.py) against n_p = scale q_p . s_p, s_p = exp(g_p) s_{p-1} +
