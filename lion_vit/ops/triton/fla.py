@@ -140,6 +140,16 @@ def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int
     return gates.reshape(batch * scans * 2, length, heads).contiguous(), folds
 
 
+def _chunk(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
+    """FLA's chunk_simple_gla, (o, final state); looked up inside the call, which a compiler does not trace."""
+    return _kernels()[0](q, k, v, g=g, scale=scale)
+
+
+def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
+    """FLA's fused_recurrent_simple_gla, (o, final state), looked up as _chunk's."""
+    return _kernels()[1](q, k, v, g=g, scale=scale)
+
+
 class _ForwardBackward(torch.autograd.Function):
     """FLA's chunk kernels with a backward made of their own forward pass, for where FLA's chunk backward
     fails (chunk_backward_fails). The gradients of o = scale (q k^T * M) v, M_ts = exp(G_t - G_s) for s <= t
@@ -155,7 +165,7 @@ class _ForwardBackward(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], scale: float) -> Tensor:
         ctx.save_for_backward(q, k, v, g)
         ctx.scale = scale
-        return _kernels()[0](q, k, v, g=g, scale=scale)[0]
+        return _chunk(q, k, v, g=g, scale=scale)[0]
 
     @staticmethod
     def backward(ctx, do: Tensor):
@@ -184,7 +194,7 @@ def _forwards(problems, scale: float) -> list:
         q, k, v = (_stacked([problems[index][0][part] for index in members]) for part in range(3))
         g = problems[members[0]][1]
         g = None if g is None else torch.cat([problems[index][1] for index in members])
-        out, _ = _kernels()[0](q, k, v, g=g, scale=scale)
+        out, _ = _chunk(q, k, v, g=g, scale=scale)
         for index, output in zip(members, out.chunk(len(members))):
             outputs[index] = output
     return outputs
@@ -243,7 +253,7 @@ def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], or
     [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features);
     grouped: one call per group of images (GROUP_SHARE), for inference: no autograd; backward_by_forward:
     the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails."""
-    kernel = _chunk_with_forward_backward if backward_by_forward else _kernels()[0]
+    kernel = _chunk_with_forward_backward if backward_by_forward else _chunk
     return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, states=True)
 
 
@@ -252,7 +262,7 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
                    grouped: bool = False) -> Tensor:
     """Y by FLA's fused recurrent kernel: every scan and direction in one launch, O(L d) memory. Arguments
     as chunk_form's."""
-    return _run(_kernels()[1], q, k, v, log_decays, orders, feature_map, grouped, states=False)
+    return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, states=False)
 
 
 @torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
