@@ -171,10 +171,8 @@ class _ForwardBackward(torch.autograd.Function):
     def backward(ctx, do: Tensor):
         q, k, v, g = ctx.saved_tensors
         gates = None if g is None else F.pad(g.flip(1)[:, :-1], (0, 0, 1, 0))  # g'_p = g_{L-p}
-        dq, dk, dv = _forwards([(((do, False), (v, False), (k, False)), g),
-                                (((v, True), (do, True), (q, True)), gates),
-                                (((k, True), (q, True), (do, True)), gates)], ctx.scale)
-        dk, dv = dk.flip(1), dv.flip(1)
+        dq, dk, dv = _forwards([(do, v, k, g, False), (v, do, q, gates, True), (k, q, do, gates, True)], ctx.scale)
+        dk, dv = dk.flip(1), dv.flip(1)  # (a reversed problem's output comes in reversed token order)
         dg = None
         if g is not None and ctx.needs_input_grad[3]:  # d/dG_t; g_s is in every G_t with t >= s
             dG = (q * dq).sum(-1, dtype=torch.float32) - (k * dk).sum(-1, dtype=torch.float32)
@@ -184,31 +182,32 @@ class _ForwardBackward(torch.autograd.Function):
 
 def _forwards(problems, scale: float) -> list:
     """The outputs of causal problems by FLA's chunk forward, those of the same query and value widths in
-    one call, stacked on the batch axis. A problem: its queries, keys and values as (tensor [N, L, H, D],
-    whether it is read in reversed token order), and its gates [N, L, H] or None."""
+    one call, stacked on the batch axis. A problem: queries, keys, values [N, L, H, D], gates [N, L, H] or
+    None, and whether its tensors are read in reversed token order."""
     outputs = [None] * len(problems)
     widths: Dict[Tuple[int, int], list] = {}
-    for index, (((q, _), _, (v, _)), _) in enumerate(problems):
+    for index, (q, _, v, _, _) in enumerate(problems):
         widths.setdefault((q.shape[-1], v.shape[-1]), []).append(index)
     for members in widths.values():
-        q, k, v = (_stacked([problems[index][0][part] for index in members]) for part in range(3))
-        g = problems[members[0]][1]
-        g = None if g is None else torch.cat([problems[index][1] for index in members])
+        chosen = [problems[index] for index in members]
+        q, k, v = (_stacked([problem[part] for problem in chosen], [problem[4] for problem in chosen])
+                   for part in range(3))
+        g = None if chosen[0][3] is None else torch.cat([problem[3] for problem in chosen])
         out, _ = _chunk(q, k, v, g=g, scale=scale)
         for index, output in zip(members, out.chunk(len(members))):
             outputs[index] = output
     return outputs
 
 
-def _stacked(parts) -> Tensor:
-    """(tensor, reversed) pairs stacked on the batch axis, each written once, in reversed token order where
-    asked (no flipped copy first)."""
-    first = parts[0][0]
-    out = first.new_empty((len(parts) * first.shape[0], *first.shape[1:]))
-    for target, (tensor, reverse) in zip(out.chunk(len(parts)), parts):
+def _stacked(tensors, reversed_: list) -> Tensor:
+    """tensors [N, L, ...] stacked on the batch axis, each written once, in reversed token order where
+    reversed_ says so (no flipped copy first)."""
+    first = tensors[0]
+    out = first.new_empty((len(tensors) * first.shape[0], *first.shape[1:]))
+    backwards = torch.arange(first.shape[1] - 1, -1, -1, device=first.device) if any(reversed_) else None
+    for target, tensor, reverse in zip(out.chunk(len(tensors)), tensors, reversed_):
         if reverse:
-            length = tensor.shape[1]
-            torch.index_select(tensor, 1, torch.arange(length - 1, -1, -1, device=tensor.device), out=target)
+            torch.index_select(tensor, 1, backwards, out=target)
         else:
             target.copy_(tensor)
     return out
