@@ -4,7 +4,12 @@ multiple of the kernels' 64-token tile. On a CPU the kernels run under Triton's 
 shapes (tests/interpret.py); on a GPU (make gpu-check) natively, with TF32 off."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import timm
@@ -322,6 +327,58 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
     assert [[cell.strip() for cell in row[:4]] for row in rows] == [["1", "64", "4", "16"], ["1", "16", "4", "2"]]
     assert all(float(row[-1]) < 1e-4 for row in rows)
     assert (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE) == before
+
+
+# A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses
+NATIVE_ONLY_ERROR = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def loop_sum(x, y, n):
+    total = 0  # int32 before the loop, float32 in it
+    for i in range(n):
+        total += tl.load(x + i)
+    tl.store(y, total)
+"""
+
+
+def _ptxas_here() -> bool:
+    import triton
+    return bool(os.environ.get("TRITON_PTXAS_PATH")) or (Path(triton.__file__).parent / "backends" / "nvidia" /
+                                                         "bin" / "ptxas").is_file()
+
+
+@pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the tests above compile and run every kernel natively")
+@pytest.mark.skipif(not _ptxas_here(), reason="no ptxas (Triton's Linux x86-64 wheels bring one)")
+def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
+    """scripts/compile_kernels.py: the launches that the triton backend's calls make here (recorded, not run)
+    compile for sm_90 as a GPU's first call would, each of our six kernels in float32, float16 and bfloat16;
+    a kernel that the interpreter runs but the compiler refuses fails the check, named with the reason."""
+    sys.path.insert(0, str(interpret.ROOT / "scripts"))
+    import compile_kernels
+    launches = compile_kernels.recorded_launches(quick=True)
+    (tmp_path / "native_only.py").write_text(NATIVE_ONLY_ERROR)
+    pointer = {"tensor": "float32", "aligned": True}
+    launches.append(["native_only", "loop_sum", [pointer, pointer, 24], {}])
+    (tmp_path / "launches.json").write_text(json.dumps(launches))
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(interpret.ROOT)]),
+               TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(interpret.ROOT / "scripts" / "compile_kernels.py"), "--arch", "90",
+                             "--records", str(tmp_path / "launches.json")], env=env, capture_output=True, text=True,
+                            timeout=600)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    ok = [line for line in lines if line.startswith("ok   sm_90 ")]
+    compiled = {tuple(line.split()[2:4]) for line in ok}
+    kernels = ["_operands_kernel", "_operands_backward_kernel", "_finish_kernel", "_finish_backward_kernel",
+               "_sums_kernel", "_scan_kernel"]
+    assert compiled == {(kernel, dtype) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")}
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert failed == ["FAIL sm_90 loop_sum float32 "] and "Loop-carried variable total" in result.stdout
+    assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
 def test_triton_refuses_float64():

@@ -1,0 +1,203 @@
+"""Compile every Triton kernel of lion_vit for GPUs, on a machine without one.
+
+The tests run the kernels under Triton's interpreter, which executes their Python with numpy: it accepts
+programs that the GPU compiler rejects (a loop variable whose type changes, more shared memory than a GPU
+has) and cannot run bfloat16. This script runs the triton backend's chunk and rnn forms under
+the interpreter on small inputs (float32 and float16, every decay kind, one and two scans, every fused
+feature map, training and inference), records every launch of lion_vit's own kernels (not FLA's), and
+compiles each distinct launch to a cubin for each target with Triton's compiler and ptxas, as a GPU's
+first call would: float16 launches also in bfloat16, the dtype GPUs train in.
+
+    python scripts/compile_kernels.py                    # sm_90 (H100, H200) and sm_80 (A100)
+    python scripts/compile_kernels.py --arch 90 --quick  # fewer calls (those of tests/test_triton.py)
+
+Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory) and exits 1 if
+any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
+kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the most shared memory a block may use, by compute capability (CUDA C++ Programming Guide)
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+def calls(quick: bool):
+    """Thunks that each run one call of the triton backend (and its backward in training)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lion_vit.ops import Plan, lion_attention, lion_attention_multiscan, snake_orders
+
+    def call(dtype, decay, scans, form, feature_map, training, length=20, width=64):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, length, width, generator=g).to(dtype).requires_grad_(training) for _ in "qkv")
+        logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
+        log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
+        # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product)
+        plan = Plan(form, "triton", chunks=2 if form == "chunk" else 1, grouped=not training)
+        with torch.set_grad_enabled(training):
+            if scans == 1:
+                y = lion_attention(q, k, v, log_decay, plan=plan, feature_map=feature_map)
+            else:  # two snakes over a 4 x 5 grid
+                decays = None if log_decay is None else torch.stack([log_decay, log_decay / 2])
+                y = lion_attention_multiscan(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map)
+            if training:
+                y.float().sum().backward()
+
+    cases = [(decay, scans, form, feature_map, training)
+             for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
+             for form in ("chunk", "rnn") for feature_map in ("silu", "silu_norm", "elu", None)
+             for training in (True, False)]
+    if quick:  # every kernel and every value of its flags at least once
+        cases = [("lit", 1, "rnn", "silu_norm", True), ("selective", 2, "chunk", "elu", True),
+                 ("fixed", 1, "chunk", None, False)]
+    for dtype in (torch.float32, torch.float16):
+        for case in cases:
+            yield lambda dtype=dtype, case=case: call(dtype, *case)
+
+
+def recorded_launches(quick: bool) -> list:
+    """Runs `calls` under the interpreter (TRITON_INTERPRET=1), launching no kernel, and returns the distinct
+    launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype and alignment."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import interpret  # the interpreter's two adaptations for FLA's kernels (tests/interpret.py)
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpret.adapt_interpreter()
+    launches = {}
+
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return {"tensor": str(value.dtype)[6:], "aligned": value.data_ptr() % 16 == 0}
+        return value
+
+    def recording(self, *args, grid, warmup, **kwargs):  # (no kernel runs: only the launches' arguments matter)
+        if self.fn.__module__.startswith("lion_vit."):
+            launch = [self.fn.__module__, self.fn.__name__, [describe(a) for a in args],
+                      {key: describe(value) for key, value in kwargs.items()}]
+            launches.setdefault(json.dumps(launch), launch)
+
+    run, InterpretedFunction.run = InterpretedFunction.run, recording
+    try:
+        for thunk in calls(quick):
+            thunk()
+    finally:
+        InterpretedFunction.run = run
+    return list(launches.values())
+
+
+class _Target:
+    """A driver for Triton's compiler that names a GPU target and launches nothing (JITFunction.warmup
+    compiles without launching); each target is a device of its own, so its compiled kernels are apart."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.arch, self.target = arch, GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return self.arch
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _variants(launch):
+    """The launch as recorded and, where it reads float16 tensors, as the same launch in bfloat16."""
+    yield launch
+    module, name, args, kwargs = launch
+    swap = lambda a: dict(a, tensor="bfloat16") if isinstance(a, dict) and a["tensor"] == "float16" else a  # noqa: E731
+    if any(isinstance(a, dict) and a["tensor"] == "float16" for a in [*args, *kwargs.values()]):
+        yield [module, name, [swap(a) for a in args], {key: swap(value) for key, value in kwargs.items()}]
+
+
+def _dtype(launch) -> str:
+    """The launch's 16-bit float dtype, or float32."""
+    tensors = {a["tensor"] for a in [*launch[2], *launch[3].values()] if isinstance(a, dict)}
+    return next((t for t in ("float16", "bfloat16") if t in tensors), "float32")
+
+
+def compile_all(launches, archs) -> int:
+    """Compiles each launch (and its bfloat16 variant) for each target; prints a line each; returns the failures."""
+    import importlib
+
+    import torch
+    from triton.runtime import driver
+
+    def rebuild(value):
+        if isinstance(value, dict):
+            tensor = torch.empty(8, dtype=getattr(torch, value["tensor"]))
+            return tensor if value["aligned"] else tensor[1:]
+        return value
+
+    failures = 0
+    for arch in archs:  # (the last target stays the active driver: a machine without a GPU has no other)
+        driver.set_active(_Target(arch))
+        for launch in [v for recorded in launches for v in _variants(recorded)]:
+            module, name, args, kwargs = launch
+            flags = " ".join(f"{key}={value}" for key, value in kwargs.items() if key.isupper())
+            what = f"sm_{arch} {name} {_dtype(launch)} {flags}"
+            kernel = getattr(importlib.import_module(module), name)
+            try:
+                compiled = kernel.warmup(*map(rebuild, args), grid=(1,), **{k: rebuild(v) for k, v in kwargs.items()})
+                shared, limit = compiled.metadata.shared, SHARED_MEMORY.get(arch, float("inf"))
+                if shared > limit:  # (a launch would raise OutOfResources)
+                    raise RuntimeError(f"needs {shared} B of shared memory, sm_{arch} has {limit} B per block")
+            except Exception as error:  # the compiler's error, whatever its class: reported, not raised
+                failures += 1
+                print(f"FAIL {what}\n  {type(error).__name__}: {str(error).strip()}", flush=True)
+            else:
+                print(f"ok   {what}  shared {shared} B", flush=True)
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80],
+                        help="compute capabilities to compile for (90: H100/H200, 80: A100)")
+    parser.add_argument("--quick", action="store_true", help="record fewer calls: every kernel and flag once")
+    parser.add_argument("--records", help="compile the launches in this JSON file instead of recording them")
+    parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
+    args = parser.parse_args(argv)
+    if args.record_to:
+        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick)))
+        return 0
+    if args.records is None:  # recorded in a child process: the interpreter is on there, off here
+        with tempfile.TemporaryDirectory() as folder:
+            path = str(Path(folder) / "launches.json")
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            child = [sys.executable, __file__, "--record-to", path] + (["--quick"] if args.quick else [])
+            if subprocess.run(child, env=env).returncode:
+                print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
+                return 1
+            launches = json.loads(Path(path).read_text())
+    else:
+        try:
+            launches = json.loads(Path(args.records).read_text())
+        except (OSError, ValueError) as error:
+            print(f"compile_kernels: cannot read --records {args.records} ({error}); give a JSON file that this "
+                  "script's recording wrote, or leave --records out to record the launches here")
+            return 2
+    failures = compile_all(launches, args.arch)
+    total = len([v for launch in launches for v in _variants(launch)]) * len(args.arch)
+    print(f"{total - failures} of {total} launches compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    if not os.environ.get("TRITON_INTERPRET") or "--record-to" in sys.argv:
+        sys.exit(main())
+    sys.exit(subprocess.run([sys.executable, __file__, *sys.argv[1:]],  # the compiler, not the interpreter
+                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}).returncode)
