@@ -11,8 +11,9 @@ first call would: float16 launches also in bfloat16, the dtype GPUs train in.
     python scripts/compile_kernels.py                    # sm_90 (H100, H200) and sm_80 (A100)
     python scripts/compile_kernels.py --arch 90 --quick  # fewer calls (those of tests/test_triton.py)
 
-Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory) and exits 1 if
-any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
+Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
+cubin its registers per thread and local memory, which is where registers spill) and exits 1 if any
+fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
 kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,21 @@ def _dtype(launch) -> str:
     return next((t for t in ("float16", "bfloat16") if t in tensors), "float32")
 
 
+def _registers(compiled) -> str:
+    """", registers R, local L B" from the cubin's resource usage (cuobjdump, beside Triton's ptxas): L > 0
+    means that the kernel spills registers to memory; "" where the tool is missing."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if "cubin" not in compiled.asm or not tool.is_file():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
+    return f", registers {found[1]}, local {found[2]} B" if found else ""
+
+
 def compile_all(launches, archs) -> int:
     """Compiles each launch (and its bfloat16 variant) for each target; prints a line each; returns the failures."""
     import importlib
@@ -159,7 +176,7 @@ def compile_all(launches, archs) -> int:
                 failures += 1
                 print(f"FAIL {what}\n  {type(error).__name__}: {str(error).strip()}", flush=True)
             else:
-                print(f"ok   {what}  shared {shared} B", flush=True)
+                print(f"ok   {what}  shared {shared} B{_registers(compiled)}", flush=True)
     return failures
 
 
