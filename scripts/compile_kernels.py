@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 # the most shared memory a block may use, by compute capability (CUDA C++ Programming Guide)
@@ -131,17 +132,26 @@ def _dtype(launch) -> str:
     return next((t for t in ("float16", "bfloat16") if t in tensors), "float32")
 
 
+def nvidia_tool(name: str) -> Optional[str]:
+    """The path of an NVIDIA tool as Triton's compiler finds it ("ptxas", "cuobjdump": TRITON_<NAME>_PATH, else
+    the one its Linux x86-64 wheels ship), or None where there is none."""
+    try:
+        from triton import knobs
+        return getattr(knobs.nvidia, name).path
+    except (ImportError, AttributeError, RuntimeError):  # (Triton before knobs, or no such tool)
+        return None
+
+
 def _registers(compiled) -> str:
-    """", registers R, local L B" from the cubin's resource usage (cuobjdump, beside Triton's ptxas): L > 0
-    means that the kernel spills registers to memory; "" where the tool is missing."""
-    import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if "cubin" not in compiled.asm or not tool.is_file():
+    """", registers R, local L B" from the cubin's resource usage (cuobjdump): L > 0 means that the kernel
+    spills registers to memory; "" where the tool is missing."""
+    tool = nvidia_tool("cuobjdump")
+    if "cubin" not in compiled.asm or tool is None:
         return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
     return f", registers {found[1]}, local {found[2]} B" if found else ""
 

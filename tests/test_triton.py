@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import timm
@@ -21,6 +20,9 @@ from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import rel_err
 from test_ops import float16_overflowing_inputs, make_inputs
+
+sys.path.insert(0, str(interpret.ROOT / "scripts"))
+import compile_kernels  # noqa: E402  (scripts/compile_kernels.py: the native compile check)
 
 pytestmark = [pytest.mark.skipif(not interpret.KERNELS, reason=interpret.SKIP_REASON),
               # the interpreter evaluates exp2 on masked-out lanes too, where it may overflow (unused there)
@@ -344,20 +346,13 @@ def loop_sum(x, y, n):
 """
 
 
-def _ptxas_here() -> bool:
-    import triton
-    return bool(os.environ.get("TRITON_PTXAS_PATH")) or (Path(triton.__file__).parent / "backends" / "nvidia" /
-                                                         "bin" / "ptxas").is_file()
-
-
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the tests above compile and run every kernel natively")
-@pytest.mark.skipif(not _ptxas_here(), reason="no ptxas (Triton's Linux x86-64 wheels bring one)")
+@pytest.mark.skipif(compile_kernels.nvidia_tool("ptxas") is None, reason="no ptxas (Triton's Linux x86-64 wheels "
+                    "bring one)")
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
     """scripts/compile_kernels.py: the launches that the triton backend's calls make here (recorded, not run)
     compile for sm_90 as a GPU's first call would, each of our six kernels in float32, float16 and bfloat16;
     a kernel that the interpreter runs but the compiler refuses fails the check, named with the reason."""
-    sys.path.insert(0, str(interpret.ROOT / "scripts"))
-    import compile_kernels
     launches = compile_kernels.recorded_launches(quick=True)
     (tmp_path / "native_only.py").write_text(NATIVE_ONLY_ERROR)
     pointer = {"tensor": "float32", "aligned": True}
