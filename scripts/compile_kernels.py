@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # the most shared memory a block may use, by compute capability (CUDA C++ Programming Guide)
@@ -156,8 +156,9 @@ def _registers(compiled) -> str:
     return f", registers {found[1]}, local {found[2]} B" if found else ""
 
 
-def compile_all(launches, archs) -> int:
-    """Compiles each launch (and its bfloat16 variant) for each target; prints a line each; returns the failures."""
+def compile_all(launches, archs) -> Tuple[int, int]:
+    """Compiles each launch (and its bfloat16 variant) for each target; prints a line each; returns how many
+    compiled and how many were tried."""
     import importlib
 
     import torch
@@ -169,10 +170,11 @@ def compile_all(launches, archs) -> int:
             return tensor if value["aligned"] else tensor[1:]
         return value
 
+    launches = [variant for recorded in launches for variant in _variants(recorded)]
     failures = 0
     for arch in archs:  # (the last target stays the active driver: a machine without a GPU has no other)
         driver.set_active(_Target(arch))
-        for launch in [v for recorded in launches for v in _variants(recorded)]:
+        for launch in launches:
             module, name, args, kwargs = launch
             flags = " ".join(f"{key}={value}" for key, value in kwargs.items() if key.isupper())
             what = f"sm_{arch} {name} {_dtype(launch)} {flags}"
@@ -187,7 +189,8 @@ def compile_all(launches, archs) -> int:
                 print(f"FAIL {what}\n  {type(error).__name__}: {str(error).strip()}", flush=True)
             else:
                 print(f"ok   {what}  shared {shared} B{_registers(compiled)}", flush=True)
-    return failures
+    total = len(launches) * len(archs)
+    return total - failures, total
 
 
 def main(argv=None) -> int:
@@ -217,10 +220,9 @@ def main(argv=None) -> int:
             print(f"compile_kernels: cannot read --records {args.records} ({error}); give a JSON file that this "
                   "script's recording wrote, or leave --records out to record the launches here")
             return 2
-    failures = compile_all(launches, args.arch)
-    total = len([v for launch in launches for v in _variants(launch)]) * len(args.arch)
-    print(f"{total - failures} of {total} launches compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
-    return 1 if failures else 0
+    compiled, total = compile_all(launches, args.arch)
+    print(f"{compiled} of {total} launches compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
+    return 0 if compiled == total else 1
 
 
 if __name__ == "__main__":
