@@ -32,7 +32,7 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
     form with it or where "torch" is asked for."""
     kernels(True)
     assert plan("chunk", 64, 3136, 64, 64, device=CPU, training=True).backend == "torch"
-    assert plan("chunk", 64, 3136, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=49)
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=49, chunk_size=64)
     assert plan("chunk", 64, 3136, 64, 64, device=CPU, backend="torch").backend == "torch"
     assert plan("rnn", None, 3136, 64, 64, device=CPU).backend == "torch"
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "triton"
@@ -55,7 +55,8 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
     monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_TOKENS", thresholds)
     for (training, scans), long in thresholds.items():
         assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training) == \
-            dispatch.Plan("chunk", "triton", chunks=-(-long // 64), grouped=not training), (training, scans)
+            dispatch.Plan("chunk", "triton", chunks=-(-long // 64), chunk_size=64, grouped=not training), \
+            (training, scans)
         assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
             "attention", (training, scans)
     assert plan("auto", None, 1024, 64, 64, device=CPU).form == "attention"
@@ -66,9 +67,9 @@ def test_chunk_form_runs_one_product_where_cheaper(kernels):
     kernels(True)
     assert plan("chunk", 64, 196, 64, 64, num_scans=2).whole  # natural models at 224 px
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole
-    assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13)
+    assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13, chunk_size=64)
     assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == \
-        dispatch.Plan("chunk", "triton", chunks=13, grouped=True)
+        dispatch.Plan("chunk", "triton", chunks=13, chunk_size=64, grouped=True)
 
 
 def test_triton_without_kernels_is_an_error_and_auto_warns_once_on_cuda(kernels):
@@ -151,17 +152,29 @@ def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monk
     kernels(True)
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
     monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
-    expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49), "rnn": dispatch.Plan("rnn", "triton"),
-                "forward": dispatch.Plan("chunk", "triton", chunks=49, backward_by_forward=True)}[fallback]
-    assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == dispatch.Plan("chunk", "triton", chunks=49, grouped=True)
+    expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49, chunk_size=64),
+                "rnn": dispatch.Plan("rnn", "triton"),
+                "forward": dispatch.Plan("chunk", "triton", chunks=49, chunk_size=64,
+                                         backward_by_forward=True)}[fallback]
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA) == \
+        dispatch.Plan("chunk", "triton", chunks=49, chunk_size=64, grouped=True)
     said = {"torch": "portable chunk form", "rnn": "fused recurrent kernels",
             "forward": "their forward passes"}[fallback]
     with pytest.warns(UserWarning, match=f"Triton 3.4.0 to 3.7.0.*{said}.*3.7.1 or later"):
         assert plan("chunk", 64, 3136, 64, 64, device=CUDA, training=True) == expected
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
-        assert plan("auto", None, 3136, 64, 64, num_scans=2, device=CUDA, training=True).form == expected.form
+        # the form "auto" asks for no chunk size: the fallback runs the kernels' tile, not one chunk of L
+        assert plan("auto", None, 3136, 64, 64, num_scans=2, device=CUDA, training=True) == expected
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA, training=True).whole  # torch matmuls
+    if fallback == "torch":  # the plan's chunk size is the one the portable form runs
+        from lion_vit.ops.chunk import chunk_form
+        sizes = []
+        monkeypatch.setitem(dispatch.TORCH_FORMS, "chunk", lambda *inputs, chunk_size: sizes.append(chunk_size)
+                            or chunk_form(*inputs, chunk_size=chunk_size))
+        q, k, v = torch.rand(3, 1, 1, 130, 4).unbind(0)
+        dispatch.implementation(expected)(q, k, v, None, None)
+        assert sizes == [64]
     assert plan("chunk", 64, 3136, 64, 64, device=CPU, training=True).form == "chunk"
     model = timm.create_model("lion_d_small", attn_form="chunk")
     assert model.attn_plan((896, 896), device=CUDA) == expected  # a model in training mode

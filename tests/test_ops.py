@@ -420,9 +420,9 @@ def test_cpu_backend_matches_the_portable_chunk_form(scans, decay):
     upstream, weights = torch.randn(v.shape, dtype=torch.float64, generator=g), None
     results = []
     for backend in ("cpu", "torch"):
-        run = dispatch.implementation(dispatch.Plan("chunk", backend, chunks=3))
+        run = dispatch.implementation(dispatch.Plan("chunk", backend, chunks=3, chunk_size=5))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if lam is None else [log_decays.clone().requires_grad_()])
-        out = run(*leaves[:3], leaves[3] if lam is not None else None, orders, chunk_size=5)
+        out = run(*leaves[:3], leaves[3] if lam is not None else None, orders)
         first = torch.autograd.grad((out * upstream).sum(), leaves, create_graph=True)
         weights = weights or [torch.randn(t.shape, dtype=torch.float64, generator=g) for t in first]
         second = torch.autograd.grad(sum((f * w).sum() for f, w in zip(first, weights)), leaves, allow_unused=True)

@@ -63,16 +63,18 @@ class Plan:
     """What a LION layer runs for one sequence length.
 
     form: the form that runs (attention | rnn | chunk); backend: torch | cpu | triton; whole: the chunk form
-    runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside
-    the chunk form); grouped: the triton backend runs the batch in groups of images (inference, where
-    autograd keeps nothing and the kernels' buffers are what a call holds); backward_by_forward: the chunk
-    kernels' backward runs as their forward pass (where FLA's own fails).
+    runs one product over the whole sequence; chunks: chunks per sequence (1 where whole or outside the
+    chunk form); chunk_size: the most tokens per chunk the chunk form runs with (None: one chunk; on the
+    triton backend its kernels' tile, TRITON_CHUNK); grouped: the triton backend runs the batch in groups
+    of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
+    backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails).
     """
 
     form: str
     backend: str
     whole: bool = False
     chunks: int = 1
+    chunk_size: Optional[int] = None
     grouped: bool = False
     backward_by_forward: bool = False
 
@@ -170,13 +172,14 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         if CHUNK_BACKWARD_FALLBACK == "rnn":
             return Plan("rnn", "triton")
         if CHUNK_BACKWARD_FALLBACK == "forward":
-            return Plan("chunk", "triton", chunks=chunk_count(length, chunk_size), backward_by_forward=True)
-        return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size))
+            return Plan("chunk", "triton", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size,
+                        backward_by_forward=True)
+        return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size)
     # (a compiler traces whole tensors: groups would tie its graph to the traced batch size)
     if auto_backend and backend == "torch" and device.type == "cpu" and not training and \
             not torch.compiler.is_compiling():
         backend = "cpu"
-    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), grouped=grouped)
+    return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, grouped=grouped)
 
 
 Form = Callable[..., Tuple[Tensor, Tensor]]
@@ -185,15 +188,16 @@ TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chun
 
 
 def implementation(run: Plan) -> Callable[..., Tensor]:
-    """The function that computes a plan, (q, k, v, log_decays, orders, chunk_size=, feature_map=) -> Y: the
-    triton backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser."""
+    """The function that computes a plan, (q, k, v, log_decays, orders, feature_map=) -> Y: the triton
+    backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
+    plan's chunk_size."""
     if run.backend == "triton":
         kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
         if run.backward_by_forward:
             return partial(kernels, backward_by_forward=True)
         return partial(kernels, grouped=True) if run.grouped else kernels
     return partial(_divided, cpu_backend.chunk_form if run.backend == "cpu" else
-                   TORCH_FORMS["attention" if run.whole else run.form])
+                   TORCH_FORMS["attention" if run.whole else run.form], chunk_size=run.chunk_size)
 
 
 def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],

@@ -32,7 +32,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] 
     """
     dispatch.check_inputs(q, k, v, log_decay)
     log_decays = None if log_decay is None else _bhl(log_decay)[None]
-    return _run(q, k, v, log_decays, None, chunk_size, feature_map,
+    return _run(q, k, v, log_decays, None, feature_map,
                 plan or inputs_plan(q, k, v, log_decays, None, form, chunk_size, backend))
 
 
@@ -51,7 +51,7 @@ def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Option
         orders = None
     else:
         log_decays = torch.stack([_bhl(a) for a in log_decays.unbind(0)])
-    return _run(q, k, v, log_decays, orders, chunk_size, feature_map,
+    return _run(q, k, v, log_decays, orders, feature_map,
                 plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend))
 
 
@@ -71,6 +71,7 @@ def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], o
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-         chunk_size: Optional[int], feature_map: Optional[str], run: dispatch.Plan) -> Tensor:
-    """log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None (one scan, token order)."""
-    return dispatch.implementation(run)(q, k, v, log_decays, orders, chunk_size=chunk_size, feature_map=feature_map)
+         feature_map: Optional[str], run: dispatch.Plan) -> Tensor:
+    """log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None (one scan, token order).
+    The plan's chunk size is the one that runs (the caller's, or the triton backend's tile)."""
+    return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map)
