@@ -18,11 +18,10 @@ set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference train fallback normaliser forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): tests, equivalence and fallback's first two steps as measured on a cold H200
-# (docs/benchmarks.md), train from its 224 px half there plus the fallback's 896 px step, compile from
-# two models compiled and timed there in 77 s, the others estimates until the durations printed after
-# each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=7 [train]=2 [fallback]=2 [normaliser]=2 [forms]=6
+# compiles each model once): tests, inference, train and fallback as measured on a cold H100, equivalence
+# on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
+# the others estimates until the durations printed after each part replace them
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [train]=2 [fallback]=2 [normaliser]=2 [forms]=6
                     [compile]=4 [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
