@@ -146,8 +146,8 @@ def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
 
 @pytest.mark.parametrize("fallback", ["torch", "rnn", "forward"])
 def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monkeypatch, fallback):
-    """Inference keeps the chunk kernels; training runs CHUNK_BACKWARD_FALLBACK (the portable chunk form by
-    default, the fused recurrent kernels, or the chunk kernels with a backward of their forward pass: the
+    """Inference keeps the chunk kernels; training runs CHUNK_BACKWARD_FALLBACK (the portable chunk form,
+    the fused recurrent kernels, or by default the chunk kernels with a backward of their forward pass: the
     same function) and says once why and how to get the chunk kernels' own backward back."""
     kernels(True)
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")

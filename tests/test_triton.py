@@ -220,9 +220,6 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monk
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
     CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (with a backward of their
     forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights."""
-    from lion_vit.ops import dispatch
-    if dispatch.triton_backend.chunk_backward_fails(DEVICE):
-        monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", "forward")
     model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=56, patch_size=4, embed_dim=32,
                               depth=1, num_heads=2).to(DEVICE)
     randomize_decays(model)
@@ -401,7 +398,7 @@ def test_triton_backend_refuses_double_backward_in_one_line(form):
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam))]
     out = lion_attention(*leaves, form=form, backend="triton")
     if plan(form, None, 20, 16, 16, device=DEVICE, backend="triton", training=True).backend != "triton":
-        # where FLA's chunk backward fails, training runs the portable chunk form: it has double backward
+        # where FLA's chunk backward fails and the portable chunk form is the fallback: it has double backward
         assert torch.isfinite(torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)[0]).all()
         return
     with pytest.raises(RuntimeError, match="no double backward; for second-order gradients use attn_backend='torch'"):

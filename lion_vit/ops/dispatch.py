@@ -39,17 +39,18 @@ FORM_CHOICES = ("auto",) + FORM_NAMES
 BACKENDS = ("auto", "torch", "triton")
 
 # Form "auto" on the triton backend runs the chunk kernels from this many tokens on (896 px at patch 16
-# has 3,137), the attention form below, by (training, number of scans). Guesses until a GPU has run the
-# forms part of `make gpu-check`, which times both forms side by side from 577 to 3,137 tokens.
-AUTO_CHUNK_MIN_TOKENS = {(False, 1): 1024, (False, 2): 1024, (True, 1): 1024, (True, 2): 1024}
+# has 3,137), the attention form below, by (training, number of scans). Inference: the smallest length
+# timed at which the kernels win (the inference part of `make gpu-check`, docs/benchmarks.md); training:
+# a guess until the forms part has timed both forms from 577 to 3,137 tokens.
+AUTO_CHUNK_MIN_TOKENS = {(False, 1): 3137, (False, 2): 3137, (True, 1): 1024, (True, 2): 1024}
 
 # Training in the chunk form where FLA's chunk backward fails: "torch" (the portable chunk form, parallel
 # over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward" (the chunk kernels,
-# whose backward runs as three more of their forward passes). The portable form until the fallback part
-# of `make gpu-check` has timed the three (scripts/gpu_targets.py prints the winner).
+# whose backward runs as three more of their forward passes): the fastest of the three where the fallback
+# part of `make gpu-check` timed them (docs/benchmarks.md; scripts/gpu_targets.py prints the winner).
 CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels",
                             "forward": "the chunk kernels with a backward of their forward passes"}
-CHUNK_BACKWARD_FALLBACK = "torch"
+CHUNK_BACKWARD_FALLBACK = "forward"
 
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
