@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,6 +68,17 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0, "a non-negative")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _unwritable(folder: Path) -> Optional[str]:
@@ -130,6 +141,10 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile every model (backend inductor, or aot_eager: Dynamo and AOTAutograd "
                              "without Inductor's code); its first, compiling call is timed on its own (compile_s)")
     add_backend_argument(parser)
+    parser.add_argument("--group-share", type=positive_float, default=None, metavar="SHARE",
+                        help="the triton backend's inference groups of images: a group's kernel buffers at most this "
+                             "share of the batch's q, k, v (default: the code's, lion_vit.ops.triton.fla.GROUP_SHARE); "
+                             "a large value runs the batch in one call")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
 
 
@@ -144,7 +159,8 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
 def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The row fields that add_inference_arguments' options set (measure_rows reads them)."""
     return dict(batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
-                compile=args.compile, attn_backend=args.attn_backend)
+                compile=args.compile, attn_backend=args.attn_backend,
+                **({"group_share": args.group_share} if args.group_share is not None else {}))
 
 
 def describe_settings(args: argparse.Namespace) -> str:
@@ -206,6 +222,18 @@ def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_s
     return model.to(dtype) if dtype == torch.float64 else model
 
 
+@contextlib.contextmanager
+def _group_share(share: Optional[float]) -> Iterator[None]:
+    """lion_vit.ops.triton.fla.GROUP_SHARE set to `share` inside the block (None: the code's)."""
+    from lion_vit.ops.triton import fla
+    saved = fla.GROUP_SHARE
+    fla.GROUP_SHARE = saved if share is None else share
+    try:
+        yield
+    finally:
+        fla.GROUP_SHARE = saved
+
+
 MEMORY_MODES = ("steady", "first")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 
@@ -213,14 +241,15 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
                       memory: str = "steady", compile: Optional[str] = None,
-                      attn_backend: str = "auto") -> Dict[str, Any]:
+                      attn_backend: str = "auto", group_share: Optional[float] = None) -> Dict[str, Any]:
     """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process
     (and, for a LION model's chunk form, its chunks per sequence).
 
     memory: "steady" measures the peak of a second forward, "first" that of the first call.
     compile: None, or the torch.compile backend for the model ("inductor", "aot_eager"); its compiling
     first call is timed as compile_s.
-    attn_backend: the LION models' (lion_vit.ops.dispatch).
+    attn_backend: the LION models' (lion_vit.ops.dispatch). group_share: the triton backend's
+    lion_vit.ops.triton.fla.GROUP_SHARE for this measurement (None: the code's).
     """
     if memory not in MEMORY_MODES:
         raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")
@@ -240,7 +269,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         else torch.autocast(dev.type, enabled=False)
 
     def forward() -> None:
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), autocast, _group_share(group_share):
             model(x)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -349,8 +378,8 @@ def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, time
     measurement, and add the result (status, time_s, peak_mem_mb; compile_s when compiled) to the row."""
     configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
                     batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
-                    memory=r["memory"], compile=r.get("compile"),
-                    attn_backend=r.get("attn_backend", "auto")) for r in rows]
+                    memory=r["memory"], compile=r.get("compile"), attn_backend=r.get("attn_backend", "auto"),
+                    group_share=r.get("group_share")) for r in rows]
     results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
         progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
     for row, result in zip(rows, results):

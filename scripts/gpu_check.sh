@@ -8,7 +8,7 @@
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback normaliser | forms | compile compile_natural
+#   tests inference | equivalence train fallback | normaliser forms | compile compile_natural
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -21,7 +21,7 @@ all_parts="tests equivalence inference train fallback normaliser forms compile c
 # compiles each model once): tests, inference, train and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [train]=2 [fallback]=2 [normaliser]=2 [forms]=6
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [train]=2 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -117,8 +117,13 @@ for part in "${parts[@]}"; do
             run fallback_forward "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
                 --chunk-backward-fallback forward --models $deit lion_d_small:chunk lion_d_natural_small:chunk \
                 --out "$out/fallback_forward" ;;
-        normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16
-            run normaliser python3 scripts/benchmark_normaliser.py ;;
+        normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16;
+            # then inference at batch 16 in the code's groups of images and in one call (fla.GROUP_SHARE)
+            run normaliser python3 scripts/benchmark_normaliser.py
+            groups=(python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --batch-size 16 --rounds 2
+                    --resolutions 896 1248 1792 --runs $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64)
+            run groups_code "${groups[@]}" --out "$out/groups_code"
+            run groups_one "${groups[@]}" --group-share 1000 --out "$out/groups_one" ;;
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
             for size in 384 512 640 896; do
                 run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \

@@ -2,7 +2,8 @@
 """The GPU targets (docs/benchmarks.md, "GPU check") against what `make gpu-check` measured: one line per
 target with the measured ratio and whether it is met, read from the CSVs in the gpu-check folder
 (scripts/gpu_check.sh runs this last), then the least inference ratio any attention could reach, then the
-dispatch settings the timings pick. A target or a setting whose measurement is missing or failed says so.
+dispatch settings (and the triton backend's inference groups) the timings pick. A target or a setting
+whose measurement is missing or failed says so.
 
     python scripts/gpu_targets.py docs/benchmarks/gpu
 """
@@ -155,6 +156,32 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
+    return lines + group_lines(folder)
+
+
+def group_lines(folder: Path) -> List[str]:
+    """lion_vit.ops.triton.fla.GROUP_SHARE: the chunk kernels at batch 16 in the code's groups of images
+    (groups_code) and in one call (groups_one), each time and peak memory against DeiT-S in the same run.
+    One call is the pick where it is faster at every size and its peak memory stays within DeiT-S's."""
+    lines = []
+    code, one = (read(folder / name / "resolution.csv") for name in ("groups_code", "groups_one"))
+    for model in INFERENCE_MODELS:
+        pairs = {}
+        for rows, key in ((code, "code"), (one, "one")):
+            for row in rows:
+                if row["model"] == model and row.get("form") == "chunk":
+                    pairs.setdefault(size_of(row), {})[key] = (number(row, "time_x_baseline"),
+                                                               number(row, "mem_x_baseline"))
+        measured = [(size, pair["code"], pair["one"]) for size, pair in sorted(pairs.items())
+                    if None not in (*pair.get("code", (None,)), *pair.get("one", (None,)))]
+        if not measured:
+            lines.append(f"| GROUP_SHARE ({model}, b16) | not measured | - |")
+            continue
+        text = ", ".join(f"{size} px: groups x{groups[0]:.2f} (mem x{groups[1]:.2f}), one call x{whole[0]:.2f} "
+                         f"(mem x{whole[1]:.2f})" for size, groups, whole in measured)
+        better = all(whole[0] < groups[0] and whole[1] <= 1 for _, groups, whole in measured)
+        lines.append(f"| GROUP_SHARE ({model}, b16) | {text} of DeiT-S | "
+                     f"{'one call (a large GROUP_SHARE)' if better else 'keep'} |")
     return lines
 
 

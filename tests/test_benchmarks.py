@@ -45,6 +45,31 @@ def test_steady_memory_leaves_out_first_call_costs():
     assert 0 <= steady["peak_mem_mb"] < 3 < first["peak_mem_mb"] - steady["peak_mem_mb"]
 
 
+def test_group_share_holds_for_the_measured_forwards_only(monkeypatch, tmp_path):
+    """--group-share sets the triton backend's GROUP_SHARE (its inference groups of images) while each
+    configuration runs, and the code's value is back afterwards; without it the code's value runs."""
+    import benchmarking
+    from benchmarking import add_inference_arguments, inference_settings
+    from lion_vit.ops.triton import fla
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(fla.GROUP_SHARE)
+            return x
+
+    monkeypatch.setattr(benchmarking, "build", lambda *args: Probe())
+    parser = argparse.ArgumentParser()
+    add_inference_arguments(parser)
+    code = fla.GROUP_SHARE
+    for argv, share in ((["--group-share", "1000"], 1000.0), ([], code)):
+        settings = inference_settings(parser.parse_args([*argv, "--out", str(tmp_path)]))
+        seen.clear()
+        measure_inference("lion_d_tiny", "chunk", None, 32, repeats=2, **settings)
+        assert seen == [share] * 4 and fla.GROUP_SHARE == code  # warm-up, memory, two timed
+    assert "group_share" not in settings  # (nor in the CSV's columns)
+
+
 def test_unknown_memory_mode_raises():
     with pytest.raises(ValueError, match="unknown memory mode 'warm'"):
         measure_inference("deit_tiny_patch16_224", None, None, 32, 1, "cpu", "float32", 0, memory="warm")
@@ -264,6 +289,7 @@ def test_device_argument_says_when_cuda_is_missing(monkeypatch):
     # timm's DeiT itself would crop 40 px to 32 and be timed on that
     ("benchmark_train.py", ["--models", "deit_tiny_patch16_224", "--img-size", "40"], "not divisible by the patch size"),
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
+    ("benchmark_resolution.py", ["--group-share", "0"], "expected a positive number, got '0'"),
     ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
     ("benchmark_cuda_graph.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),

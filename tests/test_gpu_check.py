@@ -75,8 +75,13 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     by_script = {script: [a for s, a in seen if s == script] for script, _ in seen}
 
     assert len(by_script["scripts/check_equivalence.py"]) == 1
-    resolution = by_script["scripts/benchmark_resolution.py"]  # the inference targets: 1248 and 1792 px
+    resolution = [a for a in by_script["scripts/benchmark_resolution.py"] if a.group_share is None
+                  and a.out.name.startswith("resolution")]  # the inference targets: 1248 and 1792 px
     assert sorted(a.batch_size for a in resolution) == [1, 16]
+    groups = {a.out.name: a for a in by_script["scripts/benchmark_resolution.py"] if a.out.name.startswith("groups")}
+    assert groups["groups_code"].group_share is None and groups["groups_one"].group_share >= 1000  # one call
+    assert all(a.runs == groups["groups_code"].runs and a.batch_size == 16 for a in groups.values())
+    assert ("lion_d_small", "chunk", 64) in groups["groups_code"].runs
     for args in resolution:
         assert {1248, 1792} <= set(args.resolutions)
         assert args.runs[0] == ("deit_small_patch16_224", None, None)
@@ -148,6 +153,19 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
     measured, pick = row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"]
     assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
+    assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
+    # the inference groups: one call is the pick only where it is faster at every size within DeiT-S's memory
+    columns = "model,form,resolution,status,time_x_baseline,mem_x_baseline"
+    write("groups_code/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.8,0.8",
+          "lion_d_small,chunk,1248,ok,0.9,0.8", "lion_d_natural_small,chunk,1248,ok,1.2,0.8")
+    write("groups_one/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.2,0.95",
+          "lion_d_small,chunk,1248,ok,0.8,0.97", "lion_d_natural_small,chunk,1248,ok,1.0,1.3")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
+    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
+    measured, pick = row["GROUP_SHARE (lion_d_small, b16)"]
+    assert measured.startswith("896 px: groups x1.80 (mem x0.80), one call x1.20 (mem x0.95), 1248 px")
+    assert pick == "one call (a large GROUP_SHARE)"
+    assert row["GROUP_SHARE (lion_d_natural_small, b16)"][1] == "keep"  # faster, but over DeiT-S's memory
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
