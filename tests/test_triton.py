@@ -241,6 +241,23 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monk
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
 
 
+def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(chunks_always):
+    """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
+    graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
+    eager's logits. Training still breaks the graph around them, where FLA's autograd Functions run."""
+    model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=36, patch_size=4, embed_dim=32,
+                              depth=1, num_heads=2, attn_form="chunk", attn_backend="triton").to(DEVICE)
+    randomize_decays(model).eval()
+    assert model.attn_plan((36, 36)).grouped
+    x = torch.randn(2, 3, 36, 36, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(x)
+        assert rel_err(torch.compile(model, fullgraph=True, backend="aot_eager")(x), expected) < 1e-6
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # training: the graph breaks at the kernels' call
+        torch.compile(model.train(), fullgraph=True, backend="aot_eager")(x)
+
+
 @pytest.mark.parametrize("fallback, scans, decay, dtype", [
     ("torch", 1, "selective", torch.float32), ("rnn", 1, "selective", torch.float32),
     ("forward", 1, "selective", torch.float32), ("forward", 1, "near1", torch.float32),

@@ -264,9 +264,25 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, states=False)
 
 
-@torch.compiler.disable  # (a compiler breaks its graph here: the kernels and their bookkeeping run eagerly)
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
          orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, states: bool) -> Tensor:
+    """Y [B, H, L, Dv] (a view of [B, L, H, Dv]). A compiler traces inference (grouped) as one op of its
+    graph (_INFERENCE_OP), so that CUDA graphs can capture it, and breaks its graph around a call that
+    autograd records: the kernels' own autograd Functions run eagerly."""
+    if grouped:
+        from ..dispatch import records_autograd
+        if records_autograd(q, k, v, log_decays):
+            raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
+        if _INFERENCE_OP is not None and torch.compiler.is_compiling():
+            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, states).transpose(1, 2)
+    return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, states).transpose(1, 2)
+
+
+@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
+def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
+             log_decays: Optional[Tensor], orders: Optional[Tensor], feature_map: Optional[str], grouped: bool,
+             states: bool) -> Tensor:
+    """Y [B, L, H, Dv] of _run."""
     from .operands import FUSED_MAPS
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if dtype == torch.float64:
@@ -276,11 +292,7 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
     batch, heads, length, value_dim = v.shape
     indices = _scan_indices(orders, length, q.device)
     if not grouped:
-        y = _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
-        return y.transpose(1, 2)
-    from ..dispatch import records_autograd
-    if records_autograd(q, k, v, log_decays):
-        raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
+        return _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
     y = v.new_empty(batch, length, heads, value_dim)
     groups = -(-batch // _images_per_group(batch, q.shape[-1], value_dim, len(indices.layout.kv) // length, dtype,
                                            states))
@@ -288,7 +300,33 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
         part = slice(batch * group // groups, batch * (group + 1) // groups)
         decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
         _on_kernels(kernel, q[part], k[part], v[part], decays, indices, feature_map, dtype, into=y[part])
-    return y.transpose(1, 2)
+    return y
+
+
+def _inference_op():
+    """Inference through the kernels as a torch.library custom op (torch >= 2.4): what a compiler traces in
+    place of _run, an opaque node of its graph instead of a break. None where it cannot be registered."""
+    if not hasattr(torch.library, "custom_op"):
+        return None
+
+    def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+                  feature_map: Optional[str], states: bool) -> Tensor:
+        return _eagerly(_chunk if states else _recurrent, q, k, v, log_decays, orders, feature_map, True, states)
+
+    def shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+              feature_map: Optional[str], states: bool) -> Tensor:
+        batch, heads, length, value_dim = v.shape
+        return v.new_empty(batch, length, heads, value_dim)
+
+    try:
+        op = torch.library.custom_op("lion_vit::triton_inference", inference, mutates_args=())
+    except Exception:  # (a torch whose schema inference does not read these annotations)
+        return None
+    op.register_fake(shape)
+    return op
+
+
+_INFERENCE_OP = _inference_op()
 
 
 def _images_per_group(batch: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
