@@ -7,6 +7,7 @@ launches without the host, so the two times side by side say how much of a forwa
 
     python scripts/benchmark_cuda_graph.py             # 1248 px, batch 1: DeiT-S, LION-d and LION-d-natural chunk
     python scripts/benchmark_cuda_graph.py --profile   # and the eager forward's top operators: host, GPU
+    python scripts/benchmark_cuda_graph.py --compile   # and torch.compile(mode="reduce-overhead", fullgraph=True)
 
 Weights and input in bfloat16; times from triton.testing.do_bench (ms); the graph's output is checked
 against an eager forward's. Prints a markdown table with each time as a ratio to the first model's.
@@ -45,10 +46,27 @@ def graphed_time(model: torch.nn.Module, x: torch.Tensor) -> Tuple[Optional[floa
         ref = model(x)
         graph.replay()
         torch.cuda.synchronize()
-        diff = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        return do_bench(graph.replay, warmup=50, rep=300), f"{diff:.1e}"
+        return do_bench(graph.replay, warmup=50, rep=300), _distance(out, ref)
     except Exception as error:  # a model whose forward cannot be captured is a row, not a crash
         return None, f"capture failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def compiled_time(model: torch.nn.Module, x: torch.Tensor) -> Tuple[Optional[float], str]:
+    """(ms per call of torch.compile(model, mode="reduce-overhead", fullgraph=True): Inductor's code replayed
+    as CUDA graphs, the compile not timed; how far its output is from an eager forward's), or (None, why)."""
+    from triton.testing import do_bench
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):  # compile, record, replay
+            out = compiled(x).clone()  # (a later replay overwrites the graph's output)
+        return do_bench(lambda: compiled(x), warmup=50, rep=300), _distance(out, model(x))
+    except Exception as error:  # a graph break (fullgraph) or a failed compile is a row, not a crash
+        return None, f"compile failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def _distance(out: torch.Tensor, ref: torch.Tensor) -> str:
+    return f"{((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item():.1e}"
 
 
 def main(argv=None) -> int:
@@ -57,6 +75,9 @@ def main(argv=None) -> int:
                         help="model[:form[:chunk_size]]; the first is the baseline")
     parser.add_argument("--img-size", type=positive_int, default=1248)
     parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--compile", action="store_true",
+                        help='also time torch.compile(model, mode="reduce-overhead", fullgraph=True) (CUDA graphs '
+                             "of Inductor's code; each compile takes tens of seconds, not timed)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each model's top operators by host time, then by GPU time, over three eager "
                              "forwards")
@@ -74,6 +95,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             eager = do_bench(lambda: model(x), warmup=50, rep=300)
             graphed, check = graphed_time(model, x)
+            compiled, compiled_check = compiled_time(model, x) if args.compile else (None, "")
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -84,16 +106,19 @@ def main(argv=None) -> int:
                 for key in ("self_cpu_time_total", "self_cuda_time_total"):  # host time, then the GPU's kernels
                     print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50))
         rows.append({"model": name, "form": form or "", "eager_ms": eager, "graph_ms": graphed,
-                     "graph_vs_eager": check})
+                     "graph_vs_eager": check, "compiled_ms": compiled, "compiled_vs_eager": compiled_check})
         print(f"{name} {form or ''}: eager {eager:.2f} ms, CUDA graph "
-              f"{'-' if graphed is None else f'{graphed:.2f} ms'} ({check})", flush=True)
+              f"{'-' if graphed is None else f'{graphed:.2f} ms'} ({check})"
+              + (f", compiled {'-' if compiled is None else f'{compiled:.2f} ms'} ({compiled_check})"
+                 if args.compile else ""), flush=True)
     for row in rows:
-        row["eager_x_baseline"] = row["eager_ms"] / rows[0]["eager_ms"]
-        if row["graph_ms"] is not None and rows[0]["graph_ms"] is not None:
-            row["graph_x_baseline"] = row["graph_ms"] / rows[0]["graph_ms"]
+        for column in ("eager", "graph", "compiled"):
+            if row[f"{column}_ms"] is not None and rows[0][f"{column}_ms"] is not None:
+                row[f"{column}_x_baseline"] = row[f"{column}_ms"] / rows[0][f"{column}_ms"]
     print(f"\n{args.img_size} px, batch {args.batch_size}, bfloat16, {torch.cuda.get_device_name()}\n")
     print(markdown_table(rows, ["model", "form", "eager_ms", "graph_ms", "eager_x_baseline", "graph_x_baseline",
-                                "graph_vs_eager"]))
+                                "graph_vs_eager"] + (["compiled_ms", "compiled_x_baseline", "compiled_vs_eager"]
+                                                     if args.compile else [])))
     return 0
 
 

@@ -4,11 +4,11 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference train fallback normaliser forms compile compile_natural (all by default, in
+# PART: tests equivalence inference graphs train fallback normaliser forms compile compile_natural (all by default, in
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback | normaliser forms | compile compile_natural
+#   tests inference | equivalence train fallback | normaliser forms | graphs compile | compile_natural
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -16,12 +16,12 @@
 # commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference train fallback normaliser forms compile compile_natural"
+all_parts="tests equivalence inference graphs train fallback normaliser forms compile compile_natural"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, inference, train and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [train]=2 [fallback]=2 [normaliser]=3 [forms]=6
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [train]=2 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -105,6 +105,8 @@ for part in "${parts[@]}"; do
                     lion_d_small:attention lion_d_small:chunk:64 lion_d_small:rnn lion_d_natural_small:attention \
                     lion_d_natural_small:chunk:64 lion_d_natural_small:rnn --out "$out/resolution_b$batch"
             done ;;
+        graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
+            run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
         train)  # a training step, eager, --attn-form auto: 224 px batch 256, and 896 px batch 32
             run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 \

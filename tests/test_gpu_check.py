@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "equivalence", "inference", "train", "fallback", "normaliser", "forms", "compile", "compile_natural"]
+PARTS = ["tests", "equivalence", "inference", "graphs", "train", "fallback", "normaliser", "forms", "compile", "compile_natural"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -60,6 +60,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         args = parsed_arguments(monkeypatch, command[1:])
         if command[1] == "scripts/gpu_targets.py":  # reads what the others wrote
             assert args.folder == out and command is commands[-1]
+            continue
+        if command[1] == "scripts/benchmark_cuda_graph.py":  # batch 1, eager against CUDA graphs; its log
+            assert args.compile and args.img_size == 1248 and args.batch_size == 1
             continue
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
@@ -214,7 +217,8 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench"], "unknown part 'bench' (parts: tests equivalence inference train fallback normaliser forms compile compile_natural)"),
+    (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs train fallback normaliser forms compile "
+              "compile_natural)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
     ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),
