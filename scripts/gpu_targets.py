@@ -164,16 +164,13 @@ def group_lines(folder: Path) -> List[str]:
     (groups_code) and in one call (groups_one), each time and peak memory against DeiT-S in the same run.
     One call is the pick where it is faster at every size and its peak memory stays within DeiT-S's."""
     lines = []
-    code, one = (read(folder / name / "resolution.csv") for name in ("groups_code", "groups_one"))
+    runs = [read(folder / name / "resolution.csv") for name in ("groups_code", "groups_one")]
     for model in INFERENCE_MODELS:
-        pairs = {}
-        for rows, key in ((code, "code"), (one, "one")):
-            for row in rows:
-                if row["model"] == model and row.get("form") == "chunk":
-                    pairs.setdefault(size_of(row), {})[key] = (number(row, "time_x_baseline"),
-                                                               number(row, "mem_x_baseline"))
-        measured = [(size, pair["code"], pair["one"]) for size, pair in sorted(pairs.items())
-                    if None not in (*pair.get("code", (None,)), *pair.get("one", (None,)))]
+        # per run, size -> (time, peak memory) against DeiT-S, where both were measured
+        code, one = ({size_of(row): (number(row, "time_x_baseline"), number(row, "mem_x_baseline")) for row in rows
+                      if row["model"] == model and row.get("form") == "chunk"} for rows in runs)
+        measured = [(size, code[size], one[size]) for size in sorted(code.keys() & one.keys())
+                    if None not in code[size] + one[size]]
         if not measured:
             lines.append(f"| GROUP_SHARE ({model}, b16) | not measured | - |")
             continue
