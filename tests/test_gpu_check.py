@@ -13,7 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "equivalence", "inference", "graphs", "train", "fallback", "normaliser", "forms", "compile", "compile_natural"]
+PARTS = ["tests", "equivalence", "inference", "graphs", "train", "fallback", "normaliser", "forms", "compile",
+         "compile_natural"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

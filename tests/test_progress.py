@@ -64,7 +64,7 @@ for _ in range(12):  # a step's worth of large activations, allocated, written a
     torch.ones(16, 2**20)  # 64 MiB
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 # after warm-up: the heap settles within the first few allocations, how many depends on what the imports
-# left on it (up to 6 seen)
+# left on it
 print(sum(faults[9:]))
 """
 

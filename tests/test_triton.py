@@ -216,7 +216,7 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(monkeypatch):
+def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend():
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
     CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (with a backward of their
     forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights."""
