@@ -1,12 +1,20 @@
 import os
 
-import pytest
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: workers share the cores, so each runs its share of threads
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    # numpy's OpenBLAS (Triton's interpreter computes through it) reads this once, when numpy loads; its
+    # idle threads spin, taking cores from the other workers
+    os.environ["OPENBLAS_NUM_THREADS"] = str(THREADS)
+else:
+    THREADS = None
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one thread per worker, workers share the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+if THREADS is not None:
+    torch.set_num_threads(THREADS)
 if torch.cuda.is_available():  # tests/test_triton.py: exactness checks need full-precision float32 dots
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 else:  # GPU kernels run on CPU tensors under Triton's interpreter, which must be on before triton.language
