@@ -155,19 +155,30 @@ def test_scan_indices_are_built_once_per_orders_tensor():
         assert rel_err(run(other), expected) < TOL
 
 
+GRID = (36, 36)  # 9 x 9 patches of 4 px and a class token: 82 tokens, a chunk of 64 and one of 18 (chunks_always)
+
+
+def grid_model(name: str, **kwargs) -> torch.nn.Module:
+    """A one-block model of width 32 on GRID, its decays random (so the scans differ)."""
+    return randomize_decays(timm.create_model(name, num_classes=3, img_size=GRID, patch_size=4, embed_dim=32,
+                                              depth=1, num_heads=2, **kwargs).to(DEVICE))
+
+
+def grid_images(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 3, *GRID, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+
 @pytest.mark.parametrize("name, forms", [("lion_s_natural_tiny", ("chunk",)), ("lion_d_tiny", ("chunk", "rnn"))])
 def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always):
     """A small model in the chunk and rnn forms on the triton backend agrees with the torch backend's
-    attention form, at 82 tokens (a chunk of 64 and one of 18; the two-scan rnn form: above)."""
-    model = timm.create_model(name, num_classes=3, img_size=36, patch_size=4, embed_dim=32, depth=1,
-                              num_heads=2).to(DEVICE)
-    randomize_decays(model).eval()
-    x = torch.randn(1, 3, 36, 36, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    attention form, at 82 tokens (the two-scan rnn form: above)."""
+    model = grid_model(name).eval()
+    x = grid_images(1)
     with torch.no_grad():
         expected = model.set_attn_form("attention", backend="torch")(x)
         for form in forms:
             model.set_attn_form(form, backend="triton")
-            run = model.attn_plan((36, 36), device=DEVICE)
+            run = model.attn_plan(GRID, device=DEVICE)
             assert run.backend == "triton" and not run.whole, run
             assert rel_err(model(x), expected) < TOL, form
 
@@ -219,12 +230,10 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
 def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chunks_always):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
     CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (with a backward of their
-    forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights:
-    82 tokens, a chunk of 64 and one of 18."""
-    model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=36, patch_size=4, embed_dim=32,
-                              depth=1, num_heads=2).to(DEVICE)
-    randomize_decays(model)
-    x = torch.randn(2, 3, 36, 36, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights,
+    at 82 tokens."""
+    model = grid_model("lion_s_natural_tiny")
+    x = grid_images(2)
     y = torch.tensor([0, 2], device=DEVICE)
     losses, grads = [], []
     for backend in ("torch", "triton"):
@@ -236,7 +245,7 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chun
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
-    assert model.attn_plan((36, 36)).backend == "triton"
+    assert model.attn_plan(GRID).backend == "triton"
     # bfloat16 (a GPU's) keeps 8 bits of mantissa, float16 11: the tolerances differ by about 2^3
     assert losses[1] == pytest.approx(losses[0], rel=1e-2 if interpret.ON_GPU else 1e-3)
     assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
@@ -246,11 +255,9 @@ def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(chunks_alway
     """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
     graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
     eager's logits. Training still breaks the graph around them, where FLA's autograd Functions run."""
-    model = timm.create_model("lion_s_natural_tiny", num_classes=3, img_size=36, patch_size=4, embed_dim=32,
-                              depth=1, num_heads=2, attn_form="chunk", attn_backend="triton").to(DEVICE)
-    randomize_decays(model).eval()
-    assert model.attn_plan((36, 36)).grouped
-    x = torch.randn(2, 3, 36, 36, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    model = grid_model("lion_s_natural_tiny", attn_form="chunk", attn_backend="triton").eval()
+    assert model.attn_plan(GRID).grouped
+    x = grid_images(2)
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(x)
