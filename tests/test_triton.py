@@ -244,11 +244,16 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chun
             loss = torch.nn.functional.cross_entropy(step(x), y)
         loss.backward()
         losses.append(loss.item())
-        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+        grads.append({name: p.grad.flatten().float() for name, p in model.named_parameters()})
     assert model.attn_plan(GRID).backend == "triton"
     # bfloat16 (a GPU's) keeps 8 bits of mantissa, float16 11: the tolerances differ by about 2^3
+    tol = 3e-2 if interpret.ON_GPU else 3e-3
     assert losses[1] == pytest.approx(losses[0], rel=1e-2 if interpret.ON_GPU else 1e-3)
-    assert rel_err(grads[1], grads[0]) < (3e-2 if interpret.ON_GPU else 3e-3)
+    assert rel_err(torch.cat(list(grads[1].values())), torch.cat(list(grads[0].values()))) < tol
+    # and the gradient that reaches q, k, v through the kernels' backward on its own: the head's and the
+    # MLP's, far larger, would hide an error of the attention's output of several percent in the sum
+    qkv = "blocks.0.attn.qkv.weight"
+    assert rel_err(grads[1][qkv], grads[0][qkv]) < tol
 
 
 def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(chunks_always):
