@@ -40,7 +40,7 @@ def run_python(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 # The fork server: a Python process that has imported what train.py imports (torch, timm, Hydra, the
-# engine: most of the time a start takes) and has run nothing, so a child forked from it
+# engine, scikit-learn for the digits: most of the time a start takes) and has run nothing, so a child forked from it
 # is what a fresh `python train.py` is once its imports are done. It forks one child per request,
 # which runs the script as __main__ with the request's argv, its stdout and stderr in files, and exits
 # as the interpreter would (atexit handlers, tracebacks, exit codes). Requests and replies are JSON
@@ -49,6 +49,7 @@ _SERVER = r"""
 import json, os, runpy, sys
 import hydra, timm, torch  # noqa: F401
 import lion_vit.engine.trainer  # noqa: F401
+import sklearn.datasets, sklearn.model_selection  # noqa: F401,E401  (imported when the digits load)
 replies = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 for line in sys.stdin:
