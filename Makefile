@@ -8,7 +8,7 @@ export WANDB_MODE ?= disabled
 install:  ## install lion-vit (editable) with its test dependencies
 	$(PYTHON) -m pip install -q -e ".[test]"
 
-test: install  ## the whole CPU suite (what .ci/run runs), on every core (pytest-xdist; an idle worker takes queued tests)
+test: install  ## the whole CPU suite (what .ci/run runs), on every core (pytest-xdist: idle workers steal queued tests)
 	$(PYTHON) -m pytest -q -n auto --dist worksteal
 
 quickstart: install  ## train the default model on the embedded digits dataset

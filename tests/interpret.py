@@ -54,10 +54,10 @@ def _patched_once(patch_lang):
     import inspect
 
     from triton.runtime import interpreter
-    patched = set()  # ids of the modules that the running launch patched
+    patched = set()  # the language modules that the running launch patched
 
-    def languages(fn):
-        return {id(value) for value in fn.__globals__.values()
+    def languages(fn):  # (as _patch_lang picks them)
+        return {value for value in fn.__globals__.values()
                 if inspect.ismodule(value) and value in (interpreter.tl, interpreter.tl.core)}
 
     def patch_once(fn):

@@ -40,10 +40,10 @@ def run_python(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 # The fork server: a Python process that has imported what train.py imports (torch, timm, Hydra, the
-# engine, scikit-learn for the digits: most of the time a start takes) and has run nothing, so a child forked from it
-# is what a fresh `python train.py` is once its imports are done. It forks one child per request,
-# which runs the script as __main__ with the request's argv, its stdout and stderr in files, and exits
-# as the interpreter would (atexit handlers, tracebacks, exit codes). Requests and replies are JSON
+# engine, scikit-learn for the digits: most of the time a start takes) and has run nothing, so a child
+# forked from it is what a fresh `python train.py` is once its imports are done. It forks one child per
+# request, which runs the script as __main__ with the request's argv, its stdout and stderr in files, and
+# exits as the interpreter would (atexit handlers, tracebacks, exit codes). Requests and replies are JSON
 # lines: {"argv", "stdout", "stderr"} in; {"pid"}, then {"returncode"} out.
 _SERVER = r"""
 import json, os, runpy, sys
