@@ -517,6 +517,37 @@ def test_autocast_keeps_the_masked_products_in_its_dtype(form, decay):
         assert result["float32 backward"] < 5 * square, result
 
 
+@pytest.mark.parametrize("decay, scans", [("fixed", 1), ("selective", 2)])
+def test_attention_form_multiplies_v_as_it_is(decay, scans):
+    """The attention form's normaliser is its weights' row sums: no matrix product of a training call, forward
+    or backward, has an operand of Dv + 1 columns or rows (a column of ones on V), a width that is no multiple
+    of 8, which GPU matmuls want (docs/design.md section 1)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm):
+                self.shapes += [tuple(t.shape[-2:]) for t in args if isinstance(t, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    length, dim = 13, 8
+    q, k, v, lam = make_inputs(2, 2, length, dim, decay, torch.float32)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    log_decay = torch.log(lam)
+    with Products() as products:
+        if scans == 1:
+            out = lion_attention(q, k, v, log_decay)
+        else:
+            out = lion_attention_multiscan(q, k, v, torch.stack([log_decay, log_decay.flip(-1)]), snake_orders(3, 4, 1))
+        torch.autograd.grad(out.square().sum(), leaves)
+    assert products.shapes and {length, dim} >= {size for shape in products.shapes for size in shape}, \
+        products.shapes
+
+
 
 
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])

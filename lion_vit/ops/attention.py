@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from .masks import decay_mask, masked_scores
@@ -23,7 +22,8 @@ def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     length = q.shape[-2]
     scan_orders = [None] * len(log_decays) if orders is None else orders.unbind(0)
     masks = [decay_mask(a, length, order) for a, order in zip(log_decays.unbind(0), scan_orders)]
-    mask = sum(masks[1:], masks[0])
-    # [v, 1]: the normaliser rides along as a column (one matmul, no separate pass for the row sums)
-    out = masked_scores(q, k, mask) @ torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    return out[..., :-1], out[..., -1:]
+    weights = masked_scores(q, k, sum(masks[1:], masks[0]))
+    # the row sums, not a column of ones on v: v keeps its Dv columns (a multiple of 8, as GPU matmuls
+    # want; Dv + 1 is not), and compiled, the sum and its gradient join kernels that run anyway
+    # (docs/design.md section 1)
+    return weights @ v, weights.sum(-1, keepdim=True)
