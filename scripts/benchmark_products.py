@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-"""The attention form's six L x L products of a training step, as they are and with their widths padded
-to a multiple of 8: whether padding would pay on a GPU (docs/benchmarks.md, "Training on the portable
-forms").
+"""The attention form's six L x L products of a training step, with the keys and the values' width as
+they are and padded: whether padding would pay on a GPU, and what the normaliser's column of ones cost
+(docs/benchmarks.md, "Training on the portable forms").
 
     python scripts/benchmark_products.py --device cuda          # 224 px (197 tokens), batch 256, bf16
     python scripts/benchmark_products.py --device cuda --tokens 197 577 --batch-size 64
 
 Per head, a training step of the attention form (lion_vit/ops/attention.py) multiplies the scores Q K^T,
-the weights by [V, 1], and in the backward the weights' gradient, [V, 1]'s, Q's and K's: six batched
-matmuls whose rows are L or Dv + 1 wide. With L = 197 and [V, 1] 65 wide no bf16 row is a multiple of
-16 bytes, which may keep cuBLAS off its fastest kernels. Padding the keys with zero rows and [V, 1] with
-zero columns changes no result; each row of the table times the six products (torch.utils.benchmark,
-median) with the keys padded or not and [V, 1] padded or not, as a ratio to the first (as they are).
+the weights by V, and in the backward the weights' gradient, V's, Q's and K's: six batched matmuls whose
+rows are L or Dv wide. At L = 197 no bf16 row of an L x L tensor is a multiple of 16 bytes, which may keep
+cuBLAS off its fastest kernels; padding the keys with zero rows changes no result. The values are Dv
+wide (the code: the normaliser is the weights' row sums), Dv + 1 ([V, 1]: the normaliser as a column of
+ones, the code until the row sums) or Dv + 1 padded with zero columns. Each row of the table times the
+six products (torch.utils.benchmark, median) as a ratio to the first, the code's.
 On a CPU it runs as a check (--device cpu --dtype float32): its times say nothing about a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Callable
@@ -34,20 +36,20 @@ def padded(size: int, multiple: int) -> int:
 def six_products(rows: int, length: int, keys: int, key_dim: int, width: int, device: torch.device,
                  dtype: torch.dtype) -> Callable[[], None]:
     """The six products for `rows` (batch x heads) sequences of `length` queries and `keys` keys: scores
-    [L, keys], the weights times [V, 1] (`width` columns), and their four gradients."""
+    [L, keys], the weights times the values (`width` columns), and their four gradients."""
     generator = torch.Generator(device).manual_seed(0)
 
     def tensor(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, generator=generator).to(dtype)
 
-    q, k, v1 = tensor(rows, length, key_dim), tensor(rows, keys, key_dim), tensor(rows, keys, width)
+    q, k, values = tensor(rows, length, key_dim), tensor(rows, keys, key_dim), tensor(rows, keys, width)
     weights, grad_out, grad_scores = tensor(rows, length, keys), tensor(rows, length, width), tensor(rows, length, keys)
 
     def step() -> None:
         q @ k.mT  # scores
-        weights @ v1  # numerator and normaliser
-        grad_out @ v1.mT  # the weights' gradient
-        weights.mT @ grad_out  # [V, 1]'s
+        weights @ values  # numerator (and with a column of ones, normaliser)
+        grad_out @ values.mT  # the weights' gradient
+        weights.mT @ grad_out  # the values'
         grad_scores @ k  # Q's
         grad_scores.mT @ q  # K's
     return step
@@ -74,9 +76,8 @@ def main(argv=None) -> int:
     rows_of_table = []
     for length in args.tokens:
         first = None
-        for pad_keys, pad_width in [(False, False), (True, False), (False, True), (True, True)]:
-            keys = padded(length, args.multiple) if pad_keys else length
-            width = padded(args.head_dim + 1, args.multiple) if pad_width else args.head_dim + 1
+        widths = (args.head_dim, args.head_dim + 1, padded(args.head_dim + 1, args.multiple))  # V, [V, 1], padded
+        for keys, width in itertools.product((length, padded(length, args.multiple)), widths):
             step = six_products(args.batch_size * args.heads, length, keys, args.head_dim, width, device, dtype)
             step()  # (cuBLAS picks its kernels on the first call)
             us = Timer("step()", globals={"step": step}).blocked_autorange(min_run_time=args.min_time).median * 1e6

@@ -323,15 +323,15 @@ def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
 
 
 def test_products_script_times_the_six_products_as_they_are_and_padded(monkeypatch, capsys):
-    """scripts/benchmark_products.py (for a GPU) on a CPU as a check: four rows per length, the keys and [V, 1]'s
-    width padded to the multiple or not, each timed as a ratio to the first; without a GPU, --device cuda is
-    one line."""
+    """scripts/benchmark_products.py (for a GPU) on a CPU as a check: six rows per length, the keys as they
+    are or padded to the multiple, each with V's width, [V, 1]'s and [V, 1]'s padded, timed as ratios to
+    the first (the code's); without a GPU, --device cuda is one line."""
     main = runpy.run_path(str(ROOT / "scripts" / "benchmark_products.py"))["main"]
     assert main(["--device", "cpu", "--dtype", "float32", "--tokens", "13", "--batch-size", "2", "--heads", "1",
                  "--head-dim", "8", "--multiple", "4", "--min-time", "0.01"]) == 0
     table = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 13")]
     assert [(int(tokens), int(keys), int(width)) for tokens, keys, width, _, _ in table] == [
-        (13, 13, 9), (13, 16, 9), (13, 13, 12), (13, 16, 12)]
+        (13, 13, 8), (13, 13, 9), (13, 13, 12), (13, 16, 8), (13, 16, 9), (13, 16, 12)]
     assert float(table[0][4]) == 1 and all(float(row[3]) > 0 for row in table)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main([]) == 2
