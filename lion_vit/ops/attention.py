@@ -25,5 +25,6 @@ def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     weights = masked_scores(q, k, sum(masks[1:], masks[0]))
     # the row sums, not a column of ones on v: v keeps its Dv columns (a multiple of 8, as GPU matmuls
     # want; Dv + 1 is not), and compiled, the sum and its gradient join kernels that run anyway
-    # (docs/design.md section 1)
-    return weights @ v, weights.sum(-1, keepdim=True)
+    # (docs/design.md section 1). In the weights' dtype: CUDA's autocast would sum into float32, and
+    # its backward then write the L x L gradient once more to cast it back.
+    return weights @ v, weights.sum(-1, keepdim=True, dtype=weights.dtype)
