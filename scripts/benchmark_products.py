@@ -11,8 +11,8 @@ the weights by V, and in the backward the weights' gradient, V's, Q's and K's: s
 rows are L or Dv wide. At L = 197 no bf16 row of an L x L tensor is a multiple of 16 bytes, which may keep
 cuBLAS off its fastest kernels; padding the keys with zero rows changes no result. The values are Dv
 wide (the code: the normaliser is the weights' row sums), Dv + 1 ([V, 1]: the normaliser as a column of
-ones, the code until the row sums) or Dv + 1 padded with zero columns. Each row of the table times the
-six products (torch.utils.benchmark, median) as a ratio to the first, the code's.
+ones) or Dv + 1 padded with zero columns. Each row of the table times the six products
+(torch.utils.benchmark, median) as a ratio to the first, the code's.
 On a CPU it runs as a check (--device cpu --dtype float32): its times say nothing about a GPU.
 """
 from __future__ import annotations

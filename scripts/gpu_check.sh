@@ -133,7 +133,7 @@ for part in "${parts[@]}"; do
                     lion_d_natural_small:chunk --out "$out/forms_$size"
             done ;;
         compile)  # both sides compiled: the training targets at 224 px batch 256 (one scan); first, seconds:
-            # the attention form's L x L products as they are and padded, and with [V, 1] as until the row sums
+            # the attention form's L x L products as they are, padded, and with [V, 1] (the normaliser's column)
             run products python3 scripts/benchmark_products.py --device cuda --dtype bfloat16
             run train_compile "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit lion_lit_small \
                 lion_d_small lion_s_small --out "$out/train_compile" ;;

@@ -520,8 +520,8 @@ def test_autocast_keeps_the_masked_products_in_its_dtype(form, decay):
 @pytest.mark.parametrize("decay, scans", [("fixed", 1), ("selective", 2)])
 def test_attention_form_multiplies_v_as_it_is(decay, scans):
     """The attention form's normaliser is its weights' row sums: no matrix product of a training call, forward
-    or backward, has an operand of Dv + 1 columns or rows (a column of ones on V), a width that is no multiple
-    of 8, which GPU matmuls want (docs/design.md section 1)."""
+    or backward, has an operand of Dv + 1 columns or rows (a column of ones on V; GPU matmuls want widths
+    that are multiples of 8, as Dv is, docs/design.md section 1)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Products(TorchDispatchMode):
