@@ -3,7 +3,8 @@
 Deliberately plain and independent of lion_vit.ops: it multiplies decays directly (running
 products in float64) instead of exponentiating differences of log-space cumulative sums, so a bug in the fast forms' helpers cannot make a test agree with itself.
 
-rel_err and oracle_with_grads compare a fast form's outputs and gradients with it.
+rel_err and oracle_with_grads compare a fast form's outputs and gradients with it; AtenCalls records
+what a form ran (operators and their operands' shapes), for tests of how it computes.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def naive_mask(lam: Tensor) -> Tensor:
@@ -76,3 +78,18 @@ def oracle_with_grads(q, k, v, lams, upstream, orders=None):
     if lams is not None:
         grads[3] = grads[3] * lams
     return expected.detach(), grads
+
+
+class AtenCalls(TorchDispatchMode):
+    """Inside `with AtenCalls() as calls:`, every ATen operator run, forward and backward: `calls.names`
+    the operators' names, `calls.shapes[name]` the shapes of their tensor operands, one list per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.shapes = set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.names.add(name)
+        self.shapes.setdefault(name, []).append([tuple(t.shape) for t in args if isinstance(t, torch.Tensor)])
+        return func(*args, **(kwargs or {}))

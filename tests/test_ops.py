@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
-from naive import naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
+from naive import AtenCalls, naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
 
 # the chunk form runs its chunks even where one product over these short sequences would cost less, and
 # without autograd (the CPU backend) one row per group
@@ -522,32 +522,19 @@ def test_attention_form_multiplies_v_as_it_is(decay, scans):
     """The attention form's normaliser is its weights' row sums: no matrix product of a training call, forward
     or backward, has an operand of Dv + 1 columns or rows (a column of ones on V; GPU matmuls want widths
     that are multiples of 8, as Dv is, docs/design.md section 1)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Products(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm):
-                self.shapes += [tuple(t.shape[-2:]) for t in args if isinstance(t, torch.Tensor)]
-            return func(*args, **(kwargs or {}))
-
     length, dim = 13, 8
     q, k, v, lam = make_inputs(2, 2, length, dim, decay, torch.float32)
     leaves = [t.requires_grad_() for t in (q, k, v)]
     log_decay = torch.log(lam)
-    with Products() as products:
+    with AtenCalls() as calls:
         if scans == 1:
             out = lion_attention(q, k, v, log_decay)
         else:
             out = lion_attention_multiscan(q, k, v, torch.stack([log_decay, log_decay.flip(-1)]), snake_orders(3, 4, 1))
         torch.autograd.grad(out.square().sum(), leaves)
-    assert products.shapes and {length, dim} >= {size for shape in products.shapes for size in shape}, \
-        products.shapes
-
-
+    widths = {size for name in ("bmm", "mm", "baddbmm") for call in calls.shapes.get(name, [])
+              for shape in call for size in shape[-2:]}
+    assert widths and {length, dim} >= widths, calls.shapes
 
 
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])

@@ -18,7 +18,7 @@ import interpret
 from lion_vit.ops import lion_attention, lion_attention_multiscan, plan, snake_orders
 from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
-from naive import rel_err
+from naive import AtenCalls, rel_err
 from test_ops import float16_overflowing_inputs, make_inputs
 
 sys.path.insert(0, str(interpret.ROOT / "scripts"))
@@ -127,17 +127,6 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
 def test_scan_indices_are_built_once_per_orders_tensor():
     """A model hands the same orders tensor to every call: from the second call on, no index arithmetic
     runs around the kernels; another orders tensor of the same shape gets indices of its own."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Operators(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     orders = snake_orders(3, 4, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 13, 16, "selective", torch.float32)
     log_decays = torch.log(torch.stack([lam, lam.flip(-1)])).float()
@@ -147,7 +136,7 @@ def test_scan_indices_are_built_once_per_orders_tensor():
                                         form="rnn", backend="triton").cpu()
 
     run(orders)
-    with Operators() as seen:
+    with AtenCalls() as seen:
         run(orders)
     assert not {"arange", "argsort", "sort", "roll"} & seen.names, seen.names
     for other in (orders.flip(0), orders.flip(0).clone()):  # the scans swapped: each scan its other decays
