@@ -197,6 +197,25 @@ def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkey
         dispatch.implementation(run)(args[0].requires_grad_(), *args[1:], orders)
 
 
+@pytest.mark.parametrize("programs, images", [(1, [1, 1, 1]), (8, [1, 2]), (100, [3])])
+def test_recurrent_groups_cover_the_multiprocessors(programs, images, monkeypatch):
+    """The recurrent kernel's inference groups hold at least the images whose programs (2 sequences x 2 heads
+    each) cover RECURRENT_GROUP_PROGRAMS multiprocessors, where GROUP_SHARE alone would give one image a
+    group: each launch then takes every image its group holds, and the result is the same function."""
+    from lion_vit.ops.triton import fla
+    monkeypatch.setattr(fla, "GROUP_SHARE", 0)
+    monkeypatch.setattr(fla, "RECURRENT_GROUP_PROGRAMS", programs)
+    launched = []
+    recurrent = fla._recurrent
+    monkeypatch.setattr(fla, "_recurrent", lambda q, *args, **kwargs: launched.append(q.shape[0] // 2)
+                        or recurrent(q, *args, **kwargs))
+    q, k, v, lam = make_inputs(3, 2, 21, 16, "selective", torch.float32)
+    with torch.no_grad():
+        out = lion_attention(*(t.to(DEVICE) for t in (q, k, v, torch.log(lam))), form="rnn", backend="triton")
+    assert launched == images
+    assert rel_err(out.cpu(), lion_reference(q.double(), k.double(), v.double(), torch.log(lam))) < TOL
+
+
 HALF = torch.bfloat16 if interpret.ON_GPU else torch.float16  # (the interpreter's numpy has no bfloat16)
 
 

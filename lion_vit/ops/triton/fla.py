@@ -242,6 +242,13 @@ class _FirstOrderOnly(torch.autograd.Function):
 # projection's 3 dim (docs/benchmarks.md, "Peak"). A tuning hook: tests set 0, one image per group.
 GROUP_SHARE = 4 / 3
 
+# FLA's recurrent kernel runs one program per sequence and head (one tile of at most 64 x 64 state), token
+# after token: a launch takes one program's time whatever the number of programs, up to a program on every
+# multiprocessor. So its groups hold at least the images that give every multiprocessor one: a smaller
+# group saves memory by costing time in proportion (docs/benchmarks.md, "Groups of images"). A tuning hook:
+# None is the GPU's multiprocessor count (1 on other devices, as under the interpreter); tests set it.
+RECURRENT_GROUP_PROGRAMS: Optional[int] = None
+
 
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False,
@@ -294,8 +301,8 @@ def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
     if not grouped:
         return _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
     y = v.new_empty(batch, length, heads, value_dim)
-    groups = -(-batch // _images_per_group(batch, q.shape[-1], value_dim, len(indices.layout.kv) // length, dtype,
-                                           states))
+    groups = -(-batch // _images_per_group(batch, heads, q.shape[-1], value_dim, len(indices.layout.kv) // length,
+                                           dtype, states, q.device))
     for group in range(groups):  # (sizes within one image of each other)
         part = slice(batch * group // groups, batch * (group + 1) // groups)
         decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
@@ -329,11 +336,12 @@ def _inference_op():
 _INFERENCE_OP = _inference_op()
 
 
-def _images_per_group(batch: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
-                      states: bool) -> int:
+def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
+                      states: bool, device: torch.device) -> int:
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
     the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
-    float32 outputs and their cast), within GROUP_SHARE of the batch's q, k, v."""
+    float32 outputs and their cast), within GROUP_SHARE of the batch's q, k, v; for the recurrent kernel, at
+    least the images whose programs (sequences x heads x its tiles) cover the multiprocessors."""
     from ..dispatch import TRITON_CHUNK
     from .operands import even
     itemsize = torch.finfo(dtype).bits // 8
@@ -341,7 +349,18 @@ def _images_per_group(batch: int, key_dim: int, value_dim: int, sequences: int, 
     kernels = ((value_width + key_width * value_width // TRITON_CHUNK) * itemsize if states
                else value_width * (4 + itemsize))
     per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
-    return max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
+    images = max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
+    if states:
+        return images
+    programs = sequences * heads * -(-key_width // 64) * -(-value_width // 64)  # FLA's tiles: 64 x 64 at most
+    return max(images, -(-_multiprocessors(device) // programs))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """RECURRENT_GROUP_PROGRAMS, or the device's multiprocessor count (1 but on CUDA)."""
+    if RECURRENT_GROUP_PROGRAMS is not None:
+        return RECURRENT_GROUP_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _on_kernels(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
