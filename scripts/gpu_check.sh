@@ -120,10 +120,12 @@ for part in "${parts[@]}"; do
                 --chunk-backward-fallback forward --models $deit lion_d_small:chunk lion_d_natural_small:chunk \
                 --out "$out/fallback_forward" ;;
         normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16;
-            # then inference at batch 16 in the code's groups of images and in one call (fla.GROUP_SHARE)
+            # then inference at batch 16 in the code's groups of images and in one call (fla.GROUP_SHARE; the rnn
+            # form's fla.RECURRENT_GROUP_PROGRAMS)
             run normaliser python3 scripts/benchmark_normaliser.py
             groups=(python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --batch-size 16 --rounds 2
-                    --resolutions 896 1248 1792 --runs $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64)
+                    --resolutions 896 1248 1792 --runs $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64
+                    lion_d_small:rnn)
             run groups_code "${groups[@]}" --out "$out/groups_code"
             run groups_one "${groups[@]}" --group-share 1000 --out "$out/groups_one" ;;
         forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS

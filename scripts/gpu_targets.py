@@ -159,26 +159,32 @@ def setting_lines(folder: Path) -> List[str]:
     return lines + group_lines(folder)
 
 
+# The inference groups' settings, and the kernels each is timed on (the normaliser part): the chunk kernels'
+# GROUP_SHARE, the recurrent kernel's RECURRENT_GROUP_PROGRAMS (lion_vit.ops.triton.fla)
+GROUP_SETTINGS = (("GROUP_SHARE", "lion_d_small", "chunk"), ("GROUP_SHARE", "lion_d_natural_small", "chunk"),
+                  ("RECURRENT_GROUP_PROGRAMS", "lion_d_small", "rnn"))
+
+
 def group_lines(folder: Path) -> List[str]:
-    """lion_vit.ops.triton.fla.GROUP_SHARE: the chunk kernels at batch 16 in the code's groups of images
-    (groups_code) and in one call (groups_one), each time and peak memory against DeiT-S in the same run.
-    One call is the pick where it is faster at every size and its peak memory stays within DeiT-S's."""
+    """The triton backend's inference groups: each model and form at batch 16 in the code's groups of images
+    (groups_code) and in one call (groups_one), time and peak memory against DeiT-S in the same run. One call
+    is the pick where it is faster at every size and its peak memory stays within DeiT-S's."""
     lines = []
     runs = [read(folder / name / "resolution.csv") for name in ("groups_code", "groups_one")]
-    for model in INFERENCE_MODELS:
+    for setting, model, form in GROUP_SETTINGS:
+        label = f"{setting} ({model}{' ' + form if form != 'chunk' else ''}, b16)"
         # per run, size -> (time, peak memory) against DeiT-S, where both were measured
         code, one = ({size_of(row): (number(row, "time_x_baseline"), number(row, "mem_x_baseline")) for row in rows
-                      if row["model"] == model and row.get("form") == "chunk"} for rows in runs)
+                      if row["model"] == model and row.get("form") == form} for rows in runs)
         measured = [(size, code[size], one[size]) for size in sorted(code.keys() & one.keys())
                     if None not in code[size] + one[size]]
         if not measured:
-            lines.append(f"| GROUP_SHARE ({model}, b16) | not measured | - |")
+            lines.append(f"| {label} | not measured | - |")
             continue
         text = ", ".join(f"{size} px: groups x{groups[0]:.2f} (mem x{groups[1]:.2f}), one call x{whole[0]:.2f} "
                          f"(mem x{whole[1]:.2f})" for size, groups, whole in measured)
         better = all(whole[0] < groups[0] and whole[1] <= 1 for _, groups, whole in measured)
-        lines.append(f"| GROUP_SHARE ({model}, b16) | {text} of DeiT-S | "
-                     f"{'one call (a large GROUP_SHARE)' if better else 'keep'} |")
+        lines.append(f"| {label} | {text} of DeiT-S | {f'one call (a large {setting})' if better else 'keep'} |")
     return lines
 
 

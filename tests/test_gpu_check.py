@@ -158,18 +158,24 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     measured, pick = row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"]
     assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
     assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
+    assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
     # the inference groups: one call is the pick only where it is faster at every size within DeiT-S's memory
     columns = "model,form,resolution,status,time_x_baseline,mem_x_baseline"
     write("groups_code/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.8,0.8",
-          "lion_d_small,chunk,1248,ok,0.9,0.8", "lion_d_natural_small,chunk,1248,ok,1.2,0.8")
+          "lion_d_small,chunk,1248,ok,0.9,0.8", "lion_d_natural_small,chunk,1248,ok,1.2,0.8",
+          "lion_d_small,rnn,1248,ok,5.6,0.9")
     write("groups_one/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.2,0.95",
-          "lion_d_small,chunk,1248,ok,0.8,0.97", "lion_d_natural_small,chunk,1248,ok,1.0,1.3")
+          "lion_d_small,chunk,1248,ok,0.8,0.97", "lion_d_natural_small,chunk,1248,ok,1.0,1.3",
+          "lion_d_small,rnn,1248,ok,3.0,0.99")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
     measured, pick = row["GROUP_SHARE (lion_d_small, b16)"]
     assert measured.startswith("896 px: groups x1.80 (mem x0.80), one call x1.20 (mem x0.95), 1248 px")
     assert pick == "one call (a large GROUP_SHARE)"
     assert row["GROUP_SHARE (lion_d_natural_small, b16)"][1] == "keep"  # faster, but over DeiT-S's memory
+    assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == [
+        "1248 px: groups x5.60 (mem x0.90), one call x3.00 (mem x0.99) of DeiT-S",
+        "one call (a large RECURRENT_GROUP_PROGRAMS)"]
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
