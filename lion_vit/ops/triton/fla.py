@@ -245,7 +245,7 @@ GROUP_SHARE = 4 / 3
 # FLA's recurrent kernel runs one program per sequence and head (one tile of at most 64 x 64 state), token
 # after token: a launch takes one program's time whatever the number of programs, up to a program on every
 # multiprocessor. So its groups hold at least the images that give every multiprocessor one: a smaller
-# group saves memory by costing time in proportion (docs/benchmarks.md, "Groups of images"). A tuning hook:
+# group saves memory by costing time in proportion (docs/benchmarks.md, "The rnn form's groups"). A tuning hook:
 # None is the GPU's multiprocessor count (1 on other devices, as under the interpreter); tests set it.
 RECURRENT_GROUP_PROGRAMS: Optional[int] = None
 
