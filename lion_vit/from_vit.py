@@ -20,6 +20,8 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from torch import Tensor, nn
 
+from .hub import HubUnreachable, hub_or_cache
+
 __all__ = ["init_from_vit", "InitReport", "load_vit_weights"]
 log = logging.getLogger("lion_vit")
 
@@ -66,7 +68,12 @@ def load_vit_weights(source: str) -> Tuple[Dict[str, Tensor], Optional[int]]:
         if path.suffix in (".pt", ".pth", ".bin", ".safetensors") or "/" in source:
             raise FileNotFoundError(f"init_from file {source} does not exist")
         raise ValueError(f"init_from {source!r} is neither a file nor a timm model name (e.g. deit_small_patch16_224)")
-    vit = timm.create_model(source, pretrained=True)
+    try:
+        with hub_or_cache():  # offline: the local cache or one error at once
+            vit = timm.create_model(source, pretrained=True)
+    except HubUnreachable as error:
+        raise HubUnreachable(f"timm's weights of {source} are {error}; pass the path of a file of them instead "
+                             f"(.pth, .safetensors or a checkpoint)") from None
     return vit.state_dict(), _num_heads(vit)
 
 

@@ -20,7 +20,9 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+# No test reaches the network: the Hugging Face hub's address is a closed port here, its cache an empty folder.
+ENV = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+           HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(Path(tempfile.gettempdir()) / "lion-vit-tests-no-hub"))
 SMALL_LION = ["model=lion", "model.name=lion_s_tiny", "model.patch_size=8", "img_size=32",
               "+model.kwargs.depth=2", "optim=adamw", "progress=false", "num_workers=0"]
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import lion_vit
 from lion_vit.engine.distill import DistillationLoss, TeacherInput
-from runs import assert_clean_error, assert_ok, kill_after_first_epoch, read_metrics, run_train
+from runs import assert_clean_error, assert_ok, kill_after_first_epoch, read_metrics, run_python, run_train
 
 # a softmax DeiT of the digits model's width, depth and heads (configs/model/digits.yaml)
 DIGITS_DEIT = ["model=deit", "model.patch_size=2", "+model.kwargs.embed_dim=64", "+model.kwargs.depth=4",
@@ -245,3 +245,29 @@ def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
             build_teacher(OmegaConf.create({"teacher": None, **settings}), 10, [str(d) for d in range(10)])
     with pytest.raises(UserError, match="^model.init_from=.*nowhere.pt: init_from file .* does not exist"):
         _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path / "nowhere.pt"))
+
+
+def test_hub_names_fail_at_once_offline(tmp_path):
+    """A teacher, model.init_from, +model.kwargs.pretrained=true and lion_vit.init_from_vit named from the hub
+    with the hub out of reach (runs.ENV: a closed port) and an empty cache: one line saying how to use a
+    local file, without huggingface_hub's minute of retries (the 30 s timeout would end each)."""
+    hub_name = "deit_tiny_patch16_224.fb_in1k"
+    runs = [
+        ((f"model.init_from={hub_name}",), ("model.init_from=", "not in the local cache", "127.0.0.1:9",
+                                             "pass the path of a file")),
+        (("distill=hard", f"distill.teacher={hub_name}"), ("cannot load teacher", "not in the local cache",
+                                                          "distill.teacher_checkpoint=<path>")),
+        (("model=deit", "model.name=deit_tiny_patch16_224", "img_size=16", "+model.kwargs.pretrained=true"),
+         ("not in the local cache", "+model.kwargs.pretrained_cfg_overlay.file=<path>")),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda i: run_train(*runs[i][0], *QUIET, "epochs=1", f"output_dir={tmp_path / f'run{i}'}",
+                                                  timeout=30), range(len(runs))))
+        python = pool.submit(run_python, "-c", f"import timm, lion_vit; lion_vit.init_from_vit("
+                                               f"timm.create_model('lion_d_tiny'), {hub_name!r})", timeout=30).result()
+    for (_, needles), proc in zip(runs, procs):
+        assert proc.returncode == 2 and "Retry" not in proc.stderr
+        assert_clean_error(proc, *needles)
+    assert not list(tmp_path.iterdir())  # no folder left behind
+    assert f"HubUnreachable: timm's weights of {hub_name} are not in the local cache" in python.stderr
+    assert "pass the path of a file of them instead" in python.stderr and "Retry" not in python.stderr

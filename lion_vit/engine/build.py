@@ -13,11 +13,13 @@ from torch import nn
 
 from .. import models as lion_models  # registers the LION models with timm
 from ..errors import UserError, first_line
+from ..hub import HubUnreachable, hub_or_cache
 from ..weights import load_into
 
 # timm.create_model arguments that choose initial weights, not the architecture (fine-tuning); a model whose
 # weights come from a checkpoint (resume, eval_only) is built without them.
 INITIAL_WEIGHT_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
+HUB_WEIGHTS = "timm's pretrained weights"
 
 
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
@@ -40,7 +42,8 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
     if is_lion:
         kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size, attn_backend=backend)
     try:
-        return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
+        with hub_or_cache(downloads=_initial_weights_source(kwargs) == HUB_WEIGHTS):
+            return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
     except (ValueError, TypeError) as error:
         hint = ""
         if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
@@ -51,8 +54,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         source = _initial_weights_source(kwargs)
         if source is None:
             raise
-        # a missing, unreadable or mismatched file of initial weights (timm's loader)
-        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}") from None
+        # a missing, unreadable or mismatched file of initial weights (timm's loader), or the hub out of reach
+        hint = "; download them where the hub is reachable and pass the file: " \
+            "+model.kwargs.pretrained_cfg_overlay.file=<path>" if isinstance(error, HubUnreachable) else ""
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}{hint}") from None
 
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -65,7 +70,7 @@ def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
         return f"model.kwargs.checkpoint_path={kwargs['checkpoint_path']}"
     if kwargs.get("pretrained"):
         file = (kwargs.get("pretrained_cfg_overlay") or {}).get("file")
-        return f"model.kwargs.pretrained_cfg_overlay.file={file}" if file else "timm's pretrained weights"
+        return f"model.kwargs.pretrained_cfg_overlay.file={file}" if file else HUB_WEIGHTS
     return None
 
 

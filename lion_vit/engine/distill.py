@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from ..errors import UserError, first_line
+from ..hub import hub_or_cache
 from ..weights import load_into, read_weights, state_dict_of
 from .build import model_from_checkpoint, trained_architecture
 
@@ -128,7 +129,8 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
             teacher = timm.create_model(name, num_classes=num_classes)
             load_into(teacher, state_dict_of(state), "the file")
         else:
-            teacher = timm.create_model(name, pretrained=True)
+            with hub_or_cache():  # offline: the local cache or one error at once
+                teacher = timm.create_model(name, pretrained=True)
     except (RuntimeError, OSError, ValueError) as error:
         source = path or "timm's pretrained weights (the hub)"
         hint = "" if path else " (without the hub, pass the teacher's weights: distill.teacher_checkpoint=<path>)"

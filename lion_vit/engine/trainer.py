@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
 from ..from_vit import init_from_vit
+from ..hub import HubUnreachable
 from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
@@ -199,7 +200,7 @@ def _init_from_vit(model: nn.Module, source: str) -> None:
     except (ValueError, RuntimeError, OSError) as error:
         from_hub = not Path(source).exists() and timm.is_model(source)  # the hub out of reach, say
         hint = " (without the hub, fetch the weights elsewhere and pass the file: model.init_from=<path>)" \
-            if from_hub and isinstance(error, OSError) else ""
+            if from_hub and isinstance(error, OSError) and not isinstance(error, HubUnreachable) else ""
         raise UserError(f"model.init_from={source}: {first_line(error)}{hint}") from None
 
 
