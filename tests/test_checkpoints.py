@@ -31,10 +31,15 @@ def test_checkpoint_loads_into_timm_create_model(trained):
 
 
 def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
-    """The README's fine-tuning overrides: the backbone starts from the checkpoint, the classifier anew;
-    the run's own checkpoints then resume and evaluate without the initial file."""
-    initial = tmp_path / "initial.pt"
+    """The README's fine-tuning overrides: the backbone starts from the checkpoint, and so does its
+    classifier where it has the data's number of classes (a new one where not); the run's own checkpoints
+    then resume and evaluate without the initial file."""
+    initial, other_head = tmp_path / "initial.pt", tmp_path / "five_classes.pt"
     initial.write_bytes((trained / "checkpoint-best.pt").read_bytes())
+    state = torch.load(initial)
+    state["model"].update({"head.weight": torch.zeros(5, state["model"]["head.weight"].shape[1]),
+                           "head.bias": torch.zeros(5)})
+    torch.save(state, other_head)
     run = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
            f"output_dir={tmp_path / 'run'}", "optim.lr=1e-12", "optim.lr_base_batch=null", "optim.warmup_epochs=0",
            "optim.min_lr=0",
@@ -42,13 +47,19 @@ def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_p
     assert_clean_error(run_train(*run, "epochs=1", f"+model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}"),
                        "cannot load the initial weights of lion_s_tiny",
                        f"model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}")
+    other = [*run, f"output_dir={tmp_path / 'other'}", f"+model.kwargs.pretrained_cfg_overlay.file={other_head}"]
     run.append(f"+model.kwargs.pretrained_cfg_overlay.file={initial}")
-    assert_ok(run_train(*run, "epochs=1"))
+    proc = run_train(*run, "epochs=1")
+    assert_ok(proc)
+    assert "Missing keys" not in proc.stdout + proc.stderr
+    assert_ok(run_train(*other, "epochs=1"))
     pretrained = torch.load(initial)["model"]
-    tuned = torch.load(tmp_path / "run" / "checkpoint-last.pt")["model"]
+    tuned, new_head = (torch.load(tmp_path / run / "checkpoint-last.pt")["model"] for run in ("run", "other"))
+    assert all(torch.allclose(tuned[k], pretrained[k], atol=1e-6) for k in pretrained)  # the head too
     backbone = [key for key in pretrained if not key.startswith("head.")]
-    assert backbone and all(torch.allclose(tuned[k], pretrained[k], atol=1e-6) for k in backbone)
-    assert not torch.allclose(tuned["head.weight"], pretrained["head.weight"], atol=1e-3)
+    assert backbone and all(torch.allclose(new_head[k], pretrained[k], atol=1e-6) for k in backbone)
+    assert new_head["head.weight"].shape == pretrained["head.weight"].shape
+    assert not torch.allclose(new_head["head.weight"], pretrained["head.weight"], atol=1e-3)
 
     initial.unlink()  # weights now come from the run's checkpoints
     assert_ok(run_train(*run, "epochs=2", "resume=auto"))

@@ -14,7 +14,7 @@ from torch import nn
 from .. import models as lion_models  # registers the LION models with timm
 from ..errors import UserError, first_line
 from ..hub import HubUnreachable, hub_or_cache
-from ..weights import load_into
+from ..weights import load_into, read_weights, state_dict_of
 
 # timm.create_model arguments that choose initial weights, not the architecture (fine-tuning); a model whose
 # weights come from a checkpoint (resume, eval_only) is built without them.
@@ -41,6 +41,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
     if is_lion:
         kwargs.update(attn_form=model_cfg.attn_form, chunk_size=model_cfg.chunk_size, attn_backend=backend)
+    _keep_a_file_classifier_that_fits(name, kwargs)
     try:
         with hub_or_cache(downloads=_initial_weights_source(kwargs) == HUB_WEIGHTS):
             return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
@@ -58,6 +59,24 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         hint = "; download them where the hub is reachable and pass the file: " \
             "+model.kwargs.pretrained_cfg_overlay.file=<path>" if isinstance(error, HubUnreachable) else ""
         raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}{hint}") from None
+
+
+def _keep_a_file_classifier_that_fits(name: str, kwargs: Dict[str, Any]) -> None:
+    """timm drops a pretrained file's classifier unless pretrained_cfg's num_classes equals the model's, and
+    the registry's cfg says 1000 whatever the file holds: a file's head of the model's own size would be
+    thrown away. Tell timm the file's number of classes (unless the command sets it), so that the head is
+    kept where it fits and dropped only where its size differs."""
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if not kwargs.get("pretrained") or not overlay.get("file") or "num_classes" in overlay:
+        return
+    classifier = timm.models.get_pretrained_cfg_value(name, "classifier")
+    classifier = classifier[0] if isinstance(classifier, (tuple, list)) else classifier
+    try:  # as timm's loader reads the file (its EMA weights where present)
+        head = state_dict_of(read_weights(overlay["file"]), use_ema=True).get(f"{classifier}.weight")
+    except ValueError:
+        return  # a missing or unreadable file: timm's loader reports it
+    if isinstance(head, torch.Tensor) and head.dim() >= 1:
+        kwargs["pretrained_cfg_overlay"] = {**overlay, "num_classes": head.shape[0]}
 
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
