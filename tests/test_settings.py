@@ -21,6 +21,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("model.name=resnet18",), ("cannot build model resnet18", "unexpected keyword argument 'depth'",
                                     "start from model=lion or model=deit")),
         ((f"output_dir={a_file}",), ("cannot create output_dir", "File exists")),
+        (("model.patch_size=3",), ("img_size=32 is not divisible by its patch size 3; pass img_size=<a multiple "
+                                   "of 3> or model.patch_size=<a divisor of 32>",)),
     ]
     # independent processes, mostly Python start-up and imports: run side by side, each with its own
     # output_dir in the test's folder (the last case sets its own), which the failed run leaves out
@@ -44,8 +46,8 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
                               "patch_size": 8, "drop_path_rate": 0.0, "kwargs": {"depth": 2}})
     with pytest.raises(UserError, match="^unknown model 'lion_x_huge'; LION models: "):
         build_model(OmegaConf.merge(model, {"name": "lion_x_huge"}), 3, 32)
-    with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size 30x30 is not divisible by the patch "
-                                        "size 8x8"):
+    with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size=30 is not divisible by its patch "
+                                        "size 8; pass img_size=<a multiple of 8>"):
         build_model(model, 3, 30)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")
@@ -243,3 +245,15 @@ def test_every_default_is_in_the_yaml_once_and_passes_the_schema():
             missing = [name for name in names if OmegaConf.select(cfg, name, default=MISSING) is MISSING]
             assert not missing, f"{override}: no value for {missing}"
             check_settings(cfg)  # every value passes its rule, no key unknown to the schema
+
+
+def test_a_model_name_says_what_changed_it(tmp_path):
+    """The default (digits) model group sizes any name for 8 px digits: the log line names every setting
+    by which the model is not the one its name builds; model=lion on those 8 px says what to set."""
+    proc = run_train("model.name=lion_s_tiny", "epochs=1", "progress=false", f"output_dir={tmp_path / 'digits'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "model lion_s_tiny changed by model.patch_size=2, model.kwargs.embed_dim=64, model.kwargs.depth=4, " \
+           "model.kwargs.num_heads=4 (0.20M params) at 8 px" in proc.stdout
+    proc = run_train("model=lion", "epochs=1", f"output_dir={tmp_path / 'lion'}")
+    assert_clean_error(proc, "img_size=8 is not divisible by its patch size 16; pass img_size=<a multiple of 16>")
+

@@ -3,7 +3,8 @@ checkpoint, and the checks that a checkpoint fits the run that loads it."""
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, Optional
+import re
+from typing import Any, Dict, List, Optional
 
 import timm
 import torch
@@ -50,6 +51,11 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
             hint = (f" (model.kwargs={OmegaConf.to_container(model_cfg.kwargs)} comes from the model group; "
                     f"start from model=lion or model=deit, whose kwargs are empty)")
+        indivisible = re.search(r"not divisible by the patch size (\d+)x", str(error))
+        if indivisible:
+            raise UserError(f"cannot build model {name}: img_size={img_size} is not divisible by its patch size "
+                            f"{indivisible.group(1)}; pass img_size=<a multiple of {indivisible.group(1)}> or "
+                            f"model.patch_size=<a divisor of {img_size}>") from None
         raise UserError(f"cannot build model {name}: {error}{hint}") from None
     except (OSError, RuntimeError, pickle.UnpicklingError) as error:
         source = _initial_weights_source(kwargs)
@@ -77,6 +83,24 @@ def _keep_a_file_classifier_that_fits(name: str, kwargs: Dict[str, Any]) -> None
         return  # a missing or unreadable file: timm's loader reports it
     if isinstance(head, torch.Tensor) and head.dim() >= 1:
         kwargs["pretrained_cfg_overlay"] = {**overlay, "num_classes": head.shape[0]}
+
+
+def changed_architecture(model_cfg: DictConfig, model: nn.Module) -> List[str]:
+    """The settings by which `model` is not the architecture its name builds in timm: a patch size other
+    than the name's, and every architecture argument in model.kwargs (the digits group's embed_dim, depth,
+    num_heads, say), as model.* overrides."""
+    changes = []
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if isinstance(patch, tuple):
+        try:
+            with torch.device("meta"):  # the name's own architecture: shapes only, no memory, no weights
+                named = timm.create_model(model_cfg.name)
+        except (RuntimeError, TypeError, ValueError):  # a model whose constructor reads tensor values
+            named = None
+        if named is not None and getattr(getattr(named, "patch_embed", None), "patch_size", None) != patch:
+            changes.append(f"model.patch_size={patch[0]}")
+    kwargs = _without_initial_weights(OmegaConf.to_container(model_cfg.kwargs, resolve=True))
+    return changes + [f"model.kwargs.{key}={value}" for key, value in kwargs.items()]
 
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -28,11 +28,12 @@ from ..data import build_dataset, build_loader, build_transform, num_classes_of
 from ..errors import UserError, first_line
 from ..from_vit import init_from_vit
 from ..hub import HubUnreachable
+from ..ops import Plan
 from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
-from .build import (RESUME_SAME_OPTIMIZER, build_model, check_resumable, check_same_classes, load_weights,
-                    model_from_checkpoint, trained_architecture)
+from .build import (RESUME_SAME_OPTIMIZER, build_model, changed_architecture, check_resumable, check_same_classes,
+                    load_weights, model_from_checkpoint, trained_architecture)
 from .config import check_settings
 from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
@@ -254,16 +255,33 @@ def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
 
 def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_classes: int, lr: float,
                   global_batch: int, dist_info: DistInfo, device: torch.device, is_main: bool) -> None:
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s (%.2fM params) at %d px, %d train / %d val images, %d classes, lr %.2e, global batch %d, "
-             "%d process(es), %s", cfg.model.name, n_params / 1e6, cfg.img_size, len(train_set), len(val_set),
-             num_classes, lr, global_batch, dist_info.world_size, device)
-    if hasattr(model, "attn_plan"):  # what every LION layer runs (lion_vit.ops.dispatch)
-        log.info("attention: %s", model.attn_plan((cfg.img_size, cfg.img_size)))
+    log.info("%s, %d train / %d val images, %d classes, lr %.2e, global batch %d, %d process(es), %s",
+             _model_line(cfg.model, model, cfg.img_size), len(train_set), len(val_set), num_classes, lr,
+             global_batch, dist_info.world_size, device)
+    _log_plan(model, cfg.img_size)
     if is_main and cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
         log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
                     "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "
                     "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr)
+
+
+def _model_line(model_cfg: DictConfig, model: nn.Module, img_size: int) -> str:
+    """"model <name> (<size> params) at <img_size> px", naming every setting by which the model is not the
+    architecture its name builds (the digits group's small widths, say)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    changes = changed_architecture(model_cfg, model)
+    changed = f" changed by {', '.join(changes)}" if changes else ""
+    return f"model {model_cfg.name}{changed} ({n_params / 1e6:.2f}M params) at {img_size} px"
+
+
+def _log_plan(model: nn.Module, img_size: int, dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
+    """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch), and return it (None for a
+    model without LION layers)."""
+    if not hasattr(model, "attn_plan"):
+        return None
+    run = model.attn_plan((img_size, img_size), dtype=dtype)
+    log.info("attention: %s", run)
+    return run
 
 
 def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[Dict[str, Any]]:
