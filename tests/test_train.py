@@ -81,35 +81,56 @@ def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
 
 
 def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
-    """One Hydra sweep (-m, as the README shows) over the forms: each job writes <output_dir>/<job>/eval.json."""
+    """One Hydra sweep (-m, as the README shows) over the forms: each job writes <output_dir>/<job>/eval.json.
+    At 96 px (144 tokens) the chunk form runs chunks; at the trained 32 px one product would cost less."""
     forms = ["attention", "rnn", "chunk"]
-    assert_ok(run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+    assert_ok(run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=96",
                         f"checkpoint={trained / 'checkpoint-last.pt'}", f"model.attn_form={','.join(forms)}",
-                        "model.chunk_size=3", f"output_dir={tmp_path}"))
+                        "model.chunk_size=8", f"output_dir={tmp_path}"))
     results = {}
     for job in range(len(forms)):
         result = json.loads((tmp_path / str(job) / "eval.json").read_text())
-        assert set(result) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "img_size", "num_images",
-                               "model", "checkpoint", "weights"}
+        assert set(result) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "attn_plan", "img_size",
+                               "num_images", "model", "checkpoint", "weights"}
         assert result["num_images"] == 12
         results[result["attn_form"]] = result
     assert sorted(results) == sorted(forms)
-    assert [results[form]["chunk_size"] for form in forms] == [None, None, 3]  # only the chunk form has one
+    assert [results[form]["chunk_size"] for form in forms] == [None, None, 8]  # only the chunk form has one
+    assert results["chunk"]["attn_plan"] == "chunk form, cpu backend: 18 chunks in groups of rows"
     assert results["attention"]["acc1"] == results["rnn"]["acc1"] == results["chunk"]["acc1"]
     assert abs(results["attention"]["loss"] - results["rnn"]["loss"]) < 1e-4
     assert abs(results["attention"]["loss"] - results["chunk"]["loss"]) < 1e-4
-    final_val = read_metrics(trained)[-1]
-    assert abs(results["attention"]["acc1"] - final_val["val_acc1"]) < 1e-6
+
+
+def test_eval_only_says_what_ran_and_keeps_an_earlier_evaluation(trained, folder, tmp_path):
+    """The log names the model and its plan; eval.json the form and chunks that ran (attn_form=auto
+    resolved; a chunk size only where chunks ran); a second evaluation into the folder is refused."""
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "model.attn_form=auto",
+            "model.chunk_size=64", f"checkpoint={trained / 'checkpoint-best.pt'}", f"output_dir={tmp_path}"]
+    proc = run_train(*args)
+    assert_ok(proc)
+    assert "model lion_s_tiny changed by model.patch_size=8, model.kwargs.depth=2 (0.93M params) at 32 px, 12 val " \
+           "images, the model weights of" in proc.stdout
+    assert "attention: attention form, torch backend: one masked product" in proc.stdout
+    before = (tmp_path / "eval.json").read_text()
+    result = json.loads(before)
+    assert (result["attn_form"], result["chunk_size"], result["attn_plan"]) == \
+        ("attention", None, "attention form, torch backend: one masked product")
+    proc = run_train(*args[:-2], "model.attn_form=chunk", f"checkpoint={trained / 'checkpoint-best.pt'}",
+                     f"output_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert_clean_error(proc, f"{tmp_path} already holds an evaluation (eval.json); choose a new output_dir")
+    assert (tmp_path / "eval.json").read_text() == before
 
 
 def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
-    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=64",
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", "img_size=128",
                      f"checkpoint={trained / 'checkpoint-best.pt'}", "model.attn_form=chunk",
                      "model.chunk_size=16", f"output_dir={tmp_path}")
     assert_ok(proc)
     assert proc.stdout.strip().splitlines()[-1].endswith(f"wrote {tmp_path / 'eval.json'}")
     result = json.loads((tmp_path / "eval.json").read_text())
-    assert result["img_size"] == 64 and result["chunk_size"] == 16
+    assert result["img_size"] == 128 and result["chunk_size"] == 16
 
 
 def test_eval_only_takes_the_architecture_from_the_checkpoint(trained, folder, tmp_path):

@@ -43,6 +43,7 @@ from .loop import NonFiniteLoss, Precision, Training, classification_loss, evalu
 
 log = logging.getLogger("lion_vit")
 METRICS = "metrics.jsonl"
+EVAL = "eval.json"
 
 
 def train(cfg: DictConfig) -> Dict[str, Any]:
@@ -310,6 +311,8 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     """Evaluate `checkpoint` in the requested attn_form / chunk_size / img_size; write eval.json."""
     if not cfg.checkpoint:
         raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
+    if (output_dir / EVAL).exists():  # as a training run never overwrites a run
+        raise UserError(f"{output_dir} already holds an evaluation ({EVAL}); choose a new output_dir")
     state = ckpt.load_checkpoint(Path(cfg.checkpoint))
     use_ema = cfg.ema.eval_ema
     if use_ema and state.get("model_ema") is None:
@@ -322,19 +325,26 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
                                   "evaluate on data with the classes the checkpoint was trained on",
                                   state["model_ema"] if use_ema else state["model"])
     precision = _precision(cfg, device)
-    model.to(device)
+    model.to(device).eval()
+    trained = OmegaConf.create({**cfg.model, "kwargs": {}, **trained_architecture(state)})
+    name = trained.name
+    log.info("%s, %d val images, the %s weights of %s, %s", _model_line(trained, model, cfg.img_size),
+             len(val_set), "EMA" if use_ema else "model", cfg.checkpoint, device)
+    run = _log_plan(model, cfg.img_size, precision.dtype)
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, precision, show_progress=cfg.progress and dist_info.is_main,
                          log_interval=cfg.log_interval)
-    form = cfg.model.attn_form  # a chunk size set for a sweep over forms means nothing to the others
-    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], "attn_form": form,
-              "chunk_size": cfg.model.chunk_size if form == "chunk" else None, "img_size": cfg.img_size,
-              "num_images": stats["num_images"], "model": trained_architecture(state).get("name", cfg.model.name),
-              "checkpoint": str(cfg.checkpoint), "weights": "ema" if use_ema else "model"}
+    # what ran, not what was asked: "auto" resolved, and a chunk size only where chunks ran
+    ran = {"attn_form": None, "chunk_size": None, "attn_plan": None} if run is None else {
+        "attn_form": run.form, "chunk_size": run.chunk_size if run.form == "chunk" and not run.whole else None,
+        "attn_plan": str(run)}
+    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], **ran, "img_size": cfg.img_size,
+              "num_images": stats["num_images"], "model": name, "checkpoint": str(cfg.checkpoint),
+              "weights": "ema" if use_ema else "model"}
     if dist_info.is_main:
-        rundir.write_atomic(output_dir / "eval.json", json.dumps(result, indent=2) + "\n")
+        rundir.write_atomic(output_dir / EVAL, json.dumps(result, indent=2) + "\n")
         log.info("eval: %s", json.dumps(result))
-        log.info("wrote %s", output_dir / "eval.json")
+        log.info("wrote %s", output_dir / EVAL)
     return result
 
 
