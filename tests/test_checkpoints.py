@@ -154,3 +154,13 @@ def test_resume_auto_skips_a_corrupt_last_checkpoint(folder, tmp_path):
     metrics = read_metrics(tmp_path)  # redid epoch 2 from prev: its first line was dropped
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
     assert "resumed after epoch 1" in proc.stdout + proc.stderr
+
+
+def test_resume_auto_reads_checkpoints_that_counted_epochs_from_0(tmp_path):
+    """A checkpoint without `format` held the finished epoch's 0-based index (epoch 2: three done); today's
+    hold the epochs done (epoch 2: two). resume=auto takes the one with more epochs done."""
+    from lion_vit.engine import checkpoint as ckpt
+    ckpt.save_atomic({"model": {}, "epoch": 2}, tmp_path / ckpt.PREVIOUS)
+    ckpt.save_atomic({"model": {}, "epoch": 2, "format": ckpt.FORMAT}, tmp_path / ckpt.LAST)
+    state = ckpt.newest_readable(tmp_path)
+    assert "format" not in state and ckpt.epochs_done(state) == 3

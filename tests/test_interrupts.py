@@ -94,8 +94,8 @@ def test_ctrl_c_during_an_epochs_evaluation_keeps_the_epoch(folder, tmp_path):
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "evaluation 2" in proc.stderr and "evaluation 3" not in proc.stderr  # model and EMA, then stopped
     assert f"interrupted: {tmp_path} holds the checkpoint of the last finished epoch" in proc.stderr
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == [1]  # counted from 1 (the checkpoint's epoch index stays 0-based, as DeiT's)
-    assert torch.load(tmp_path / "checkpoint-last.pt")["epoch"] == 0
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [1]  # counted from 1, as in the checkpoint
+    assert torch.load(tmp_path / "checkpoint-last.pt")["epoch"] == 1
 
 
 def test_first_ctrl_c_stops_before_the_next_step_and_a_second_at_once():

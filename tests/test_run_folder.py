@@ -134,22 +134,22 @@ def test_a_full_disk_writing_a_small_file_is_one_line_and_keeps_every_file(run, 
 def test_a_full_disk_inside_torch_save_keeps_last_and_best_in_agreement(folder, tmp_path):
     """torch's writer reports a full disk as a failed check ("unexpected pos"): said as a full disk. The
     epoch's last and best checkpoints land together or not at all."""
-    full_at_epoch_1 = (
+    full_at_epoch_2 = (
         "import torch\n"
         "save = torch.save\n"
         "def full(state, f, *args, **kwargs):\n"
-        "    if isinstance(state, dict) and state.get('epoch') == 1:\n"
+        "    if isinstance(state, dict) and state.get('epoch') == 2:\n"
         "        f.write(b'partial')\n"
         "        raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0')\n"
         "    return save(state, f, *args, **kwargs)\n"
         "torch.save = full\n")
-    proc = _run_patched(full_at_epoch_1, *_args(folder, tmp_path), "epochs=3", "optim.lr=2e-3",
+    proc = _run_patched(full_at_epoch_2, *_args(folder, tmp_path), "epochs=3", "optim.lr=2e-3",
                         "optim.warmup_epochs=0")
     assert_clean_error(proc, f"could not write checkpoint {tmp_path / ckpt.LAST}",
                        "no space left on the device (torch could not write the file)")
     assert not [name for name in _files(tmp_path) if name.endswith(".tmp")]
     last, best = (torch.load(tmp_path / name, weights_only=True) for name in (ckpt.LAST, ckpt.BEST))
-    assert last["epoch"] == best["epoch"] == 0 and last["best_acc1"] == best["best_acc1"]
+    assert last["epoch"] == best["epoch"] == 1 and last["best_acc1"] == best["best_acc1"]
 
 
 def test_save_together_changes_nothing_when_one_write_fails(tmp_path, monkeypatch):

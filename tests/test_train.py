@@ -44,7 +44,7 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
     assert_ok(proc)
     (line,) = read_metrics(tmp_path)  # rank 0 writes once
     state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)
-    assert state["epoch"] == 0
+    assert state["epoch"] == 1  # epochs finished, as the console counts them
     # 24 training images, 2 processes x batch 4, drop_last: 3 steps x 8 images seen per epoch
     assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
 
@@ -56,7 +56,7 @@ def test_sweep_jobs_get_their_own_output_dirs(folder, tmp_path):
     assert_ok(proc)
     first, second = (torch.load(tmp_path / str(job) / "checkpoint-last.pt") for job in (0, 1))
     assert (first["config"]["seed"], second["config"]["seed"]) == (0, 1)
-    assert first["epoch"] == second["epoch"] == 0  # job 1 trained; it did not resume from job 0's checkpoint
+    assert first["epoch"] == second["epoch"] == 1  # job 1 trained; it did not resume from job 0's checkpoint
     assert len(read_metrics(tmp_path / "1")) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]  # Hydra's sweep record
     # in wandb: one group per sweep, runs named after it and the job
@@ -74,7 +74,7 @@ def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
 
     a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
     b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
-    assert a["epoch"] == b["epoch"] == 2
+    assert a["epoch"] == b["epoch"] == 3
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     assert [m["train_loss"] for m in read_metrics(straight)] == [m["train_loss"] for m in read_metrics(resumed)][-3:]

@@ -16,6 +16,14 @@ from .interrupts import deferred
 
 log = logging.getLogger(__name__)
 LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
+# A training checkpoint's `epoch` is the number of epochs it has finished, as the console and metrics.jsonl
+# count them (format 2); checkpoints without `format` held the finished epoch's 0-based index, as DeiT's do.
+FORMAT = 2
+
+
+def epochs_done(state: Dict[str, Any]) -> int:
+    """How many epochs a training checkpoint has finished (either format)."""
+    return state["epoch"] + (0 if state.get("format", 1) >= 2 else 1)
 
 
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:
@@ -108,6 +116,6 @@ def newest_readable(output_dir: Path) -> Optional[Dict[str, Any]]:
         except UserError as error:  # (its advice to use another checkpoint is what resume=auto does)
             log.warning("resume=auto skips %s", str(error).split("; ")[0])
             continue
-        if "epoch" in state and (best is None or state["epoch"] > best["epoch"]):
+        if state.get("epoch") is not None and (best is None or epochs_done(state) > epochs_done(best)):
             best = state
     return best

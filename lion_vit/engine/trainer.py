@@ -158,7 +158,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 if is_main:
                     state = {"model": model.state_dict(), "model_ema": ema.module.state_dict() if ema else None,
                              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": loss_scaler.state_dict() if loss_scaler else None, "epoch": epoch,
+                             "scaler": loss_scaler.state_dict() if loss_scaler else None, "epoch": epoch + 1,
+                             "format": ckpt.FORMAT,
                              "best_acc1": best[0], "best_epoch": best[1], "num_classes": num_classes,
                              "classes": list(train_set.classes),
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
@@ -218,7 +219,8 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
         raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
                         f"({first_line(error)}); {RESUME_SAME_OPTIMIZER}") from None
     # the schedule is rebuilt from this run's settings, not loaded: the processes, batch_size or epochs may differ
-    scheduler.step_update(num_updates=(state["epoch"] + 1) * updates)
+    start_epoch = ckpt.epochs_done(state)
+    scheduler.step_update(num_updates=start_epoch * updates)
     if loss_scaler is not None and state.get("scaler"):
         loss_scaler.load_state_dict(state["scaler"])
     if ema is not None:
@@ -227,7 +229,6 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
             load_weights(ema.module, trained_ema)
         else:  # EMA turned on for a run that trained without it: start from its weights
             ema.set(model)
-    start_epoch = state["epoch"] + 1
     log.info("resumed after epoch %d of %s", start_epoch, output_dir)
     if is_main:
         rundir.drop_metrics_after(output_dir / METRICS, start_epoch)
