@@ -17,20 +17,29 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
 from torch import Tensor
 
 from .models import LionViT
-from .weights import load_into, read_weights, state_dict_of
+from .weights import load_into, read_weights, state_dict_of, what_model
 
 # (mask_type, order) of the official code -> this project's variant
 VARIANTS = {("Lit", "Normal"): "lion_lit", ("Decay", "Normal"): "lion_d", ("Selective", "Normal"): "lion_s",
             ("Decay", "S"): "lion_d_natural", ("Selective", "S"): "lion_s_natural"}
 SIZES = {192: "tiny", 384: "small", 768: "base"}  # embedding width -> size
 ARGS = ("mask_type", "order", "pos_emb", "cls_tok")  # the official settings a conversion needs
+
+
+class MissingSettings(ValueError):
+    """Official settings that neither the checkpoint's args nor the caller's give (`missing`: their names)."""
+
+    def __init__(self, missing: Sequence[str], how: str = "pass them, e.g. args={'mask_type': 'Selective', "
+                                                          "'order': 'S', 'pos_emb': False, 'cls_tok': False}") -> None:
+        self.missing = list(missing)
+        super().__init__(f"the checkpoint does not say its {', '.join(self.missing)}; {how}")
 
 
 def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]:
@@ -56,8 +65,7 @@ def official_settings(checkpoint: Mapping[str, Any], args: Optional[Mapping[str,
     settings = {**saved, **dict(args or {})}
     missing = [name for name in ARGS if name not in settings]
     if missing:
-        raise ValueError(f"the checkpoint does not say its {', '.join(missing)}; pass them, e.g. "
-                         f"args={{'mask_type': 'Selective', 'order': 'S', 'pos_emb': False, 'cls_tok': False}}")
+        raise MissingSettings(missing)
     if (settings["mask_type"], settings["order"]) not in VARIANTS:
         raise ValueError(f"unknown official mask_type={settings['mask_type']!r} / order={settings['order']!r}; "
                          f"known: {sorted(VARIANTS)}")
@@ -73,6 +81,11 @@ def to_lion_vit(weights: Mapping[str, Tensor],
                 settings: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], Dict[str, Tensor]]:
     """(model name, create_model kwargs, state dict) of this project for official weights and settings."""
     selective, scans = settings["mask_type"] == "Selective", 2 if settings["order"] == "S" else 1
+    needed = ("cls_token", "patch_embed.proj.weight", "head.weight") + (("pos_embed",) if settings["pos_emb"] else ())
+    missing = [key for key in needed if key not in weights]
+    if missing:
+        raise ValueError(f"the weights have no {', '.join(missing)}: not the official LION code's layout (a DeiT "
+                         f"ViT, always with a class token, and with pos_emb its positional embeddings)")
     width = weights["cls_token"].shape[-1]
     if width not in SIZES:
         raise ValueError(f"an official model of width {width} has no counterpart here (widths {sorted(SIZES)})")
@@ -125,9 +138,13 @@ def from_official(source: Union[str, Path, Mapping[str, Any]], args: Optional[Ma
     return convert_official(source, args, use_ema, **kwargs)[2]
 
 
-def to_official(model: LionViT) -> Dict[str, Tensor]:
-    """The official code's state dict for a model of this project configured as from_official builds it
-    (the inverse mapping: decays back to a_i / a2_i, selective weights back to their sign)."""
+def to_official(model: LionViT) -> Dict[str, Any]:
+    """The official code's checkpoint, {"model": state dict, "args": {mask_type, order, pos_emb, cls_tok}},
+    for a model of this project that the official code can express (from_official reads it back, with no
+    settings to pass): decays back to a_i / a2_i, selective weights back to their sign. A model it cannot
+    express (no class token, as this project's default; a distillation token; another feature map or
+    pooling) is a ValueError naming what differs and how from_official builds such a model."""
+    settings = official_args(model)
     state: Dict[str, Tensor] = {}
     heads = model.blocks[0].attn.num_heads
     for key, value in model.state_dict().items():
@@ -139,4 +156,39 @@ def to_official(model: LionViT) -> Dict[str, Tensor]:
                 state[target] = -value[scan * heads:(scan + 1) * heads].clone() if selective else value[scan].clone()
         else:
             state[key] = value
-    return state
+    return {"model": state, "args": settings}
+
+
+MASK_TYPES = {"lit": "Lit", "fixed": "Decay", "selective": "Selective"}  # decay kind -> official mask_type
+
+
+def official_args(model: LionViT) -> Dict[str, Any]:
+    """The official settings (mask_type, order, pos_emb, cls_tok) of a model built as from_official builds
+    one, or a ValueError naming every setting the official code has no counterpart for."""
+    attn = model.blocks[0].attn
+    mask_type = MASK_TYPES.get(attn.decay)
+    cls_tok = not model.pool_all_tokens
+    problems = []
+    if mask_type is None:
+        problems.append(f"its decay kind {attn.decay!r} (official: {sorted(MASK_TYPES)})")
+    if model.cls_token is None:
+        problems.append("it has no class token (class_token=True)")
+    if model.distilled or model.reg_token is not None:
+        problems.append("it has a distillation or register token")
+    if cls_tok and model.global_pool != "token":
+        problems.append(f"its pooling global_pool={model.global_pool!r} (global_pool='avg_all' or 'token')")
+    if model.pos_embed is not None and model.no_embed_class:
+        problems.append("its positional embeddings leave out the class token")
+    feature_map = "elu" if mask_type == "Lit" else "silu_norm"
+    if attn.feature_map_name != feature_map:
+        problems.append(f"its feature map {attn.feature_map_name!r} (feature_map={feature_map!r})")
+    if attn.prefix_decay_one != (mask_type == "Selective"):
+        problems.append(f"prefix_decay_one={attn.prefix_decay_one} (prefix_decay_one={mask_type == 'Selective'})")
+    if model.patch_embed.patch_size != (16, 16) or model.embed_dim not in SIZES:
+        problems.append(f"patch {model.patch_embed.patch_size[0]} / width {model.embed_dim} (official: patch 16, "
+                        f"widths {sorted(SIZES)})")
+    if problems:
+        raise ValueError(f"{what_model(model)} has no counterpart in the official LION code: "
+                         f"{'; '.join(problems)}; build it as from_official does, with the settings in parentheses")
+    return {"mask_type": mask_type, "order": "S" if attn.num_scans == 2 else "Normal",
+            "pos_emb": model.pos_embed is not None, "cls_tok": cls_tok}

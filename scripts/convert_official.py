@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared
 import torch  # noqa: E402
 
 from benchmarking import HelpFormatter  # noqa: E402
-from lion_vit.convert import ARGS, convert_official  # noqa: E402
+from lion_vit.convert import ARGS, MissingSettings, convert_official  # noqa: E402
 
 
 def main() -> None:
@@ -38,6 +38,11 @@ def main() -> None:
     given = {name: getattr(args, name) for name in ARGS if getattr(args, name) is not None}
     try:
         name, kwargs, model = convert_official(args.official, given, use_ema=not args.no_ema)
+    except MissingSettings as error:  # the options that give them
+        options = {"mask_type": "--mask-type {Lit,Decay,Selective}", "order": "--order {Normal,S}",
+                   "pos_emb": "--pos-emb or --no-pos-emb", "cls_tok": "--cls-tok or --no-cls-tok"}
+        parser.exit(2, f"error: {args.official} does not say its {', '.join(error.missing)}; pass "
+                       f"{', '.join(options[name] for name in error.missing)}\n")
     except (ValueError, OSError, RuntimeError) as error:  # unknown settings, another shape, not a checkpoint
         parser.exit(2, f"error: {str(error).strip().splitlines()[0]}\n")
     num_classes = kwargs.pop("num_classes")

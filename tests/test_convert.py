@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import timm
 import torch
 import torch.nn.functional as F
 
+import lion_vit.testing
+from lion_vit import LION_MODEL_NAMES
 from lion_vit.convert import VARIANTS, from_official, to_official
 from lion_vit.ops import snake_orders
 from naive import naive_mask, rel_err
@@ -119,8 +122,34 @@ def test_mapping_both_ways_and_the_decay_sign():
     assert torch.equal(attn.decay_proj.weight[:HEADS], -weights["blocks.1.attn.a_i.weight"])  # 1 - sigmoid(z) = sigmoid(-z)
     assert torch.equal(attn.decay_proj.bias[HEADS:], -weights["blocks.1.attn.a2_i.bias"])
     back = to_official(model)
+    assert back["args"] == {"mask_type": "Selective", "order": "S", "pos_emb": False, "cls_tok": False}
+    back = back["model"]
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
     assert model.num_prefix_tokens == 1 and model.pool_all_tokens and attn.prefix_decay_one
+
+
+@pytest.mark.parametrize("name", LION_MODEL_NAMES)
+def test_every_registered_model_round_trips_through_the_official_layout(name):
+    """to_official -> from_official, with no settings to pass: the same function, any registered variant built
+    as the official code builds it (a class token; the official pooling and feature map)."""
+    lit, token_pool = name.startswith("lion_lit"), name.endswith("_small")  # (both official poolings)
+    model = timm.create_model(name, depth=1, num_classes=5, class_token=True,
+                              global_pool="token" if token_pool else "avg_all", feature_map="elu" if lit else "silu_norm",
+                              prefix_decay_one=name.startswith("lion_s"), pos_embed="learn" if lit else "none").eval()
+    lion_vit.testing.randomize_decays(model)
+    back = from_official(to_official(model)).eval()
+    assert type(back) is type(model) and back.state_dict().keys() == model.state_dict().keys()
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+
+
+def test_a_model_the_official_code_cannot_express_is_named_not_converted():
+    with pytest.raises(ValueError, match=r"^lion_s_small has no counterpart in the official LION code: it has no "
+                                         r"class token \(class_token=True\); its pooling global_pool='avg'"):
+        to_official(timm.create_model("lion_s_small", depth=1))
+    with pytest.raises(ValueError, match="it has a distillation or register token"):
+        to_official(timm.create_model("lion_d_tiny_distilled", depth=1, class_token=True, global_pool="token"))
 
 
 def test_class_token_decay_is_one_and_pooling_takes_every_token():
@@ -179,3 +208,15 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
         assert rel_err(model.eval()(x), reference.eval()(x)) < 1e-5
     bad = run_python("scripts/convert_official.py", str(official), str(out), "--order", "Normal", "--mask-type", "Lit")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
+    # a checkpoint without its settings: the options that give them; this project's own weights: not official
+    bare = tmp_path / "bare.pth"
+    torch.save({"model": official_checkpoint("Decay", "Normal", False, False)["model"]}, bare)
+    ours = tmp_path / "ours.pth"
+    torch.save(timm.create_model("lion_d_tiny", depth=1).state_dict(), ours)
+    for source, needles in ((bare, ["does not say its mask_type, order, pos_emb, cls_tok; pass --mask-type",
+                                    "--order {Normal,S}", "--pos-emb or --no-pos-emb", "--cls-tok or --no-cls-tok"]),
+                            (ours, ["the weights have no cls_token: not the official LION code's layout"])):
+        bad = run_python("scripts/convert_official.py", str(source), str(out), *["--mask-type", "Decay", "--order",
+                         "Normal", "--no-pos-emb", "--no-cls-tok"] * (source == ours))
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+        assert len(bad.stderr.splitlines()) == 1 and all(needle in bad.stderr for needle in needles), bad.stderr
