@@ -12,6 +12,7 @@ Every setting is in configs/ (start at configs/config.yaml); bad input ends with
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -59,6 +60,17 @@ def main(cfg: DictConfig) -> float:
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
 
+def _check_launcher(argv: list) -> None:
+    """hydra/launcher=slurm submits through SLURM's srun: without it, submitit's error would be a traceback
+    from inside Hydra's sweep, before main() runs (and a multirun.yaml left in output_dir)."""
+    launchers = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+~").startswith("hydra/launcher=")]
+    if any("slurm" in launcher for launcher in launchers) and shutil.which("srun") is None:
+        print("error: hydra/launcher=slurm submits jobs through SLURM, but srun is not on this machine's PATH; run "
+              "it on a SLURM login node, or without hydra/launcher=slurm (python train.py or torchrun)",
+              file=sys.stderr)
+        sys.exit(2)
+
+
 def _interrupted(cfg: DictConfig, what: str) -> str:
     if cfg.eval_only:
         return f"{what}: nothing was written"
@@ -70,4 +82,5 @@ def _interrupted(cfg: DictConfig, what: str) -> str:
 
 
 if __name__ == "__main__":
+    _check_launcher(sys.argv[1:])
     main()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -257,3 +258,10 @@ def test_a_model_name_says_what_changed_it(tmp_path):
     proc = run_train("model=lion", "epochs=1", f"output_dir={tmp_path / 'lion'}")
     assert_clean_error(proc, "img_size=8 is not divisible by its patch size 16; pass img_size=<a multiple of 16>")
 
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="SLURM is installed here")
+def test_slurm_launcher_without_srun_is_one_line(tmp_path):
+    proc = run_train("-m", "hydra/launcher=slurm", f"output_dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 2
+    assert_clean_error(proc, "hydra/launcher=slurm", "srun is not on this machine's PATH")
+    assert not (tmp_path / "sweep").exists()
