@@ -84,8 +84,8 @@ def test_killed_and_resumed_distillation_ends_with_the_weights_of_an_uninterrupt
 
 
 def test_init_from_a_softmax_vit_copies_its_weights_and_beats_random_init(teacher, tmp_path):
-    """Measured here: after one epoch on the digits, 34.4 % top-1 from the DeiT teacher's weights against
-    17.8 % from random weights (seed 0)."""
+    """docs/training.md's commands: after one epoch on the digits, 32.5 % top-1 from the DeiT teacher's
+    weights against 12.2 % from random weights (seed 0), with no warm-up and so no warning about it."""
     model = timm.create_model("lion_d_natural_tiny", img_size=8, patch_size=2, num_classes=10, embed_dim=64,
                               depth=4, num_heads=4)
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
@@ -100,10 +100,11 @@ def test_init_from_a_softmax_vit_copies_its_weights_and_beats_random_init(teache
     accuracy = {}
     for init in ("null", str(teacher)):
         out = tmp_path / ("random" if init == "null" else "deit")
-        proc = run_train(*QUIET, f"model.init_from={init}", "epochs=1", f"output_dir={out}")
+        proc = run_train(*QUIET, f"model.init_from={init}", "epochs=1", "optim.warmup_epochs=0", f"output_dir={out}")
         assert_ok(proc)
         accuracy[out.name] = read_metrics(out)[0]["val_acc1"]
     assert "init_from" in proc.stdout and "copied 52 tensors" in proc.stdout
+    assert "warm-up" not in proc.stdout + proc.stderr
     assert accuracy["deit"] > accuracy["random"] + 5, accuracy
 
 
