@@ -107,3 +107,77 @@ def test_cifar_download_failure_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"could not download CIFAR-100 .*Name or service not known.*"
                                         r"fetch https://\S+cifar-100-python.tar.gz by hand"):
         cifar(str(tmp_path), 100, train=True, download=True)
+
+
+def _deit_recipe(folder, *overrides):
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=["experiment=deit_small_imagenet", f"data.root={folder}", "img_size=32",
+                                            "batch_size=8", *overrides])
+
+
+def test_the_loader_gives_the_images_of_the_path_it_replaced_normalised_on_the_device(folder):
+    """train.py's loader (uint8 from the workers, normalised on the device) against timm's transform that
+    normalised in the workers, as train.py had it: for the same seed the same images up to float rounding
+    (DeiT's recipe without random erasing, whose draws moved: next test), and mixup mixes both alike."""
+    from timm.data import Mixup, create_transform
+    from timm.utils import random_seed
+    from lion_vit.data import build_dataset, build_loader, build_transform, on_device
+    cfg = _deit_recipe(folder, "aug.reprob=0")
+    data, aug = cfg.data, cfg.aug
+    old_transform = create_transform(input_size=32, is_training=True, auto_augment=aug.auto_augment, hflip=aug.hflip,
+                                     color_jitter=aug.color_jitter, scale=tuple(aug.scale), re_prob=0.0,
+                                     interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std))
+
+    def batches(transform, wrap):
+        loader = build_loader(build_dataset(data, "train", transform), train=True, batch_size=8, num_workers=0,
+                              rank=0, world_size=1, seed=0, repeated_aug=aug.repeated_aug)
+        loader = wrap(loader)
+        loader.sampler.set_epoch(1)
+        random_seed(5)
+        return list(loader)
+
+    old = batches(old_transform, lambda loader: loader)
+    new = batches(build_transform(data, aug, 32, train=True), lambda loader: on_device(loader, data, aug, torch.device("cpu")))
+    assert len(old) == len(new) == 3
+    for (old_images, old_targets), (new_images, new_targets) in zip(old, new):
+        assert new_images.dtype == torch.float32 and torch.equal(old_targets, new_targets)
+        torch.testing.assert_close(new_images, old_images, rtol=0, atol=1e-5)
+    mixed = []
+    for images, targets in (old[0], new[0]):
+        mixup = Mixup(mixup_alpha=aug.mixup, cutmix_alpha=aug.cutmix, label_smoothing=aug.smoothing, num_classes=3)
+        random_seed(7)
+        mixed.append(mixup(images.clone(), targets))
+    torch.testing.assert_close(mixed[1][0], mixed[0][0], rtol=0, atol=1e-5)
+    assert torch.equal(mixed[1][1], mixed[0][1])
+
+
+def test_random_erasing_on_the_device_draws_as_it_did_in_the_workers(folder):
+    """DeiT's random erasing (probability 0.25, 'pixel': normal noise over 2-33 % of an image) drawn per
+    image by timm's RandomErasing, once in the workers after normalisation, now on the device's batch:
+    the same share of images erased, areas and noise alike (3,000 images each)."""
+    from timm.data.random_erasing import RandomErasing
+    from timm.utils import random_seed
+    from torch.utils.data import DataLoader
+    from lion_vit.data import on_device
+    cfg = _deit_recipe(folder)
+    mean, std = torch.tensor(cfg.data.mean)[:, None, None], torch.tensor(cfg.data.std)[:, None, None]
+    grey = torch.full((3, 24, 24), 128, dtype=torch.uint8)
+    flat = (grey / 255.0 - mean) / std
+    count = 3000
+    random_seed(0)
+    in_workers = RandomErasing(probability=cfg.aug.reprob, mode=cfg.aug.remode, max_count=cfg.aug.recount, device="cpu")
+    old = torch.stack([in_workers(flat.clone()) for _ in range(count)])
+    loader = DataLoader([(grey, 0)] * count, batch_size=100)
+    new = torch.cat([images for images, _ in on_device(loader, cfg.data, cfg.aug, torch.device("cpu"))])
+    stats = []
+    for images in (old, new):
+        erased = ~torch.isclose(images, flat.expand_as(images), atol=1e-6).all(1)  # [N, H, W]
+        areas = erased.flatten(1).float().mean(1)
+        noise = images.permute(1, 0, 2, 3)[:, erased]
+        stats.append((areas.gt(0).float().mean().item(), areas[areas > 0].mean().item(), noise.mean().item(),
+                      noise.std().item()))
+    (old_share, old_area, _, _), (share, area, noise_mean, noise_std) = stats
+    assert abs(old_share - cfg.aug.reprob) < 0.04 and abs(share - old_share) < 0.04  # 3 standard errors
+    assert abs(area - old_area) < 0.2 * old_area and 0.02 <= area <= 1 / 3
+    assert abs(noise_mean) < 0.05 and abs(noise_std - 1) < 0.05

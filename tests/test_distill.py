@@ -30,7 +30,7 @@ def teacher(tmp_path_factory):
 def forms_agree(checkpoint):
     """The checkpoint's model gives the same predictions (and accuracy) on the digits' validation split in
     the attention, rnn and chunk forms; returns that accuracy."""
-    from lion_vit.data import build_dataset, build_transform
+    from lion_vit.data import build_dataset, build_loader, build_transform, on_device
     from omegaconf import OmegaConf
     state = torch.load(checkpoint, weights_only=True)
     cfg = OmegaConf.create(state["config"])
@@ -38,8 +38,8 @@ def forms_agree(checkpoint):
                               num_classes=10, **cfg.model.kwargs).eval()
     model.load_state_dict(state["model"])
     val = build_dataset(cfg.data, "val", build_transform(cfg.data, cfg.aug, cfg.img_size, train=False))
-    images = torch.stack([val[i][0] for i in range(len(val))])
-    labels = torch.tensor(val.targets)
+    loader = build_loader(val, train=False, batch_size=len(val), num_workers=0, rank=0, world_size=1, seed=0)
+    images, labels = next(iter(on_device(loader, cfg.data, None, torch.device("cpu"))))  # normalised there
     with torch.no_grad():
         logits = {form: model.set_attn_form(form, chunk_size=5 if form == "chunk" else None)(images)
                   for form in ("attention", "rnn", "chunk")}

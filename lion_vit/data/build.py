@@ -4,8 +4,10 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable, Optional
 
+import torch
 from omegaconf import DictConfig
 from timm.data import create_transform
+from timm.data.loader import PrefetchLoader
 from timm.data.distributed_sampler import RepeatAugSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
@@ -19,13 +21,25 @@ KINDS = ("digits", "imagefolder", "imagenet", "cifar10", "cifar100")
 
 
 def build_transform(data: DictConfig, aug: DictConfig, img_size: int, train: bool) -> Callable:
-    """timm's DeiT transforms for training with aug=deit; plain resize + normalise otherwise."""
-    common = dict(input_size=img_size, interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std))
+    """timm's DeiT transforms for training with aug=deit, plain resize and crop otherwise, as timm builds them
+    for its prefetching loader: they end in uint8 [3, H, W] tensors, a quarter of float32's bytes through
+    the workers' shared memory, pinned memory and the copy to the device; `on_device` normalises there and
+    draws the random erasing."""
+    common = dict(input_size=img_size, interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std),
+                  use_prefetcher=True)
     if train and aug.enabled:
         return create_transform(is_training=True, auto_augment=aug.auto_augment or None,
-                                color_jitter=aug.color_jitter, re_prob=aug.reprob, re_mode=aug.remode,
-                                re_count=aug.recount, hflip=aug.hflip, scale=tuple(aug.scale), **common)
+                                color_jitter=aug.color_jitter, hflip=aug.hflip, scale=tuple(aug.scale), **common)
     return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
+
+
+def on_device(loader: DataLoader, data: DictConfig, aug: Optional[DictConfig], device: torch.device) -> PrefetchLoader:
+    """timm's PrefetchLoader over a loader of build_transform's uint8 images: on the device it normalises them
+    (data.mean / std) and, for training (aug given and enabled), draws DeiT's random erasing per image; on
+    CUDA it copies the next batch on a side stream while the current one trains."""
+    erasing = dict(re_prob=aug.reprob, re_mode=aug.remode, re_count=aug.recount) if aug is not None and aug.enabled \
+        else {}
+    return PrefetchLoader(loader, mean=tuple(data.mean), std=tuple(data.std), device=device, **erasing)
 
 
 def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -> Dataset:
@@ -74,6 +88,8 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
     else:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     dropping = getattr(dataset, "drop_unreadable", False)  # an evaluation ImageFolder: see SafeImageFolder
+    # workers start anew each epoch: their random state comes from (seed, epoch, rank) as they start, which
+    # keeps a resumed run's augmentations those of an uninterrupted one
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=train, persistent_workers=False,
                       collate_fn=collate_dropping_unreadable if dropping else None,

@@ -138,8 +138,8 @@ def collate_dropping_unreadable(batch: List[Tuple[Any, int]]) -> Tuple[Tensor, T
     readable targets (targets has more entries than images has rows: split_unreadable separates them)."""
     readable = [sample for sample in batch if sample[0] is not None]
     unreadable = [target for image, target in batch if image is None]
-    if not readable:
-        return torch.empty(0), torch.tensor(unreadable, dtype=torch.long)
+    if not readable:  # no rows, in the shape that a normalisation over 3 channels broadcasts over
+        return torch.empty(0, 3, 1, 1, dtype=torch.uint8), torch.tensor(unreadable, dtype=torch.long)
     images, targets = default_collate(readable)
     return images, torch.cat([targets, torch.tensor(unreadable, dtype=targets.dtype)])
 
