@@ -62,6 +62,7 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
+    ("num_workers=many", "num_workers"), ("prefetch_factor=0", "prefetch_factor"),
     ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),
     ("logger.wandb.mode=onlin", "logger.wandb.mode"), ("compile=ture", "compile"), ("ema.enabled=yes", "ema.enabled"),
@@ -265,3 +266,18 @@ def test_slurm_launcher_without_srun_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert_clean_error(proc, "hydra/launcher=slurm", "srun is not on this machine's PATH")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_num_workers_auto_shares_the_cores_of_a_node(monkeypatch):
+    """num_workers=auto: the cores this process may run on, over the processes of its node."""
+    import os
+    from lion_vit.data import resolve_num_workers
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    for env, workers in (({}, 16), ({"LOCAL_WORLD_SIZE": "8"}, 2), ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4),
+                         ({"LOCAL_WORLD_SIZE": "32"}, 1)):
+        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert resolve_num_workers("auto") == workers, env
+    assert resolve_num_workers(3) == 3

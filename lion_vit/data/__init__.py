@@ -1,4 +1,4 @@
 """Datasets, transforms and samplers for training and evaluation."""
-from .build import build_dataset, build_loader, build_transform, num_classes_of, on_device
+from .build import build_dataset, build_loader, build_transform, num_classes_of, on_device, resolve_num_workers
 
-__all__ = ["build_dataset", "build_loader", "build_transform", "num_classes_of", "on_device"]
+__all__ = ["build_dataset", "build_loader", "build_transform", "num_classes_of", "on_device", "resolve_num_workers"]

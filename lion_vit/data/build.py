@@ -1,8 +1,9 @@
 """Build datasets, timm transforms and (distributed / repeated-augmentation) loaders from config."""
 from __future__ import annotations
 
+import os
 import signal
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from omegaconf import DictConfig
@@ -42,6 +43,16 @@ def on_device(loader: DataLoader, data: DictConfig, aug: Optional[DictConfig], d
     return PrefetchLoader(loader, mean=tuple(data.mean), std=tuple(data.std), device=device, **erasing)
 
 
+def resolve_num_workers(num_workers: Union[int, str]) -> int:
+    """num_workers=auto: the cores this process may run on, shared with the other processes of its node
+    (torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks per node)."""
+    if num_workers != "auto":
+        return int(num_workers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    return max(1, cores // max(1, int(local)))
+
+
 def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -> Dataset:
     """split: "train" or "val"."""
     kind, train = data.name, split == "train"
@@ -75,8 +86,10 @@ class ShardSampler(Sampler):
 
 
 def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers: int, rank: int,
-                 world_size: int, seed: int, repeated_aug: int = 0, pin_memory: bool = False) -> DataLoader:
-    """Training: shuffled per (seed, epoch) via `sampler.set_epoch`; repeated augmentation when asked."""
+                 world_size: int, seed: int, repeated_aug: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int = 2) -> DataLoader:
+    """Training: shuffled per (seed, epoch) via `sampler.set_epoch`; repeated augmentation when asked.
+    prefetch_factor: batches each worker prepares ahead (with workers)."""
     sampler: Any
     if not train:
         sampler = ShardSampler(dataset, rank, world_size)
@@ -92,6 +105,7 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
     # keeps a resumed run's augmentations those of an uninterrupted one
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=train, persistent_workers=False,
+                      prefetch_factor=prefetch_factor if num_workers else None,
                       collate_fn=collate_dropping_unreadable if dropping else None,
                       worker_init_fn=_leave_signals_to_the_main_process)
 

@@ -209,7 +209,9 @@ class RunConfig:
     grad_accum_steps: int = setting(POSITIVE_INT, "a positive integer (1: no accumulation)")
     seed: int = setting(NON_NEGATIVE_INT)
     device: str = setting(choices=DEVICES)
-    num_workers: int = setting(NON_NEGATIVE_INT)
+    num_workers: Any = setting(lambda v: v == "auto" or (_is_int(v) and v >= 0),
+                               "auto (the cores this process may use) or an integer >= 0")
+    prefetch_factor: int = setting(POSITIVE_INT)
     output_dir: str = MISSING
     resume: Optional[str] = MISSING
     eval_only: bool = setting(SWITCH)

@@ -24,7 +24,7 @@ from timm.utils import ModelEmaV3, NativeScaler, random_seed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data import build_dataset, build_loader, build_transform, num_classes_of, on_device
+from ..data import build_dataset, build_loader, build_transform, num_classes_of, on_device, resolve_num_workers
 from ..errors import UserError, first_line
 from ..from_vit import init_from_vit
 from ..hub import HubUnreachable
@@ -179,9 +179,11 @@ def _data(cfg: DictConfig, split: str, dist_info: DistInfo, device: torch.device
     """A split's dataset (with its train or eval transform) and this process's loader of it."""
     train = split == "train"
     dataset = build_dataset(cfg.data, split, build_transform(cfg.data, cfg.aug, cfg.img_size, train=train))
-    loader = build_loader(dataset, train=train, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                          rank=dist_info.rank, world_size=dist_info.world_size, seed=cfg.seed,
-                          repeated_aug=cfg.aug.repeated_aug if train else 0, pin_memory=device.type == "cuda")
+    loader = build_loader(dataset, train=train, batch_size=cfg.batch_size,
+                          num_workers=resolve_num_workers(cfg.num_workers), rank=dist_info.rank,
+                          world_size=dist_info.world_size, seed=cfg.seed,
+                          repeated_aug=cfg.aug.repeated_aug if train else 0, pin_memory=device.type == "cuda",
+                          prefetch_factor=cfg.prefetch_factor)
     return dataset, on_device(loader, cfg.data, cfg.aug if train else None, device)
 
 
