@@ -451,3 +451,22 @@ def test_the_library_and_train_py_need_no_benchmark_dependency():
             "import timm; timm.create_model('lion_s_small'); print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
+    """benchmark_input.py makes an ImageFolder of JPEGs of ImageNet's sizes and times train.py's loader
+    beside the path it replaced, by number of workers, with ratios to the old path."""
+    data = tmp_path / "images"
+    out = run_script("benchmark_input.py", "--images", "12", "--batch-size", "4", "--img-size", "32",
+                     "--workers", "0", "1", "--repeats", "1", "--data", str(data), "--out", str(tmp_path))
+    jpegs = sorted(data.glob("train/*/*.JPEG"))
+    assert len(jpegs) == 12 and "12 JPEGs" in out
+    from PIL import Image
+    sizes = [Image.open(path).size for path in jpegs]
+    assert all(350 <= width <= 520 and 300 <= height <= 500 for width, height in sizes)
+    rows = read_rows(tmp_path / "input.csv")
+    assert [(r["path"], r["workers"]) for r in rows] == [("workers", "0"), ("device", "0"), ("workers", "1"),
+                                                        ("device", "1")]
+    for old, new in (rows[0:2], rows[2:4]):
+        assert float(old["x_workers_path"]) == 1.0 and float(new["imgs_per_s"]) > 0
+        assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""The training input pipeline alone, in images per second by number of DataLoader workers: train.py's
+loader (uint8 images from the workers, normalised and randomly erased on the device) beside the path it
+replaced (timm's transform normalising and erasing in the workers, float32 batches), in one run.
+
+    python scripts/benchmark_input.py                          # 512 synthetic JPEGs, 0 to 2 workers
+    python scripts/benchmark_input.py --images 2000 --workers 2 4 8 --batch-size 128
+
+The images are a synthetic ImageFolder of JPEGs with ImageNet's size distribution (300-500 x 350-520 px,
+quality 90, made once into --data; nothing is downloaded), read with the DeiT-S recipe of
+`experiment=deit_small_imagenet` (RandomResizedCrop, RandAugment m9, random erasing 0.25, repeated
+augmentation), as train.py builds it. Each configuration is timed --repeats times, round-robin over the
+configurations, from its first batch to its last (the workers' start-up left out); the best run counts.
+Prints each rate and its ratio to the old path at the same number of workers, and writes
+<out>/input.{csv,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
+
+from benchmarking import (HelpFormatter, markdown_table, non_negative_int, output_folder,  # noqa: E402
+                          positive_int, write_table)
+from lion_vit.engine.allocator import keep_freed_memory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("workers", "device")  # where normalisation and erasing run: the old path, then train.py's
+
+
+def make_image_folder(root: Path, count: int, classes: int = 10, seed: int = 0) -> Path:
+    """count JPEGs of ImageNet's sizes in root/train/<class>/ (kept: a folder already holding them is reused)."""
+    from PIL import Image
+    train = root / "train"
+    if len(list(train.glob("*/*.JPEG"))) == count:
+        return root
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        height, width = int(rng.integers(300, 501)), int(rng.integers(350, 521))
+        # smooth colour fields with grain: JPEGs of a photo's size (about 30-60 KB), not of noise or of flat colour
+        coarse = rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
+        image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
+        image = np.clip(image + rng.integers(-12, 13, image.shape), 0, 255).astype(np.uint8)
+        folder = train / f"class_{index % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{index:06d}.JPEG", quality=90)
+    return root
+
+
+def recipe(data_root: Path, img_size: int, batch_size: int):
+    """train.py's settings for the DeiT-S recipe on data_root (Hydra, as train.py composes them)."""
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("config", overrides=["experiment=deit_small_imagenet", f"data.root={data_root}",
+                                            f"img_size={img_size}", f"batch_size={batch_size}"])
+
+
+def workers_transform(cfg) -> Callable:
+    """The path train.py took before: timm's DeiT transform normalising and erasing in the workers."""
+    from timm.data import create_transform
+    data, aug = cfg.data, cfg.aug
+    return create_transform(input_size=cfg.img_size, is_training=True, auto_augment=aug.auto_augment or None,
+                            color_jitter=aug.color_jitter, re_prob=aug.reprob, re_mode=aug.remode,
+                            re_count=aug.recount, hflip=aug.hflip, scale=tuple(aug.scale),
+                            interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std))
+
+
+def loader(cfg, path: str, workers: int):
+    """The training loader of one path, as train.py builds it (its sampler, repeated augmentation included)."""
+    from lion_vit.data import build_dataset, build_loader, build_transform, on_device
+    transform = build_transform(cfg.data, cfg.aug, cfg.img_size, train=True) if path == "device" \
+        else workers_transform(cfg)
+    dataset = build_dataset(cfg.data, "train", transform)
+    built = build_loader(dataset, train=True, batch_size=cfg.batch_size, num_workers=workers, rank=0, world_size=1,
+                         seed=0, repeated_aug=cfg.aug.repeated_aug, prefetch_factor=cfg.prefetch_factor)
+    return on_device(built, cfg.data, cfg.aug, torch.device("cpu")) if path == "device" else built
+
+
+def images_per_second(batches, epoch: int) -> float:
+    """One epoch of a loader: images after the first batch per second after it arrived."""
+    batches.sampler.set_epoch(epoch)
+    torch.manual_seed(epoch)
+    start, count = None, 0
+    for images, _ in batches:
+        if start is None:
+            start = time.perf_counter()
+            continue
+        count += images.shape[0]
+    return count / (time.perf_counter() - start) if count else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--images", type=positive_int, default=512, help="synthetic JPEGs to make and read")
+    parser.add_argument("--workers", type=non_negative_int, nargs="+", default=[0, 1, 2],
+                        help="DataLoader workers (0: the main process)")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--img-size", type=positive_int, default=224)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed epochs per configuration")
+    parser.add_argument("--data", type=output_folder, default="bench_out/input_images",
+                        help="where the synthetic ImageFolder is made (kept for the next run)")
+    parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV and JSON")
+    args = parser.parse_args()
+    if args.images < 2 * args.batch_size:
+        parser.error(f"--images {args.images} makes fewer than two batches of --batch-size {args.batch_size}; "
+                     f"time needs a batch after the first")
+
+    keep_freed_memory()  # as train.py on a CPU (cpu_keep_freed_memory): no page faults for each batch's tensors
+    started = time.perf_counter()
+    make_image_folder(args.data, args.images)
+    print(f"{args.images} JPEGs in {args.data} ({time.perf_counter() - started:.1f} s)", flush=True)
+    cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
+    configs = [(path, workers) for workers in args.workers for path in PATHS]
+    rates: Dict[tuple, List[float]] = {config: [] for config in configs}
+    for repeat in range(args.repeats):  # round-robin: machine noise hits every configuration alike
+        for path, workers in configs:
+            rates[path, workers].append(images_per_second(loader(cfg, path, workers), repeat))
+            print(f"{path:8s} {workers} workers: {rates[path, workers][-1]:7.1f} images/s", flush=True)
+    rows = []
+    for path, workers in configs:
+        best, old = max(rates[path, workers]), max(rates["workers", workers])
+        rows.append(dict(path=path, workers=workers, batch_size=args.batch_size, img_size=args.img_size,
+                         images=args.images, imgs_per_s=best, x_workers_path=best / old if old else None))
+    write_table(rows, args.out, "input")
+    print(markdown_table(rows, ["path", "workers", "imgs_per_s", "x_workers_path"]))
+
+
+if __name__ == "__main__":
+    main()
