@@ -16,7 +16,8 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert_ok(proc)
     (line,) = read_metrics(tmp_path)
     assert set(line) >= {"epoch", "train_loss", "val_loss", "val_acc1", "val_acc5", "lr", "epoch_time_s",
-                         "imgs_per_s", "val_acc1_ema"}
+                         "imgs_per_s", "data_wait_share", "val_acc1_ema"}
+    assert 0 <= line["data_wait_share"] < 1
     assert (tmp_path / "config.yaml").read_text().count("lion_s_tiny") == 1
     state = torch.load(tmp_path / "checkpoint-last.pt", weights_only=True)  # tensors and plain data only
     assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
@@ -307,3 +308,19 @@ def test_quickstart_short(tmp_path):
     assert_ok(proc)
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 3 and metrics[-1]["val_acc1"] > 30  # well above 10% chance already
+
+
+def test_the_epochs_wait_for_data_counts_the_loaders_time_not_the_steps():
+    """data_wait_share's clock: the time spent in the loader's next(), not in the step that uses the batch."""
+    import time
+    from lion_vit.engine.loop import WaitedFor
+
+    def slow_loader():
+        for item in range(3):
+            time.sleep(0.02)
+            yield item
+
+    batches = WaitedFor(slow_loader())
+    for _ in batches:
+        time.sleep(0.1)  # the step
+    assert 0.06 <= batches.waited < 0.3

@@ -64,6 +64,27 @@ class Progress:
                      per_step, tqdm.format_interval(per_step * (self.total - done)))
 
 
+class WaitedFor:
+    """An iterable's items, and the seconds spent waiting for them (`waited`): in an epoch, the time the
+    step waits for the input pipeline (each step syncs with the device as it reads its loss, so the
+    wait is the loader's, not the GPU's), as timm's train.py logs its data time."""
+
+    def __init__(self, iterable) -> None:
+        self.iterable, self.waited = iterable, 0.0
+
+    def __iter__(self) -> Iterator:
+        items = iter(self.iterable)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                self.waited += time.perf_counter() - start
+            yield item
+
+
 def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
     """The schedule's current lr: the largest group's (with optim.layer_decay the head's, of lr_scale 1)."""
     return max(group["lr"] for group in optimizer.param_groups)
@@ -109,7 +130,8 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     progress = Progress(loader, f"train {epoch + 1}", show_progress, log_interval)  # "epoch 1/300" in the log
-    for step, (images, targets) in enumerate(progress):
+    batches = WaitedFor(progress)
+    for step, (images, targets) in enumerate(batches):
         raise_if_requested(agree_on=device)  # every rank takes every step: they stop before the same one
         update, micro_step = divmod(step, accum)
         group = min(accum, num_batches - update * accum)  # batches in this update
@@ -141,7 +163,8 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
     elapsed = time.perf_counter() - start
     *sums, seen = all_reduce_sum([*totals.values(), seen], device)
     return {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
-            "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed}
+            "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed,
+            "data_wait_share": batches.waited / elapsed}
 
 
 def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:
