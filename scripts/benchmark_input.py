@@ -13,12 +13,25 @@ augmentation), as train.py builds it. Each configuration is timed --repeats time
 configurations, from its first batch to its last (the workers' start-up left out); the best run counts.
 Prints each rate and its ratio to the old path at the same number of workers, and writes
 <out>/input.{csv,json}.
+
+With --train MODEL ..., end to end instead (a GPU's measurement, as gpu_check.sh's `input` part runs it):
+train.py trains each model for --epochs on the folder (plus a small val/ split) with the recipe and
+num_workers=auto, eager and compiled (--compile), and its last epoch's images per second and share of
+time waiting for data are set against the model-only rate of benchmark_train.py for the same model,
+batch, precision and compile, measured in the same run; <out>/input_train.{csv,json}.
+
+    python scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
+        --train deit_small_patch16_224 lion_d_small --compile both
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -28,31 +41,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, markdown_table, non_negative_int, output_folder,  # noqa: E402
-                          positive_int, write_table)
+from benchmarking import (HelpFormatter, device_name, markdown_table, non_negative_int,  # noqa: E402
+                          output_folder, positive_int, write_table)
+from lion_vit.data import resolve_num_workers  # noqa: E402
 from lion_vit.engine.allocator import keep_freed_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("workers", "device")  # where normalisation and erasing run: the old path, then train.py's
 
 
-def make_image_folder(root: Path, count: int, classes: int = 10, seed: int = 0) -> Path:
-    """count JPEGs of ImageNet's sizes in root/train/<class>/ (kept: a folder already holding them is reused)."""
-    from PIL import Image
-    train = root / "train"
-    if len(list(train.glob("*/*.JPEG"))) == count:
+def make_image_folder(root: Path, count: int, classes: int = 10, val_per_class: int = 4) -> Path:
+    """count JPEGs of ImageNet's sizes in root/train/<class>/, and val_per_class more per class in root/val/
+    (kept: a folder already holding them is reused); made by every core of the machine."""
+    classes = min(classes, count)  # every class in train/ too
+    files = [root / "train" / f"class_{i % classes}" / f"{i:06d}.JPEG" for i in range(count)]
+    files += [root / "val" / f"class_{c}" / f"{count + c * val_per_class + i:06d}.JPEG" for c in range(classes)
+              for i in range(val_per_class)]
+    if sorted(root.glob("*/*/*.JPEG")) == sorted(files):
         return root
-    rng = np.random.default_rng(seed)
-    for index in range(count):
-        height, width = int(rng.integers(300, 501)), int(rng.integers(350, 521))
-        # smooth colour fields with grain: JPEGs of a photo's size (about 30-60 KB), not of noise or of flat colour
-        coarse = rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
-        image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
-        image = np.clip(image + rng.integers(-12, 13, image.shape), 0, 255).astype(np.uint8)
-        folder = train / f"class_{index % classes}"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image).save(folder / f"{index:06d}.JPEG", quality=90)
+    for file in files:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor() as pool:
+        list(pool.map(_write_jpeg, files, chunksize=64))
     return root
+
+
+def _write_jpeg(path: Path) -> None:
+    """One JPEG of ImageNet's sizes (300-500 x 350-520 px, quality 90), seeded by its file name."""
+    from PIL import Image
+    rng = np.random.default_rng(int(path.stem))
+    height, width = int(rng.integers(300, 501)), int(rng.integers(350, 521))
+    # smooth colour fields with grain: JPEGs of a photo's size (about 30-60 KB), not of noise or of flat colour
+    coarse = rng.integers(0, 256, (height // 16 + 1, width // 16 + 1, 3), dtype=np.uint8)
+    image = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
+    image = np.clip(image + rng.integers(-12, 13, image.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(image).save(path, quality=90)
 
 
 def recipe(data_root: Path, img_size: int, batch_size: int):
@@ -97,6 +120,34 @@ def images_per_second(batches, epoch: int) -> float:
     return count / (time.perf_counter() - start) if count else 0.0
 
 
+def end_to_end(args, model: str, compile: bool, out: Path) -> dict:
+    """train.py on the folder (its last epoch) against benchmark_train.py's model-only step, in subprocesses."""
+    run = out / f"train_{model}{'_compiled' if compile else ''}"
+    recipe_args = [f"img_size={args.img_size}", f"batch_size={args.batch_size}", f"compile={str(compile).lower()}"]
+    command = [sys.executable, str(ROOT / "train.py"), "experiment=deit_small_imagenet", f"data.root={args.data}",
+               f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false",
+               f"device={args.device}", f"output_dir={run}", "logger.wandb.mode=disabled", *recipe_args]
+    trained = subprocess.run(command, capture_output=True, text=True)
+    if trained.returncode:
+        sys.exit(f"benchmark_input.py: train.py failed for {model}: {trained.stderr.strip().splitlines()[-1]}")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    only = out / f"model_only_{model}{'_compiled' if compile else ''}"
+    command = [sys.executable, str(ROOT / "scripts" / "benchmark_train.py"), "--models", model, "--device",
+               args.device, "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--batch-size",
+               str(args.batch_size), "--img-size", str(args.img_size), "--steps", str(args.steps), "--out", str(only)]
+    measured = subprocess.run(command + ["--compile"] * compile, capture_output=True, text=True)
+    if measured.returncode:
+        sys.exit(f"benchmark_input.py: benchmark_train.py failed for {model}: {measured.stderr.strip()[-300:]}")
+    with open(only / "train.csv") as f:
+        model_only = float(next(csv.DictReader(f))["imgs_per_s"])
+    row = dict(model=model, compile=compile, device=args.device, batch_size=args.batch_size, img_size=args.img_size,
+               workers=resolve_num_workers("auto"), imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
+               x_model_only=last["imgs_per_s"] / model_only, data_wait_share=last["data_wait_share"])
+    print(f"{model}{' compiled' if compile else ''}: {row['imgs_per_s']:.0f} images/s end to end, {model_only:.0f} "
+          f"model only (x{row['x_model_only']:.2f}), {100 * row['data_wait_share']:.0f} % waiting for data", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--images", type=positive_int, default=512, help="synthetic JPEGs to make and read")
@@ -108,6 +159,12 @@ def main() -> None:
     parser.add_argument("--data", type=output_folder, default="bench_out/input_images",
                         help="where the synthetic ImageFolder is made (kept for the next run)")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV and JSON")
+    parser.add_argument("--train", nargs="+", metavar="MODEL", help="end to end: train.py on the folder against "
+                        "benchmark_train.py, for these models (see above)")
+    parser.add_argument("--compile", choices=["no", "yes", "both"], default="no", help="with --train")
+    parser.add_argument("--epochs", type=positive_int, default=2, help="with --train: the last one is measured")
+    parser.add_argument("--steps", type=positive_int, default=10, help="with --train: benchmark_train.py's steps")
+    parser.add_argument("--device", default="cpu", type=device_name, help="with --train: cpu or cuda")
     args = parser.parse_args()
     if args.images < 2 * args.batch_size:
         parser.error(f"--images {args.images} makes fewer than two batches of --batch-size {args.batch_size}; "
@@ -117,6 +174,14 @@ def main() -> None:
     started = time.perf_counter()
     make_image_folder(args.data, args.images)
     print(f"{args.images} JPEGs in {args.data} ({time.perf_counter() - started:.1f} s)", flush=True)
+    if args.train:
+        args.data = args.data.resolve()
+        compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+        rows = [end_to_end(args, model, compile, args.out) for model in args.train for compile in compiled]
+        write_table(rows, args.out, "input_train")
+        print(markdown_table(rows, ["model", "compile", "workers", "imgs_per_s", "model_only_imgs_per_s",
+                                    "x_model_only", "data_wait_share"]))
+        return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
     configs = [(path, workers) for workers in args.workers for path in PATHS]
     rates: Dict[tuple, List[float]] = {config: [] for config in configs}

@@ -4,11 +4,11 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference graphs train fallback normaliser forms compile compile_natural (all by default, in
+# PART: tests equivalence inference graphs train fallback normaliser forms compile compile_natural input (all by default, in
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback | normaliser forms | graphs compile | compile_natural
+#   tests inference | equivalence train fallback | normaliser forms | graphs compile | compile_natural | input
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -16,13 +16,14 @@
 # commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference graphs train fallback normaliser forms compile compile_natural"
+all_parts="tests equivalence inference graphs train fallback normaliser forms compile compile_natural input"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, inference, train and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
-# the others estimates until the durations printed after each part replace them
+# the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
+# 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled)
 declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [train]=2 [fallback]=2 [normaliser]=3 [forms]=6
-                    [compile]=4 [compile_natural]=4)
+                    [compile]=4 [compile_natural]=4 [input]=9)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
     case $1 in
@@ -142,6 +143,10 @@ for part in "${parts[@]}"; do
         compile_natural)  # the same for the two-scan models (DeiT-S again: its compiled graph is in the cache)
             run train_compile_natural "${train[@]}" --batch-size 256 --steps 10 --compile --models $deit \
                 lion_d_natural_small lion_s_natural_small --out "$out/train_compile_natural" ;;
+        input)  # end to end: train.py on synthetic JPEGs of ImageNet's sizes (made on this machine's disk) with
+            # the DeiT-S recipe and num_workers=auto, against the model-only step, eager and compiled
+            run input python3 scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
+                --train $deit lion_d_small --compile both --data /tmp/lion-vit-input --out "$out/input" ;;
     esac
     if [[ -z $dry ]]; then
         echo "-- part $part: $((SECONDS - start)) s"

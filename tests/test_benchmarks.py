@@ -470,3 +470,16 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     for old, new in (rows[0:2], rows[2:4]):
         assert float(old["x_workers_path"]) == 1.0 and float(new["imgs_per_s"]) > 0
         assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
+
+
+def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_path):
+    """--train: train.py's last epoch on the folder (plus its val/ split) against benchmark_train.py."""
+    run_script("benchmark_input.py", "--images", "8", "--batch-size", "4", "--img-size", "32", "--train",
+               "lion_d_tiny", "--epochs", "1", "--steps", "1", "--data", str(tmp_path / "images"), "--out", str(tmp_path))
+    assert len(list((tmp_path / "images").glob("val/*/*.JPEG"))) == 32  # 4 for each of the 8 classes
+    (row,) = read_rows(tmp_path / "input_train.csv")
+    assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
+    metrics = json.loads((tmp_path / "train_lion_d_tiny" / "metrics.jsonl").read_text())
+    assert float(row["imgs_per_s"]) == pytest.approx(metrics["imgs_per_s"])
+    assert float(row["data_wait_share"]) == pytest.approx(metrics["data_wait_share"])
+    assert float(row["x_model_only"]) == pytest.approx(float(row["imgs_per_s"]) / float(row["model_only_imgs_per_s"]))

@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["tests", "equivalence", "inference", "graphs", "train", "fallback", "normaliser", "forms", "compile",
-         "compile_natural"]
+         "compile_natural", "input"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -71,6 +71,10 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/benchmark_products.py":  # the same: 224 px, batch 256, bf16, on the GPU
             assert args.tokens == [197] and args.batch_size == 256
             assert args.device == "cuda" and args.dtype == "bfloat16"
+            continue
+        if command[1] == "scripts/benchmark_input.py":  # end to end: train.py (bf16 autocast) against model-only
+            assert args.device == "cuda" and args.compile == "both" and args.out.is_relative_to(out)
+            assert args.train == ["deit_small_patch16_224", "lion_d_small"] and args.batch_size == 256
             continue
         assert args.device == "cuda" and ("benchmark_" not in command[1] or args.dtype == "bfloat16"), command
         folder = getattr(args, "out", None) or getattr(args, "json", None)
@@ -225,7 +229,7 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
 
 @pytest.mark.parametrize("args, message", [
     (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs train fallback normaliser forms compile "
-              "compile_natural)"),
+              "compile_natural input)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
     ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),
