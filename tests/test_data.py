@@ -181,3 +181,19 @@ def test_random_erasing_on_the_device_draws_as_it_did_in_the_workers(folder):
     assert abs(old_share - cfg.aug.reprob) < 0.04 and abs(share - old_share) < 0.04  # 3 standard errors
     assert abs(area - old_area) < 0.2 * old_area and 0.02 <= area <= 1 / 3
     assert abs(noise_mean) < 0.05 and abs(noise_std - 1) < 0.05
+
+
+def test_an_evaluation_batch_of_unreadable_images_only_passes_through_the_device_step(tmp_path):
+    """A batch whose every image is unreadable has no rows; the device's normalisation takes it, and
+    split_unreadable still names its images."""
+    from omegaconf import OmegaConf
+    from lion_vit.data import on_device
+    from lion_vit.data.datasets import collate_dropping_unreadable, split_unreadable
+    data = OmegaConf.create({"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]})
+    batches = [collate_dropping_unreadable([(None, -3), (None, -8)]),
+               collate_dropping_unreadable([(torch.zeros(3, 4, 4, dtype=torch.uint8), 1), (None, -6)])]
+    (empty, targets), (images, more) = list(on_device(batches, data, None, torch.device("cpu")))
+    _, labels, unreadable = split_unreadable(empty, targets)
+    assert empty.shape[0] == 0 and labels.numel() == 0 and unreadable == [2, 7]
+    images, labels, unreadable = split_unreadable(images, more)
+    assert torch.equal(images, -torch.ones(1, 3, 4, 4)) and labels.tolist() == [1] and unreadable == [5]
