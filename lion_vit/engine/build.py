@@ -141,6 +141,12 @@ def trained_architecture(state: Dict[str, Any]) -> Dict[str, Any]:
     return architecture(state.get("config", {}).get("model", {}))
 
 
+def trained_model_settings(state: Dict[str, Any], model_settings: Dict[str, Any]) -> Dict[str, Any]:
+    """The model settings a checkpoint's model is built with: its architecture over model_settings (which give
+    the form, backend and chunk size)."""
+    return {**model_settings, **trained_architecture(state)}
+
+
 def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any], img_size: int, classes: list,
                           data: str, fix: str, weights: Dict[str, torch.Tensor]) -> nn.Module:
     """A checkpoint's model at img_size with `weights` loaded: the checkpoint's architecture, the other
@@ -153,7 +159,7 @@ def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any],
         raise UserError(f"{data} has {len(classes)} classes, the checkpoint {num_classes}; {fix}")
     # The architecture replaces the settings' whole, not merged: kwargs of this command's model group must
     # not leak into the trained architecture (nor can a merge add kwargs to Hydra's struct config).
-    model = build_model(OmegaConf.create({**model_settings, **trained_architecture(state)}), num_classes, img_size,
+    model = build_model(OmegaConf.create(trained_model_settings(state, model_settings)), num_classes, img_size,
                         initial_weights=False)
     load_weights(model, weights)
     return model

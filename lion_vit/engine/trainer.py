@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
 from .build import (RESUME_SAME_OPTIMIZER, build_model, changed_architecture, check_resumable, check_same_classes,
-                    load_weights, model_from_checkpoint, trained_architecture)
+                    load_weights, model_from_checkpoint, trained_model_settings)
 from .config import check_settings
 from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
@@ -325,13 +325,14 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
                         f"ema.enabled=false); drop ema.eval_ema to evaluate its model weights")
     val_set, loader = _data(cfg, "val", dist_info, device)
     # the architecture is the checkpoint's; the form and resolution are this command's
-    model = model_from_checkpoint(state, OmegaConf.to_container(cfg.model, resolve=True), cfg.img_size,
+    model_settings = OmegaConf.to_container(cfg.model, resolve=True)
+    model = model_from_checkpoint(state, model_settings, cfg.img_size,
                                   val_set.classes, f"the {cfg.data.name} validation split",
                                   "evaluate on data with the classes the checkpoint was trained on",
                                   state["model_ema"] if use_ema else state["model"])
     precision = _precision(cfg, device)
     model.to(device).eval()
-    trained = OmegaConf.create({**cfg.model, "kwargs": {}, **trained_architecture(state)})
+    trained = OmegaConf.create(trained_model_settings(state, model_settings))  # what model_from_checkpoint built
     name = trained.name
     log.info("%s, %d val images, the %s weights of %s, %s", _model_line(trained, model, cfg.img_size),
              len(val_set), "EMA" if use_ema else "model", cfg.checkpoint, device)
