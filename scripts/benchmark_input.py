@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -123,6 +124,7 @@ def images_per_second(batches, epoch: int) -> float:
 def end_to_end(args, model: str, compile: bool, out: Path) -> dict:
     """train.py on the folder (its last epoch) against benchmark_train.py's model-only step, in subprocesses."""
     run = out / f"train_{model}{'_compiled' if compile else ''}"
+    shutil.rmtree(run, ignore_errors=True)  # this script's run of an earlier call: train.py refuses a used folder
     recipe_args = [f"img_size={args.img_size}", f"batch_size={args.batch_size}", f"compile={str(compile).lower()}"]
     command = [sys.executable, str(ROOT / "train.py"), "experiment=deit_small_imagenet", f"data.root={args.data}",
                f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false",
