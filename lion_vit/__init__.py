@@ -7,8 +7,8 @@ from .convert import from_official, to_official
 from .from_vit import init_from_vit
 from .layers import LionAttention
 from .models import DISTILLED_MODEL_NAMES, LION_MODEL_NAMES, LionViT
-from .ops import lion_attention, lion_attention_multiscan
+from .ops import lion_attention
 
 __version__ = "0.1.0"
 __all__ = ["LionAttention", "LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "init_from_vit",
-           "from_official", "to_official", "lion_attention", "lion_attention_multiscan"]
+           "from_official", "to_official", "lion_attention"]

@@ -14,9 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .decays import DECAYS, Decay
-from .ops import (Plan, check_backend, check_form, get_feature_map, lion_attention, lion_attention_multiscan,
-                  mask_dtype, plan, snake_orders)
-from .ops.lion import inputs_plan
+from .ops import Plan, check_backend, check_form, get_feature_map, lion_attention, mask_dtype, plan, snake_orders
 
 
 def fx_tracing() -> bool:
@@ -48,7 +46,7 @@ def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: 
     return cache[key]
 
 
-for _leaf in ("_log_decays", "_scan_orders", "lion_attention", "lion_attention_multiscan"):
+for _leaf in ("_log_decays", "_scan_orders", "lion_attention"):
     torch.fx.wrap(_leaf)
 
 
@@ -174,19 +172,9 @@ class LionAttention(nn.Module):
             self.grid_size = None
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
         q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
-        log_decay = self.log_decay(x)
+        log_decays = self.log_decay(x)
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
-        # planned once, here: the plan also picks the layout the op reads (traced: symbols, planned at run time)
-        run = None if fx_tracing() else inputs_plan(q, k, v, log_decay, None if log_decay is None else orders,
-                                                    self.attn_form, self.chunk_size, self.attn_backend)
-        if run is None or not run.tokens_major:
-            v = v.contiguous()  # head-major for the torch forms; without autograd the projection is freed here
-        if self.num_scans == 1:
-            y = lion_attention(q, k, v, None if log_decay is None else log_decay[0], form=self.attn_form,
-                               chunk_size=self.chunk_size, backend=self.attn_backend, plan=run,
-                               feature_map=self.feature_map_name)
-        else:
-            y = lion_attention_multiscan(q, k, v, log_decay, orders, form=self.attn_form, chunk_size=self.chunk_size,
-                                         backend=self.attn_backend, plan=run, feature_map=self.feature_map_name)
+        y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,
+                           backend=self.attn_backend, feature_map=self.feature_map_name)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.proj_drop(self.proj(y))

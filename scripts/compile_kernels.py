@@ -38,7 +38,7 @@ def calls(quick: bool):
     import torch
     import torch.nn.functional as F
 
-    from lion_vit.ops import Plan, lion_attention, lion_attention_multiscan, snake_orders
+    from lion_vit.ops import Plan, lion_attention, snake_orders
 
     def call(dtype, decay, scans, form, feature_map, training, length=20, width=64):
         g = torch.Generator().manual_seed(0)
@@ -49,10 +49,11 @@ def calls(quick: bool):
         plan = Plan(form, "triton", chunks=2 if form == "chunk" else 1, grouped=not training)
         with torch.set_grad_enabled(training):
             if scans == 1:
-                y = lion_attention(q, k, v, log_decay, plan=plan, feature_map=feature_map)
+                y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
+                                   feature_map=feature_map)
             else:  # two snakes over a 4 x 5 grid
                 decays = None if log_decay is None else torch.stack([log_decay, log_decay / 2])
-                y = lion_attention_multiscan(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map)
+                y = lion_attention(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map)
             if training:
                 y.float().sum().backward()
 

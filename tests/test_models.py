@@ -413,8 +413,7 @@ def test_backward_twice_and_double_backward(name, monkeypatch):
     every variant does what a timm ViT does: loss.backward(retain_graph=True) twice, and a gradient
     penalty on the input gradient (double backward), with the gradients of a model whose every layer is
     the float64 reference."""
-    from lion_vit.ops.features import mapped
-    from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
+    from lion_vit.ops.reference import lion_attention_reference
     model = _one_block_model(name).double()
     x = torch.randn(2, 3, 32, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
     params = [p for p in model.parameters()]
@@ -434,10 +433,7 @@ def test_backward_twice_and_double_backward(name, monkeypatch):
     for form, chunk in FORMS:
         model.set_attn_form(form, chunk)
         results[form] = gradients()
-    monkeypatch.setattr(lion_vit.layers, "lion_attention", lambda q, k, v, a, feature_map=None, **_:
-                        lion_reference(*mapped(q, k, feature_map), v, a))
-    monkeypatch.setattr(lion_vit.layers, "lion_attention_multiscan", lambda q, k, v, a, orders, feature_map=None, **_:
-                        lion_reference_multiscan(*mapped(q, k, feature_map), v, a, orders))
+    monkeypatch.setattr(lion_vit.layers, "lion_attention", lion_attention_reference)
     expected = gradients()
     for form, got in results.items():
         for g, e in zip(got, expected):

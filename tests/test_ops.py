@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, lion_attention_multiscan, row_snake, snake_orders
+from lion_vit.ops import FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, row_snake, snake_orders
 from naive import AtenCalls, naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
 
 # the chunk form runs its chunks even where one product over these short sequences would cost less, and
@@ -53,8 +53,8 @@ def test_forms_match_naive(form, decay, length, dtype):
     name, chunk = form
     chunk = length if chunk == "L" else chunk
     q, k, v, lam = make_inputs(2, 2, length, 8, decay, dtype)
-    log_decay = None if lam is None else torch.log(lam).to(dtype)
-    out = lion_attention(q, k, v, log_decay, form=name, chunk_size=chunk)
+    log_decays = None if lam is None else torch.log(lam).to(dtype)[None]  # one scan
+    out = lion_attention(q, k, v, log_decays, form=name, chunk_size=chunk)
     assert out.shape == v.shape and out.dtype == dtype
     assert rel_err(out, naive_lion(q, k, v, lam)) < TOL[dtype]
 
@@ -69,7 +69,7 @@ def test_gradients_match_naive(form, decay, length):
 
     fast = [t.clone().requires_grad_() for t in (q, k, v)]
     log_leaf = None if lam is None else torch.log(lam).clone().requires_grad_()
-    out = lion_attention(*fast, log_leaf, form=form[0], chunk_size=form[1])
+    out = lion_attention(*fast, None if log_leaf is None else log_leaf[None], form=form[0], chunk_size=form[1])
     fast_leaves = fast + ([log_leaf] if log_leaf is not None else [])
     # allow_unused: at L = 1 no decay is ever crossed, and the rnn form never touches it
     grads = torch.autograd.grad((out * upstream).sum(), fast_leaves, allow_unused=True)
@@ -83,7 +83,7 @@ def test_gradients_match_naive(form, decay, length):
 def test_long_sequence_fp32(form, decay):
     """6,084 tokens (a 78 x 78 grid, 1248 px at patch 16): finite and exact in float32."""
     (q, k, v, lam), expected = _long_sequence(decay)
-    out = lion_attention(q.float(), k.float(), v.float(), torch.log(lam).float(), form=form[0], chunk_size=form[1])
+    out = lion_attention(q.float(), k.float(), v.float(), torch.log(lam).float()[None], form=form[0], chunk_size=form[1])
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < 1e-4
 
@@ -116,7 +116,7 @@ def test_multiscan_matches_naive(form, decay, dtype):
         lams = torch.rand(2, 1, 2, 1, generator=g, dtype=torch.float64) * 0.5 + 0.4
     else:
         lams = torch.rand(2, 2, 2, length, generator=g, dtype=torch.float64) * 0.9 + 0.05
-    out = lion_attention_multiscan(q, k, v, torch.log(lams).to(dtype), orders, form=form[0], chunk_size=form[1])
+    out = lion_attention(q, k, v, torch.log(lams).to(dtype), orders, form=form[0], chunk_size=form[1])
     assert rel_err(out, naive_multiscan(q, k, v, lams, orders)) < TOL[dtype]
 
 
@@ -143,12 +143,12 @@ def test_multiscan_gradients_match_naive(form, decay, scale):
 
 
 def assert_multiscan_gradients_match_naive(q, k, v, lams, orders, generator, **form):
-    """Gradients of q, k, v and the log decays from lion_attention_multiscan against autograd through
+    """Gradients of q, k, v and the log decays from lion_attention of two scans against autograd through
     the float64 oracle, for a random upstream gradient."""
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=generator)
     _, ref_grads = oracle_with_grads(q, k, v, lams, upstream, orders)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams))]
-    grads = torch.autograd.grad((lion_attention_multiscan(*leaves, orders, **form) * upstream).sum(), leaves)
+    grads = torch.autograd.grad((lion_attention(*leaves, orders, **form) * upstream).sum(), leaves)
     for name, got, ref in zip("qkva", grads, ref_grads):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"
 
@@ -161,7 +161,7 @@ def test_multiscan_without_decays_matches_naive(form, grad):
     orders = snake_orders(3, 4, 1)
     q, k, v, _ = make_inputs(2, 2, 13, 5, "lit", torch.float64, seed=19)
     with torch.set_grad_enabled(grad):
-        out = lion_attention_multiscan(*(t.clone().requires_grad_(grad) for t in (q, k, v)), None, orders,
+        out = lion_attention(*(t.clone().requires_grad_(grad) for t in (q, k, v)), None, orders,
                                        form=form[0], chunk_size=form[1])
     assert rel_err(out, naive_multiscan(q, k, v, torch.ones(2, 1, 1, 1, dtype=torch.float64), orders)) < 1e-10
 
@@ -193,10 +193,10 @@ def test_snake_orders():
 
 def test_autocast_bf16_close_to_fp32():
     q, k, v, lam = make_inputs(2, 2, 50, 16, "selective", torch.float32)
-    ref = lion_attention(q, k, v, torch.log(lam).float())
+    ref = lion_attention(q, k, v, torch.log(lam).float()[None])
     for form, chunk in FORMS[:3]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = lion_attention(q, k, v, torch.log(lam).float(), form=form, chunk_size=chunk)
+            out = lion_attention(q, k, v, torch.log(lam).float()[None], form=form, chunk_size=chunk)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 3e-2
 
 
@@ -217,7 +217,7 @@ def test_float16_autocast_of_long_sequences_stays_finite(decay):
     normaliser grows like L, here past 65,504 (asserted). The power-of-two scale on q keeps every form's
     numerator and normaliser finite, and the output as close as float16 allows (docs/design.md, "float16")."""
     q, k, v = float16_overflowing_inputs(1024)
-    log_decay = None if decay is None else torch.full((1, 1, 1), decay)
+    log_decay = None if decay is None else torch.full((1, 1, 1, 1), decay)  # one scan, one decay
     reference = naive_lion(q, k, v, None if decay is None else torch.full((1, 1, 1), math.exp(decay)))
     for form, chunk in [("attention", None), ("rnn", None), ("chunk", 64)]:
         with torch.autocast("cpu", dtype=torch.float16):
@@ -243,23 +243,28 @@ def test_bad_shapes_and_decays_above_one_raise(form):
     cases = [
         ((q, k[:, :, :9], v, None), r"expected q, k \[B, H, L, Dk\] and v .* got q \(1, 2, 10, 4\), k \(1, 2, 9, 4\)"),
         ((q[0], k[0], v[0], None), r"expected q, k \[B, H, L, Dk\]"),
-        ((q, k, v, log_lam[..., :7]), r"must broadcast to \[B, H, L\] = \[1, 2, 10\] .* got \[1, 2, 7\]"),
-        ((q, k, v, log_lam[:, :1].expand(1, 3, 10)), r"got \[1, 3, 10\]"),
-        ((q, k, v, log_lam[None]), r"got \[1, 1, 2, 10\]"),
-        ((q, k, v, log_lam + 0.5), r"log decays must be <= 0 \(decays in \(0, 1\]\), got up to 0\.\d+"),
+        ((q, k, v, log_lam[None, ..., :7]), r"must broadcast to \[B, H, L\] = \[1, 2, 10\] .* got \[1, 2, 7\]"),
+        ((q, k, v, log_lam[None, :, :1].expand(1, 1, 3, 10)), r"got \[1, 3, 10\]"),
+        ((q, k, v, log_lam[None, None]), r"got \[1, 1, 2, 10\]"),
+        ((q, k, v, log_lam[None] + 0.5), r"log decays must be <= 0 \(decays in \(0, 1\]\), got up to 0\.\d+"),
+        # one scan's decays without the scan axis, as [B, H, L] with B = 2: one line saying what to pass
+        ((q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), log_lam.expand(2, -1, -1)),
+         r"S = 1 \(one scan: no orders\); got 2 scans .* for one scan pass log_decay\[None\]"),
+        ((q, k, v, log_lam[0, 0, 0]), r"got a scalar"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             lion_attention(*args, form=form, chunk_size=3)
-    for ok in (log_lam[0, 0], log_lam[:, :, :1], torch.zeros(1)):  # [L], [B, H, 1], lam = 1 (LION-lit)
+    # one scan's [L], [B, H, 1], [] (lam = 1, LION-lit) and [B, 1, L]
+    for ok in (log_lam[0, :1], log_lam[None, :, :, :1], torch.zeros(1), log_lam[None, :, :1]):
         assert lion_attention(q, k, v, ok, form=form, chunk_size=3).shape == v.shape
     orders = snake_orders(3, 3, 1)
-    with pytest.raises(ValueError, match="log_decays has 3 scans but orders has 2"):
-        lion_attention_multiscan(q, k, v, torch.stack([log_lam] * 3), orders, form=form, chunk_size=3)
-    with pytest.raises(ValueError, match="orders .* has L = 10 but q has 9 tokens"):
-        lion_attention_multiscan(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, orders, form=form, chunk_size=3)
+    with pytest.raises(ValueError, match=r"S = 2 \(the orders given\); got 3 scans"):
+        lion_attention(q, k, v, torch.stack([log_lam] * 3), orders, form=form, chunk_size=3)
+    with pytest.raises(ValueError, match=r"orders must be \[S, L\] with L = 9 \(q's tokens\); got \[2, 10\]"):
+        lion_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, orders, form=form, chunk_size=3)
     with pytest.raises(ValueError, match="must be <= 0"):
-        lion_attention_multiscan(q, k, v, torch.stack([log_lam, -log_lam]), orders, form=form, chunk_size=3)
+        lion_attention(q, k, v, torch.stack([log_lam, -log_lam]), orders, form=form, chunk_size=3)
 
 
 @pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
@@ -282,26 +287,32 @@ def test_every_form_one_and_two_scans(decay, dtype):
     orders = snake_orders(height, width, prefix)
     q, k, v, lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=22)
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(23))
-    calls = [(lam, lion_attention, ())]
+    calls = [(lam, None)]  # one scan in token order: its log decays get the scan axis
     if lam is not None:
         other_lam = make_inputs(3, 3, length, 6, decay, torch.float64, seed=24)[3]
-        calls.append((torch.stack([lam, other_lam]), lion_attention_multiscan, (orders,)))
-    for lams, op, extra in calls:
+        calls.append((torch.stack([lam, other_lam]), orders))
+    for lams, scan_orders in calls:
         with_lam = lams is not None
-        expected, ref_grads = oracle_with_grads(q, k, v, lams, upstream, *extra)
+        expected, ref_grads = oracle_with_grads(q, k, v, lams, upstream, scan_orders)
         log_lams = None if lams is None else torch.log(lams).to(dtype)
+        scans = 1 if scan_orders is None else 2
+
+        def op(q, k, v, log_lams, **form):
+            if log_lams is not None and scan_orders is None:
+                log_lams = log_lams[None]
+            return lion_attention(q, k, v, log_lams, scan_orders, **form)
         for form, chunk in [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", length)]:
             with torch.no_grad():
-                out = op(q.to(dtype), k.to(dtype), v.to(dtype), log_lams, *extra, form=form, chunk_size=chunk)
-            assert out.dtype == dtype and rel_err(out, expected) < tol[0], (form, chunk, op.__name__)
+                out = op(q.to(dtype), k.to(dtype), v.to(dtype), log_lams, form=form, chunk_size=chunk)
+            assert out.dtype == dtype and rel_err(out, expected) < tol[0], (form, chunk, scans)
             if form == "rnn":
                 continue
             leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + ([log_lams.requires_grad_()] if with_lam else [])
-            out = op(*leaves[:3], leaves[3] if with_lam else None, *extra, form=form, chunk_size=chunk)
+            out = op(*leaves[:3], leaves[3] if with_lam else None, form=form, chunk_size=chunk)
             grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
             for name, got, ref in zip("qkva", grads, ref_grads):
                 error = rel_err(got, ref, min_scale=1e-3 if dtype == torch.float64 else 1.0)
-                assert error < tol[1], (f"grad of {name}", form, chunk, op.__name__)
+                assert error < tol[1], (f"grad of {name}", form, chunk, scans)
 
 
 @pytest.mark.parametrize("scan", ["token_order", "row_snake", "column_snake"])
@@ -338,7 +349,7 @@ def test_selective_mask_gradient_long_fp32():
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, lam)]
     ref_grads = torch.autograd.grad((naive_lion(*ref_leaves) * upstream).sum(), ref_leaves)
     leaves = [t.float().requires_grad_() for t in (q, k, v, torch.log(lam))]
-    grads = torch.autograd.grad((lion_attention(*leaves) * upstream.float()).sum(), leaves)
+    grads = torch.autograd.grad((lion_attention(*leaves[:3], leaves[3][None]) * upstream.float()).sum(), leaves)
     ref_grads = list(ref_grads[:3]) + [ref_grads[3] * lam]
     for name, got, ref in zip("qkva", grads, ref_grads):
         assert rel_err(got, ref) < 1e-4, f"grad of {name}"
@@ -352,14 +363,14 @@ def test_chunk_form_with_broadcast_decays(decay):
     if decay == "per_batch":  # one decay per batch entry, shared by heads and tokens
         lam = lam[:, :1, :1]
     log_decay = None if lam is None else torch.log(lam)
-    out = lion_attention(q, k, v, log_decay, form="chunk", chunk_size=5)
+    out = lion_attention(q, k, v, None if log_decay is None else log_decay[None], form="chunk", chunk_size=5)
     assert rel_err(out, naive_lion(q, k, v, None if lam is None else lam.expand(3, 2, 13))) < 1e-10
     if lam is None:
         return
     orders = snake_orders(3, 4, 1)
     lams = torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam.sqrt()])  # two scans, different decays
     for chunk_size in (5, None):
-        out = lion_attention_multiscan(q, k, v, torch.log(lams), orders, form="chunk", chunk_size=chunk_size)
+        out = lion_attention(q, k, v, torch.log(lams), orders, form="chunk", chunk_size=chunk_size)
         assert rel_err(out, naive_multiscan(q, k, v, lams.expand(2, 3, 2, 13), orders)) < 1e-10
 
 
@@ -391,8 +402,8 @@ def test_double_backward_matches_naive(form, decay, scans):
 
     def fast(q, k, v, log_lam=None):
         if scans == 1:
-            return lion_attention(q, k, v, log_lam, form=form[0], chunk_size=form[1])
-        return lion_attention_multiscan(q, k, v, log_lam, orders, form=form[0], chunk_size=form[1])
+            return lion_attention(q, k, v, None if log_lam is None else log_lam[None], form=form[0], chunk_size=form[1])
+        return lion_attention(q, k, v, log_lam, orders, form=form[0], chunk_size=form[1])
 
     def oracle(q, k, v, log_lam=None):
         lams = None if log_lam is None else torch.exp(log_lam)
@@ -441,7 +452,7 @@ def test_backward_twice(form, decay):
     needs is overwritten by the first one)."""
     q, k, v, lam = make_inputs(2, 2, 11, 4, decay, torch.float64, seed=33)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if lam is None else [torch.log(lam).requires_grad_()])
-    out = lion_attention(*leaves[:3], leaves[3] if lam is not None else None, form=form[0], chunk_size=form[1])
+    out = lion_attention(*leaves[:3], leaves[3][None] if lam is not None else None, form=form[0], chunk_size=form[1])
     loss = out.square().sum()
     loss.backward(retain_graph=True)
     once = [t.grad.clone() for t in leaves]
@@ -461,7 +472,7 @@ def test_chunk_tail_and_carry_paths(decay, carry_max, monkeypatch):
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     log_leaf = None if lam is None else torch.log(lam).clone().requires_grad_()
-    out = lion_attention(*leaves, log_leaf, form="chunk", chunk_size=5)  # 4 chunks of 5 and one of 3
+    out = lion_attention(*leaves, None if log_leaf is None else log_leaf[None], form="chunk", chunk_size=5)  # 4 chunks of 5 and one of 3
     ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     lam_leaf = None if lam is None else lam.clone().requires_grad_()
     expected = naive_lion(*ref_leaves, lam_leaf)
@@ -486,7 +497,7 @@ def test_autocast_bf16_backward(decay):
         inputs = (q, k, v) if lam is None else (q, k, v, torch.log(lam).float())
         leaves = [t.clone().requires_grad_() for t in inputs]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = lion_attention(*leaves)
+            out = lion_attention(*leaves[:3], *(log_decay[None] for log_decay in leaves[3:]))
         return torch.autograd.grad((out.float() * upstream).sum(), leaves)
 
     for got, ref in zip(grads(True), grads(False)):
@@ -528,9 +539,9 @@ def test_attention_form_multiplies_v_as_it_is(decay, scans):
     log_decay = torch.log(lam)
     with AtenCalls() as calls:
         if scans == 1:
-            out = lion_attention(q, k, v, log_decay)
+            out = lion_attention(q, k, v, log_decay[None])
         else:
-            out = lion_attention_multiscan(q, k, v, torch.stack([log_decay, log_decay.flip(-1)]), snake_orders(3, 4, 1))
+            out = lion_attention(q, k, v, torch.stack([log_decay, log_decay.flip(-1)]), snake_orders(3, 4, 1))
         torch.autograd.grad(out.square().sum(), leaves)
     widths = {size for name in ("bmm", "mm", "baddbmm") for call in calls.shapes.get(name, [])
               for shape in call for size in shape[-2:]}
@@ -547,7 +558,7 @@ def test_rnn_across_step_blocks(decay, monkeypatch):
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
     expected, ref_grads = oracle_with_grads(q, k, v, lam, upstream)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if lam is None else [torch.log(lam).requires_grad_()])
-    out = lion_attention(*leaves[:3], leaves[3] if lam is not None else None, form="rnn")
+    out = lion_attention(*leaves[:3], leaves[3][None] if lam is not None else None, form="rnn")
     assert rel_err(out, expected) < 1e-10
     for name, got, ref in zip("qkva", torch.autograd.grad((out * upstream).sum(), leaves), ref_grads):
         assert rel_err(got, ref) < 1e-9, f"grad of {name}"

@@ -15,7 +15,7 @@ import timm
 import torch
 
 import interpret
-from lion_vit.ops import lion_attention, lion_attention_multiscan, plan, snake_orders
+from lion_vit.ops import lion_attention, plan, snake_orders
 from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import AtenCalls, rel_err
@@ -64,7 +64,7 @@ def test_triton_forms_match_the_reference(form, decay):
     tensors = [q, k, v] + ([] if lam is None else [torch.log(lam).float()])
 
     def triton(q, k, v, log_decay=None):
-        return lion_attention(q, k, v, log_decay, form=form, backend="triton")
+        return lion_attention(q, k, v, None if log_decay is None else log_decay[None], form=form, backend="triton")
 
     _check(triton, lion_reference, tensors)
 
@@ -81,7 +81,7 @@ def test_triton_multiscan_matches_the_reference(form, decay):
     log_decays = torch.log(torch.stack([lam, lam.flip(-1) if lam.shape[-1] > 1 else lam ** 0.5])).float()
 
     def triton(q, k, v, log_decays):
-        return lion_attention_multiscan(q, k, v, log_decays, orders, form=form, backend="triton")
+        return lion_attention(q, k, v, log_decays, orders, form=form, backend="triton")
 
     _check(triton, lambda *t: lion_reference_multiscan(*t, orders.cpu()), [q, k, v, log_decays])
 
@@ -103,7 +103,7 @@ def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, mo
 
     def triton(qkv, log_decay):
         q, k, v = qkv.transpose(1, 3).unbind(2)
-        return lion_attention(q, k, v, log_decay, form=form, backend="triton", feature_map=feature_map)
+        return lion_attention(q, k, v, log_decay[None], form=form, backend="triton", feature_map=feature_map)
 
     def reference(qkv, log_decay):
         q, k, v = qkv.transpose(1, 3).unbind(2)
@@ -119,7 +119,7 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
     def triton(q, k, v, log_decay):
         q, k, v = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v))
         assert q.stride(-1) != 1
-        return lion_attention(q, k, v, log_decay, form="rnn", backend="triton")
+        return lion_attention(q, k, v, log_decay[None], form="rnn", backend="triton")
 
     _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
 
@@ -132,8 +132,8 @@ def test_scan_indices_are_built_once_per_orders_tensor():
     log_decays = torch.log(torch.stack([lam, lam.flip(-1)])).float()
 
     def run(orders):  # (the rnn form: at 13 tokens the chunk form runs one torch product)
-        return lion_attention_multiscan(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), log_decays.to(DEVICE), orders,
-                                        form="rnn", backend="triton").cpu()
+        return lion_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), log_decays.to(DEVICE), orders,
+                              form="rnn", backend="triton").cpu()
 
     run(orders)
     with AtenCalls() as seen:
@@ -211,7 +211,7 @@ def test_recurrent_groups_cover_the_multiprocessors(programs, images, monkeypatc
                         or recurrent(q, *args, **kwargs))
     q, k, v, lam = make_inputs(3, 2, 21, 16, "selective", torch.float32)
     with torch.no_grad():
-        out = lion_attention(*(t.to(DEVICE) for t in (q, k, v, torch.log(lam))), form="rnn", backend="triton")
+        out = lion_attention(*(t.to(DEVICE) for t in (q, k, v, torch.log(lam)[None])), form="rnn", backend="triton")
     assert launched == images
     assert rel_err(out.cpu(), lion_reference(q.double(), k.double(), v.double(), torch.log(lam))) < TOL
 
@@ -230,7 +230,7 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
     tensors = [t.to(HALF) for t in (q, k, v)] + [torch.log(lam).to(decay_dtype)]
 
     def triton(q, k, v, log_decay):
-        return lion_attention(q, k, v, log_decay, form=form, backend="triton")
+        return lion_attention(q, k, v, log_decay[None], form=form, backend="triton")
 
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
@@ -296,11 +296,11 @@ def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fal
     log_decays = torch.log(lam if scans == 1 else torch.stack([lam, lam ** 0.5])).float()
     if scans == 1:
         def triton(q, k, v, log_decay):
-            return lion_attention(q, k, v, log_decay, form="chunk", backend="triton")
+            return lion_attention(q, k, v, log_decay[None], form="chunk", backend="triton")
         reference = lion_reference
     else:
         def triton(q, k, v, log_decays):
-            return lion_attention_multiscan(q, k, v, log_decays, orders, form="chunk", backend="triton")
+            return lion_attention(q, k, v, log_decays, orders, form="chunk", backend="triton")
         reference = partial(lion_reference_multiscan, orders=orders.cpu())
     with pytest.warns(UserWarning, match="chunk backward fails"):
         _check(triton, reference, [t.to(dtype) for t in (q, k, v)] + [log_decays],
@@ -414,7 +414,7 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):
-        lion_attention(q, k, v, torch.log(lam), form="chunk", backend="triton")
+        lion_attention(q, k, v, torch.log(lam)[None], form="chunk", backend="triton")
 
 
 @pytest.mark.skipif(not interpret.ON_GPU, reason="bfloat16 kernels need a GPU (the interpreter computes through numpy)")
@@ -422,7 +422,7 @@ def test_triton_refuses_float64():
 def test_triton_bfloat16_is_within_its_rounding(form):
     q, k, v, lam = make_inputs(2, 4, 1000, 64, "selective", torch.float32)
     log_decay = torch.log(lam).float()
-    out = lion_attention(*(t.to(DEVICE, torch.bfloat16) for t in (q, k, v)), log_decay.to(DEVICE),
+    out = lion_attention(*(t.to(DEVICE, torch.bfloat16) for t in (q, k, v)), log_decay[None].to(DEVICE),
                          form=form, backend="triton")
     assert out.dtype == torch.bfloat16
     assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
@@ -433,7 +433,7 @@ def test_triton_backend_refuses_double_backward_in_one_line(form):
     """FLA's hand-written backwards have no double backward: a second-order gradient is one clear error,
     while first-order gradients (and backward twice) still work."""
     q, k, v, lam = make_inputs(1, 1, 20, 16, "selective", torch.float32)
-    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam))]
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam)[None])]
     out = lion_attention(*leaves, form=form, backend="triton")
     if plan(form, None, 20, 16, 16, device=DEVICE, backend="triton", training=True).backend != "triton":
         # where FLA's chunk backward fails and the portable chunk form is the fallback: it has double backward
@@ -453,7 +453,7 @@ def test_float16_normalisers_of_long_sequences_stay_finite(form):
     there; the bound covers 12,544."""
     q, k, v = float16_overflowing_inputs(1024)
     log_decay = torch.full((1, 1, 1), -1e-5)
-    out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)), log_decay.to(DEVICE), form=form,
+    out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)), log_decay[None].to(DEVICE), form=form,
                          backend="triton")
     assert torch.isfinite(out).all()
     assert rel_err(out.cpu(), lion_reference(q.double(), k.double(), v.double(), log_decay.double())) < 3e-3

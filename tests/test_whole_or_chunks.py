@@ -12,7 +12,7 @@ import torch
 
 import lion_vit.ops as ops
 from lion_vit.ops import chunk
-from lion_vit.ops import lion_attention, lion_attention_multiscan, snake_orders, whole_product_is_cheaper
+from lion_vit.ops import lion_attention, snake_orders, whole_product_is_cheaper
 from lion_vit.testing import randomize_decays
 from naive import oracle_with_grads, rel_err
 
@@ -65,7 +65,7 @@ def test_one_scan_runs_the_cheaper_product(decay, length, chunked, grad, chunk_c
            "selective": torch.rand(2, 2, length, generator=g, dtype=torch.float64) * 0.9 + 0.05}[decay]
     log_lam = None if lam is None else torch.log(lam)
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, log_lam) if t is not None]
-    out = lion_attention(*leaves[:3], leaves[3] if len(leaves) > 3 else None, form="chunk", chunk_size=4)
+    out = lion_attention(*leaves[:3], leaves[3][None] if len(leaves) > 3 else None, form="chunk", chunk_size=4)
     assert bool(chunk_calls) is (chunked and decay != "lit")  # without decays Q (K^T V) wins at any length
     _assert_matches_oracle(out, leaves, grad, g, q, k, v, lam)
 
@@ -80,7 +80,7 @@ def test_two_scans_run_the_cheaper_product(decay, grid, chunked, grad, chunk_cal
     shape = (2, 1, 2, 1) if decay == "fixed" else (2, 2, 2, length)
     lams = torch.rand(*shape, generator=g, dtype=torch.float64) * 0.9 + 0.05
     leaves = [t.clone().requires_grad_(grad) for t in (q, k, v, torch.log(lams))]
-    out = lion_attention_multiscan(*leaves, orders, form="chunk", chunk_size=4)
+    out = lion_attention(*leaves, orders, form="chunk", chunk_size=4)
     assert bool(chunk_calls) is chunked
     _assert_matches_oracle(out, leaves, grad, g, q, k, v, lams, orders)
 

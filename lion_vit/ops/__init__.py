@@ -7,12 +7,12 @@ the GPU kernels.
 from .chunk import whole_product_is_cheaper
 from .dispatch import BACKENDS, FORM_CHOICES, FORM_NAMES, TORCH_FORMS, Plan, check_backend, check_form, plan
 from .features import FEATURE_MAPS, get_feature_map
-from .lion import lion_attention, lion_attention_multiscan
+from .lion import lion_attention
 from .masks import decay_mask, mask_dtype
 from .scans import column_snake, row_snake, snake_orders
 
 __all__ = [
-    "lion_attention", "lion_attention_multiscan", "plan", "Plan", "check_form", "check_backend",
+    "lion_attention", "plan", "Plan", "check_form", "check_backend",
     "FORM_NAMES", "FORM_CHOICES", "BACKENDS", "TORCH_FORMS", "FEATURE_MAPS", "get_feature_map",
     "decay_mask", "mask_dtype", "row_snake", "column_snake", "snake_orders", "whole_product_is_cheaper",
 ]

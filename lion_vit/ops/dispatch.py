@@ -13,7 +13,8 @@ exact way to get it:
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
-- the triton backend reads q, k, v token-major (Plan.tokens_major), the torch forms head-major;
+- a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
+  they are and the portable forms copy head-major;
 - inference on the triton backend runs the batch in groups of images (Plan.grouped), so that the kernels'
   buffers stay a share of the batch's activations (lion_vit.ops.triton.fla.GROUP_SHARE).
 """
@@ -78,12 +79,6 @@ class Plan:
     chunk_size: Optional[int] = None
     grouped: bool = False
     backward_by_forward: bool = False
-
-    @property
-    def tokens_major(self) -> bool:
-        """Whether the backend reads q, k, v token-major ([B, L, H, D] in memory, FLA's layout): a layer
-        then hands over views of its projection rather than head-major copies."""
-        return self.backend == "triton"
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -208,7 +203,8 @@ def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[T
     division in the dtype the form returns, then cast to v's."""
     q, k = mapped(q, k, feature_map)
     q = q * query_scale(q.shape[-2])  # rebound: the unscaled features are not kept while the form runs
-    numerator, normaliser = form(q, k, v, log_decays, orders, chunk_size=chunk_size)
+    # head-major v, as the forms' matmuls read best (a layer hands over a view of its projection)
+    numerator, normaliser = form(q, k, v.contiguous(), log_decays, orders, chunk_size=chunk_size)
     return (numerator / normaliser).to(v.dtype)
 
 
@@ -229,24 +225,26 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
     """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
     decays, broadcast into a wrong result), and, on a CPU, for decays above 1: the log-space masks
     assume log(lam) <= 0. (A GPU skips the value check, which would synchronise every layer; so does
-    a compiler.) log_decays: one scan's, or with orders [S, L] a multi-scan call's [S, ...]."""
+    a compiler.) log_decays: [S, ...] (ops.lion_attention); orders: [S, L], or None for one scan."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     batch, heads, length = q.shape[:3]
-    if orders is not None and orders.shape[-1] != length:
-        raise ValueError(f"orders [S, L] has L = {orders.shape[-1]} but q has {length} tokens")
+    if orders is not None and (orders.dim() != 2 or orders.shape[-1] != length):
+        raise ValueError(f"orders must be [S, L] with L = {length} (q's tokens); got {list(orders.shape)}")
     if log_decays is None:
         return
-    scans = [log_decays] if orders is None else list(log_decays)
-    if orders is not None and len(scans) != len(orders):
-        raise ValueError(f"log_decays has {len(scans)} scans but orders has {len(orders)}")
-    for log_decay in scans:
-        shape = tuple(log_decay.shape)
-        if (len(shape) > 3 or shape[-1] not in (1, length)
-                or any(size not in (1, full) for size, full in zip(shape[::-1][1:], (heads, batch)))):
-            raise ValueError(f"log decays must broadcast to [B, H, L] = [{batch}, {heads}, {length}] with a last "
-                             f"dimension of 1 (one decay per head) or L (one per token); got {list(shape)}")
+    scans = 1 if orders is None else len(orders)
+    if log_decays.dim() == 0 or len(log_decays) != scans:
+        got = "a scalar" if log_decays.dim() == 0 else f"{len(log_decays)} scans ({list(log_decays.shape)})"
+        raise ValueError(f"log_decays must be [S, ...] with one entry per scan, S = {scans} "
+                         f"({'one scan: no orders' if orders is None else 'the orders given'}); got {got}"
+                         + ("; for one scan pass log_decay[None]" if orders is None else ""))
+    shape = tuple(log_decays.shape[1:])
+    if (len(shape) > 3 or (shape and shape[-1] not in (1, length))
+            or any(size not in (1, full) for size, full in zip(shape[::-1][1:], (heads, batch)))):
+        raise ValueError(f"each scan's log decays must broadcast to [B, H, L] = [{batch}, {heads}, {length}] with a "
+                         f"last dimension of 1 (one decay per head) or L (one per token); got {list(shape)}")
     if log_decays.device.type == "cpu" and not torch.compiler.is_compiling() and bool((log_decays > 0).any()):
         raise ValueError(f"log decays must be <= 0 (decays in (0, 1]), got up to {log_decays.max().item():.3g}; "
                          "pass log(lam), e.g. F.logsigmoid(logits)")

@@ -1,5 +1,5 @@
-"""The LION op: Y = Scale(Q K^T * M) V for one scan or several, in the form and on the backend that
-dispatch.plan picks (docs/design.md sections 1-2).
+"""The LION op: Y = Scale(sum_s Q K^T * M_s) V for one scan or several, in the form and on the backend
+that dispatch.plan picks, planned once per call (docs/design.md sections 1-2).
 
 Every portable form returns the numerator (Q K^T * M) V and the normaliser rowsum(Q K^T * M) (summed
 over the scans), divided once by dispatch.implementation; the triton backend divides as it combines
@@ -10,54 +10,36 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from . import dispatch
 
 
-def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *,
-                   form: str = "attention", chunk_size: Optional[int] = None, backend: str = "auto",
-                   plan: Optional[dispatch.Plan] = None, feature_map: Optional[str] = None) -> Tensor:
-    """Bidirectional LION attention  Y = Scale(Q K^T * M) V.
+def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor] = None,
+                   orders: Optional[Tensor] = None, *, form: str = "attention", chunk_size: Optional[int] = None,
+                   backend: str = "auto", feature_map: Optional[str] = None,
+                   plan: Optional[dispatch.Plan] = None) -> Tensor:
+    """Bidirectional LION attention of S scans,  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s),  A = Q K^T.
 
-    q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv]; log_decay:
-    None (all-ones mask, LION-lit) or log(lam) <= 0 broadcastable to [B, H, L] (last dim 1: one decay per
-    head, LION-d).
+    q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv].
+    log_decays: None (all-ones mask, LION-lit) or log(lam) <= 0 as [S, ...], entry s broadcastable to
+    [B, H, L] in token order (last dim 1: one decay per head, LION-d; L: one per token, LION-s).
+    orders: None (one scan in token order: S = 1) or [S, L] permutations (scan position -> token); each
+    scan's mask is built along its order.
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
     this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
-    backend: "auto" | "torch" | "triton". plan: what `inputs_plan` gives for this call, from a caller that
-    planned already (a layer choosing its layout); None plans here. feature_map: None (q, k are features)
-    or a FEATURE_MAPS name (q, k are raw and mapped by it). Returns [B, H, L, Dv].
-    """
-    dispatch.check_inputs(q, k, v, log_decay)
-    log_decays = None if log_decay is None else _bhl(log_decay)[None]
-    return _run(q, k, v, log_decays, None, feature_map,
-                plan or inputs_plan(q, k, v, log_decays, None, form, chunk_size, backend))
-
-
-def lion_attention_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Tensor, *,
-                             form: str = "attention", chunk_size: Optional[int] = None,
-                             backend: str = "auto", plan: Optional[dispatch.Plan] = None,
-                             feature_map: Optional[str] = None) -> Tensor:
-    """Multi-scan LION:  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s).
-
-    orders: [S, L] permutations (scan position -> token index); log_decays: None, or [S, ...] where
-    entry s is broadcastable to [B, H, L] and given in token order (last dim 1: one decay per head).
-    Each scan's mask is built along its order. Other arguments as lion_attention's.
+    backend: "auto" | "torch" | "triton"; feature_map: None (q, k are features) or a FEATURE_MAPS name
+    (q, k are raw and mapped by it). plan: a dispatch.Plan to run instead of the one these inputs and
+    settings give (form, chunk_size and backend are then not read): for scripts that force a route.
+    Returns [B, H, L, Dv].
     """
     dispatch.check_inputs(q, k, v, log_decays, orders)
     if log_decays is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         orders = None
-    else:
-        log_decays = torch.stack([_bhl(a) for a in log_decays.unbind(0)])
-    return _run(q, k, v, log_decays, orders, feature_map,
-                plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend))
-
-
-def _bhl(log_decay: Tensor) -> Tensor:
-    """A log decay broadcastable to [B, H, L] as a 3-d tensor."""
-    return log_decay.reshape((1,) * (3 - log_decay.dim()) + tuple(log_decay.shape))
+    else:  # [S, B|1, H|1, L|1]
+        log_decays = log_decays.reshape(log_decays.shape[:1] + (1,) * (4 - log_decays.dim()) + log_decays.shape[1:])
+    run = plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend)
+    return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map)
 
 
 def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor], form: str,
@@ -68,10 +50,3 @@ def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], o
                          num_scans=1 if orders is None else len(orders), decayed=log_decays is not None,
                          device=q.device, dtype=q.dtype, backend=backend,
                          training=dispatch.records_autograd(q, k, v, log_decays))
-
-
-def _run(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-         feature_map: Optional[str], run: dispatch.Plan) -> Tensor:
-    """log_decays: None or [S, B|1, H|1, L|1] in token order; orders: [S, L] or None (one scan, token order).
-    The plan's chunk size is the one that runs (the caller's, or the triton backend's tile)."""
-    return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map)

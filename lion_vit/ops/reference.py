@@ -9,10 +9,12 @@ checks, not for models. tests/naive.py checks it against running products of the
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .features import mapped
 
 
 def reference_mask(log_decay: Tensor, length: int) -> Tensor:
@@ -53,3 +55,15 @@ def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor
         mask = reference_mask(log_decay, q.shape[-2])[..., position[:, None], position[None, :]]
         total = total + scores * mask
     return total / total.sum(-1, keepdim=True) @ v.double()
+
+
+def lion_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor] = None,
+                             orders: Optional[Tensor] = None, *, feature_map: Optional[str] = None,
+                             **settings: Any) -> Tensor:
+    """The oracle with ops.lion_attention's call signature, to stand in for it (every layer of a model
+    through the formula): log_decays [S, ...], orders [S, L] or None; form, backend and the other settings
+    are ignored. Float64 result."""
+    q, k = mapped(q, k, feature_map)
+    if orders is None or log_decays is None:
+        return lion_reference(q, k, v, None if log_decays is None else log_decays[0])
+    return lion_reference_multiscan(q, k, v, log_decays, orders)
