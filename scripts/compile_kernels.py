@@ -2,7 +2,7 @@
 
 The tests run the kernels under Triton's interpreter, which executes their Python with numpy: it accepts
 programs that the GPU compiler rejects (a loop variable whose type changes, more shared memory than a GPU
-has) and cannot run bfloat16. This script runs the triton backend's chunk and rnn forms under
+has) and cannot run bfloat16. This script runs the triton backend's attention, chunk and rnn forms under
 the interpreter on small inputs (float32 and float16, every decay kind, one and two scans, every fused
 feature map, training and inference), records every launch of lion_vit's own kernels (not FLA's), and
 compiles each distinct launch to a cubin for each target with Triton's compiler and ptxas, as a GPU's
@@ -46,7 +46,8 @@ def calls(quick: bool):
         logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
         log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
         # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product)
-        plan = Plan(form, "triton", chunks=2 if form == "chunk" else 1, grouped=not training)
+        plan = Plan(form, "triton", whole=form == "attention", chunks=2 if form == "chunk" else 1,
+                    grouped=not training)
         with torch.set_grad_enabled(training):
             if scans == 1:
                 y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
@@ -59,11 +60,11 @@ def calls(quick: bool):
 
     cases = [(decay, scans, form, feature_map, training)
              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
-             for form in ("chunk", "rnn") for feature_map in ("silu", "silu_norm", "elu", None)
+             for form in ("attention", "chunk", "rnn") for feature_map in ("silu", "silu_norm", "elu", None)
              for training in (True, False)]
     if quick:  # every kernel and every value of its flags at least once
         cases = [("lit", 1, "rnn", "silu_norm", True), ("selective", 2, "chunk", "elu", True),
-                 ("fixed", 1, "chunk", None, False)]
+                 ("fixed", 1, "chunk", None, False), ("selective", 2, "attention", "silu_norm", False)]
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)

@@ -41,11 +41,24 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="torch").backend == "torch"
 
 
-def test_attention_form_and_lit_products_run_on_torch(kernels):
+def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels):
+    """On the triton backend the attention form (and the chunk form's one-product case) is FLA's fused kernel,
+    grouped without autograd; LION-lit's Q (K^T V) is torch matmuls everywhere; the portable product elsewhere."""
     kernels(True)
-    assert plan("attention", None, 3136, 64, 64, device=CUDA) == dispatch.Plan("attention", "torch", whole=True)
-    lit = plan("chunk", 64, 3136, 64, 64, decayed=False, device=CUDA)  # Q (K^T V): linear in L, no kernel needed
-    assert lit.whole and lit.backend == "torch"
+    for training in (True, False):
+        for scans in (1, 2):
+            assert plan("attention", None, 197, 64, 64, num_scans=scans, device=CUDA, training=training) == \
+                dispatch.Plan("attention", "triton", whole=True, grouped=not training)
+    assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA, training=True) == \
+        dispatch.Plan("chunk", "triton", whole=True)
+    assert str(plan("attention", None, 197, 64, 64, device=CUDA, training=True)) == \
+        "attention form, triton backend: one fused masked product (FLA kernel)"
+    assert plan("attention", None, 3136, 64, 64, device=CUDA, backend="torch") == \
+        dispatch.Plan("attention", "torch", whole=True)
+    assert plan("attention", None, 197, 64, 64, device=CPU) == dispatch.Plan("attention", "torch", whole=True)
+    for form in ("attention", "chunk"):  # Q (K^T V): linear in L, no kernel needed
+        lit = plan(form, 64, 3136, 64, 64, decayed=False, device=CUDA)
+        assert lit.whole and lit.backend == "torch"
 
 
 def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels, monkeypatch):
@@ -66,7 +79,7 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
 def test_chunk_form_runs_one_product_where_cheaper(kernels):
     kernels(True)
     assert plan("chunk", 64, 196, 64, 64, num_scans=2).whole  # natural models at 224 px
-    assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole
+    assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA).whole  # (fused: above)
     assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13, chunk_size=64)
     assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == \
         dispatch.Plan("chunk", "triton", chunks=13, chunk_size=64, grouped=True)

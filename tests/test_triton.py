@@ -56,6 +56,7 @@ def _check(fn, reference, tensors, tol=TOL, value_shape=None):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", d) for d in ("lit", "fixed", "selective", "near0", "near1")]
+                         + [("attention", d) for d in ("fixed", "selective", "near0", "near1")]
                          + [("rnn", d) for d in ("lit", "fixed", "selective")])
 def test_triton_forms_match_the_reference(form, decay):
     """(The recurrent kernel, serial over tokens, is slow under the interpreter: one image; two in the
@@ -69,7 +70,8 @@ def test_triton_forms_match_the_reference(form, decay):
     _check(triton, lion_reference, tensors)
 
 
-@pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective")])
+@pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
+                                         ("attention", "selective")])
 def test_triton_multiscan_matches_the_reference(form, decay):
     """Two snake scans over a grid with a class token: 11x18 for the chunk form (199 tokens, chunks of 64
     and 7: long enough that it runs the kernels, not one product), 7x10 for the rnn form."""
@@ -87,7 +89,7 @@ def test_triton_multiscan_matches_the_reference(form, decay):
 
 
 @pytest.mark.parametrize("form, feature_map", [("chunk", "silu_norm"), ("chunk", "silu"), ("chunk", "elu"),
-                                               ("chunk", "unfused"), ("rnn", "silu_norm")])
+                                               ("chunk", "unfused"), ("rnn", "silu_norm"), ("attention", "silu_norm")])
 def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, monkeypatch):
     """Raw q, k (any sign, token-major views of one projection) with a feature map's name: the outputs and the
     gradients of raw q, k, v and the decays are the reference's on the mapped features. A map the fused
@@ -122,6 +124,44 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
         return lion_attention(q, k, v, log_decay[None], form="rnn", backend="triton")
 
     _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
+
+
+@pytest.mark.parametrize("scans, length", [(2, 197), (1, 197), (1, 785)], ids=["natural197", "s197", "s785"])
+def test_fused_attention_form_at_vit_lengths(scans, length):
+    """The fused attention form (FLA's tiled kernel) as a ViT-S/16 runs it: 197 tokens (224 px) whose class token
+    has the decay 1 (prefix_decay_one), odd, across the kernel's 128-token tiles, two snake scans of the 14 x 14
+    grid or one raster scan; 785 tokens (448 px) once. Outputs and gradients of q, k, v and the decays against
+    the float64 reference."""
+    q, k, v, lam = make_inputs(1, 1, length, 16, "selective", torch.float32, seed=5)
+    lam[..., 0] = 1.0  # the class token
+    if scans == 2:
+        side = int((length - 1) ** 0.5)
+        orders = snake_orders(side, side, num_prefix_tokens=1).to(DEVICE)
+        log_decays = torch.log(torch.stack([lam, lam.flip(-1).roll(1, -1)])).float()
+        reference = partial(lion_reference_multiscan, orders=orders.cpu())
+    else:
+        orders, log_decays, reference = None, torch.log(lam).float()[None], \
+            lambda q, k, v, a: lion_reference(q, k, v, a[0])
+    assert plan("attention", None, length, 16, 16, num_scans=scans, device=DEVICE, backend="triton",
+                training=True).backend == "triton"
+
+    def triton(q, k, v, log_decays):
+        return lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton")
+
+    _check(triton, reference, [q, k, v, log_decays])
+
+
+@pytest.mark.parametrize("form", ["attention", "chunk"])
+def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always):
+    """Two backward passes of the same call give bitwise equal gradients of q, k, v and the decays: no
+    atomics, no order of accumulation that changes from run to run."""
+    orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
+    q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32, seed=6)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(torch.stack([lam, lam.flip(-1)])))]
+    upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    runs = [torch.autograd.grad((lion_attention(*leaves, orders, form=form, backend="triton") * upstream).sum(),
+                                leaves) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_scan_indices_are_built_once_per_orders_tensor():
@@ -172,7 +212,8 @@ def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always
             assert rel_err(model(x), expected) < TOL, form
 
 
-@pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch")])
+@pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch"),
+                                                ("attention", 2, "selective")])
 def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkeypatch):
     """Without autograd the plan groups the images (Plan.grouped); one image per group (GROUP_SHARE 0) is
     the same function, with decays per image; a grouped call that autograd would record is an error."""
@@ -220,7 +261,7 @@ HALF = torch.bfloat16 if interpret.ON_GPU else torch.float16  # (the interpreter
 
 
 @pytest.mark.parametrize("form, head_dim, decay_dtype", [("chunk", 16, torch.float32), ("chunk", 15, HALF),
-                                                         ("rnn", 16, HALF)])
+                                                         ("rnn", 16, HALF), ("attention", 16, HALF)])
 def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
     """16-bit q, k, v as autocast makes them, decays in float32 (LION-d's parameter) or 16-bit (LION-s's
     projection): outputs and gradients within half precision's rounding of the same inputs in float64.
@@ -418,7 +459,7 @@ def test_triton_refuses_float64():
 
 
 @pytest.mark.skipif(not interpret.ON_GPU, reason="bfloat16 kernels need a GPU (the interpreter computes through numpy)")
-@pytest.mark.parametrize("form", ["chunk", "rnn"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_triton_bfloat16_is_within_its_rounding(form):
     q, k, v, lam = make_inputs(2, 4, 1000, 64, "selective", torch.float32)
     log_decay = torch.log(lam).float()
@@ -428,7 +469,7 @@ def test_triton_bfloat16_is_within_its_rounding(form):
     assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_triton_backend_refuses_double_backward_in_one_line(form):
     """FLA's hand-written backwards have no double backward: a second-order gradient is one clear error,
     while first-order gradients (and backward twice) still work."""
@@ -445,7 +486,7 @@ def test_triton_backend_refuses_double_backward_in_one_line(form):
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.square().sum(), leaves))
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_float16_normalisers_of_long_sequences_stay_finite(form):
     """Decays near 1 make the normaliser grow like L (here past float16's 65,504, asserted below); the
     kernels' power-of-two scale on q keeps numerator and normaliser finite (docs/design.md, "float16").

@@ -5,12 +5,15 @@ exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
   under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable
   PyTorch forms (attention.py, recurrent.py, chunk.py: plain autograd, any device), "triton" the GPU
-  kernels of lion_vit.ops.triton, which exist for the chunk and rnn forms; on a CPU without
-  autograd, eagerly, "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
+  kernels of lion_vit.ops.triton, for every form: the attention form fused (FLA's tiled quadratic
+  kernel, nothing L x L in memory), the chunk and rnn forms; on a CPU without autograd, eagerly,
+  "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens (by training and number of scans), where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
-  chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V));
+  chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
+  backend the fused attention form's, elsewhere the portable one's;
+- LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
@@ -89,6 +92,8 @@ class Plan:
                 (", backward by their forward pass" if self.backward_by_forward else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
+            if self.backend == "triton":
+                what = "one fused masked product (FLA kernel)"
         return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "")
 
 
@@ -149,16 +154,20 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
             length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
-    if form == "attention":
-        return Plan("attention", "torch", whole=True)
     grouped = backend == "triton" and not training
+    if form == "attention":
+        if backend == "triton" and decayed:
+            return Plan("attention", "triton", whole=True, grouped=grouped)
+        return Plan("attention", "torch", whole=True)
     if form == "rnn":
         return Plan("rnn", backend, grouped=grouped)
     if backend == "triton":
         chunk_size = TRITON_CHUNK
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
-    if whole:  # a product of torch matmuls either way
+    if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
+        if backend == "triton" and decayed:
+            return Plan("chunk", "triton", whole=True, grouped=grouped)
         return Plan("chunk", "torch", whole=True)
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
         instead = CHUNK_BACKWARD_FALLBACKS[CHUNK_BACKWARD_FALLBACK]
@@ -188,7 +197,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
     plan's chunk_size."""
     if run.backend == "triton":
-        kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+        kernels = triton_backend.attention_form if run.whole else \
+            {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
         if run.backward_by_forward:
             return partial(kernels, backward_by_forward=True)
         return partial(kernels, grouped=True) if run.grouped else kernels

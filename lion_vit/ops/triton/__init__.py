@@ -1,4 +1,4 @@
-"""GPU kernels for the chunk and rnn forms (docs/design.md, "The Triton backend").
+"""GPU kernels for the attention, chunk and rnn forms (docs/design.md, "The Triton backend").
 
 LION is two causal scalar-gated linear attentions, one over the sequence and one over its mirror,
 with the decays shifted by one token and the diagonal counted once; flash-linear-attention's Triton
@@ -6,6 +6,7 @@ kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written bac
 two fused steps of ours build their operands and finish their outputs (operands.py). Nothing here is
 imported until a call picks the triton backend.
 """
-from .fla import available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
+from .fla import attention_form, available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
 
-__all__ = ["available", "chunk_backward_fails", "chunk_form", "recurrent_form", "unavailable_reason"]
+__all__ = ["attention_form", "available", "chunk_backward_fails", "chunk_form", "recurrent_form",
+           "unavailable_reason"]

@@ -1,4 +1,4 @@
-"""LION's chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
+"""LION's attention, chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
 
 FLA's scalar-gated recurrence is  S_p = exp(g_p) S_{p-1} + k_p v_p^T,  o_p = scale q_p^T S_p,  over
 [B, L, H, D] tensors. With a_t = log lam_t and a scan order o (o[p]: the token at scan position p),
@@ -52,14 +52,14 @@ def unavailable_reason() -> str:
 
 @lru_cache(maxsize=None)
 def _kernels():
-    """FLA's two entry points used here, or the reason they do not import."""
+    """FLA's three entry points used here, or the reason they do not import."""
     if importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None:
         return "is not installed"
     try:
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
     except Exception as error:  # any failure of a third-party import
         return f"is installed but does not import ({type(error).__name__}: {str(error).partition(chr(10))[0]})"
-    return chunk_simple_gla, fused_recurrent_simple_gla
+    return chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
 
 
 @torch.compiler.assume_constant_result
@@ -148,6 +148,13 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: O
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
     """FLA's fused_recurrent_simple_gla, (o, final state), looked up as _chunk's."""
     return _kernels()[1](q, k, v, g=g, scale=scale)
+
+
+def _parallel(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
+    """FLA's parallel_simple_gla, (o, None): the causal masked product tile by tile, its mask made from the
+    gates' cumulative sums in registers; nothing of size L x L is written, forward or backward (whose gate
+    gradient is a reverse cumulative sum, no atomics). Looked up as _chunk's."""
+    return _kernels()[2](q, k, v, g=g, scale=scale)
 
 
 class _ForwardBackward(torch.autograd.Function):
@@ -260,7 +267,7 @@ def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], or
     grouped: one call per group of images (GROUP_SHARE), for inference: no autograd; backward_by_forward:
     the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails."""
     kernel = _chunk_with_forward_backward if backward_by_forward else _chunk
-    return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, states=True)
+    return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, "chunk")
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
@@ -268,11 +275,23 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
                    grouped: bool = False) -> Tensor:
     """Y by FLA's fused recurrent kernel: every scan and direction in one launch, O(L d) memory. Arguments
     as chunk_form's."""
-    return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, states=False)
+    return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, "rnn")
+
+
+def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
+                   chunk_size: Optional[int] = None, feature_map: Optional[str] = None,
+                   grouped: bool = False) -> Tensor:
+    """Y by FLA's tiled quadratic kernel (`parallel_simple_gla`): the attention form fused, every scan and
+    direction in one launch, nothing L x L in memory. Arguments as chunk_form's."""
+    return _run(_parallel, q, k, v, log_decays, orders, feature_map, grouped, "attention")
+
+
+# what inference traced by a compiler runs (_INFERENCE_OP), by form
+_KERNELS = {"chunk": _chunk, "rnn": _recurrent, "attention": _parallel}
 
 
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-         orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, states: bool) -> Tensor:
+         orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, form: str) -> Tensor:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]). A compiler traces inference (grouped) as one op of its
     graph (_INFERENCE_OP), so that CUDA graphs can capture it, and breaks its graph around a call that
     autograd records: the kernels' own autograd Functions run eagerly."""
@@ -281,14 +300,14 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
         if records_autograd(q, k, v, log_decays):
             raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
         if _INFERENCE_OP is not None and torch.compiler.is_compiling():
-            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, states).transpose(1, 2)
-    return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, states).transpose(1, 2)
+            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, form).transpose(1, 2)
+    return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, form).transpose(1, 2)
 
 
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
 def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
              log_decays: Optional[Tensor], orders: Optional[Tensor], feature_map: Optional[str], grouped: bool,
-             states: bool) -> Tensor:
+             form: str) -> Tensor:
     """Y [B, L, H, Dv] of _run."""
     from .operands import FUSED_MAPS
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -302,7 +321,7 @@ def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
         return _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
     y = v.new_empty(batch, length, heads, value_dim)
     groups = -(-batch // _images_per_group(batch, heads, q.shape[-1], value_dim, len(indices.layout.kv) // length,
-                                           dtype, states, q.device))
+                                           dtype, form, q.device))
     for group in range(groups):  # (sizes within one image of each other)
         part = slice(batch * group // groups, batch * (group + 1) // groups)
         decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
@@ -317,11 +336,11 @@ def _inference_op():
         return None
 
     def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-                  feature_map: Optional[str], states: bool) -> Tensor:
-        return _eagerly(_chunk if states else _recurrent, q, k, v, log_decays, orders, feature_map, True, states)
+                  feature_map: Optional[str], form: str) -> Tensor:
+        return _eagerly(_KERNELS[form], q, k, v, log_decays, orders, feature_map, True, form)
 
     def shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-              feature_map: Optional[str], states: bool) -> Tensor:
+              feature_map: Optional[str], form: str) -> Tensor:
         batch, heads, length, value_dim = v.shape
         return v.new_empty(batch, length, heads, value_dim)
 
@@ -337,20 +356,21 @@ _INFERENCE_OP = _inference_op()
 
 
 def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
-                      states: bool, device: torch.device) -> int:
+                      form: str, device: torch.device) -> int:
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
-    the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
-    float32 outputs and their cast), within GROUP_SHARE of the batch's q, k, v; for the recurrent kernel, at
-    least the images whose programs (sequences x heads x its tiles) cover the multiprocessors."""
+    the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, the parallel kernel's
+    outputs and float32 cumulative gates, or the recurrent kernel's float32 outputs and their cast), within
+    GROUP_SHARE of the batch's q, k, v; for the recurrent kernel, at least the images whose programs
+    (sequences x heads x its tiles) cover the multiprocessors."""
     from ..dispatch import TRITON_CHUNK
     from .operands import even
     itemsize = torch.finfo(dtype).bits // 8
     key_width, value_width = even(key_dim), even(value_dim)
-    kernels = ((value_width + key_width * value_width // TRITON_CHUNK) * itemsize if states
-               else value_width * (4 + itemsize))
+    kernels = {"chunk": (value_width + key_width * value_width // TRITON_CHUNK) * itemsize,
+               "attention": value_width * itemsize + 4, "rnn": value_width * (4 + itemsize)}[form]
     per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
     images = max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
-    if states:
+    if form != "rnn":
         return images
     programs = sequences * heads * -(-key_width // 64) * -(-value_width // 64)  # FLA's tiles: 64 x 64 at most
     return max(images, -(-_multiprocessors(device) // programs))
