@@ -4,11 +4,11 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference graphs train fallback normaliser forms compile compile_natural input (all by default, in
+# PART: tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input (all by default, in
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   tests inference | equivalence train fallback | normaliser forms | graphs compile | compile_natural | input
+#   fused | tests inference | equivalence fallback | normaliser forms | graphs compile | compile_natural | input
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -16,13 +16,14 @@
 # commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference graphs train fallback normaliser forms compile compile_natural input"
+all_parts="tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): tests, inference, train and fallback as measured on a cold H100, equivalence
+# compiles each model once): tests, inference and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
-# 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled)
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [train]=2 [fallback]=2 [normaliser]=3 [forms]=6
+# 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
+# fused: its tests, then eight short eager runs of which the old train part's two took 37 s)
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=7 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4 [input]=9)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -108,10 +109,24 @@ for part in "${parts[@]}"; do
             done ;;
         graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
             run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
-        train)  # a training step, eager, --attn-form auto: 224 px batch 256, and 896 px batch 32
+        fused)  # the fused attention form (FLA's parallel kernel): its tests natively, then a training step, eager,
+            # --attn-form auto (the default: the fused attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch
+            # 256, 448 px batch 64 and 896 px batch 32 (there beside both forms by name); the portable attention
+            # form (--attn-backend torch) at 224 px in the same part; inference at 224 px, batch 16 and 256
+            run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
+                tests/test_triton.py -k "attention or fused or same_bits"
             run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
-            run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 \
-                --models $deit lion_d_small lion_d_natural_small --out "$out/train_896" ;;
+            run train_torch "${train[@]}" --batch-size 256 --steps 10 --attn-backend torch \
+                --models $deit lion_d_small lion_s_natural_small --out "$out/train_torch"
+            run train_448 "${train[@]}" --batch-size 64 --img-size 448 --steps 5 --models $deit $lion \
+                --out "$out/train_448"
+            run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --models $deit lion_d_small \
+                lion_d_natural_small lion_d_small:attention lion_d_small:chunk --out "$out/train_896"
+            for batch in 16 256; do
+                run "inference_224_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
+                    --batch-size "$batch" --rounds 5 --resolutions 224 --runs $deit lion_d_small:attention \
+                    lion_d_natural_small:attention --out "$out/inference_224_b$batch"
+            done ;;
         fallback)  # where FLA's chunk backward fails: dispatch.CHUNK_BACKWARD_FALLBACK, 896 px batch 32
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"

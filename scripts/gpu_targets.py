@@ -17,11 +17,17 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-# training step against DeiT-S, both compiled, 224 px batch 256
-COMPILED_TRAINING = {"lion_lit_small": 1.0, "lion_d_small": 1.2, "lion_s_small": 1.3, "lion_d_natural_small": 1.25,
-                     "lion_s_natural_small": 1.4}
-TRAINING_896 = {"lion_d_small": 0.7}  # training step against DeiT-S at 896 px batch 32
-INFERENCE_TIME = {1248: 0.5, 1792: 0.3}  # chunk form's time against DeiT-S's, batch 1 and 16
+# training step against DeiT-S (SDPA) in the same run, bf16: eager at 224 px batch 256 and 448 px batch 64; both
+# sides compiled at 224 px batch 256; peak memory within PEAK_MEMORY of DeiT-S's in each of those runs
+EAGER_TRAINING = {"lion_lit_small": 1.0, "lion_d_small": 1.05, "lion_s_small": 1.1, "lion_d_natural_small": 1.1,
+                  "lion_s_natural_small": 1.2}
+COMPILED_TRAINING = dict(EAGER_TRAINING, lion_lit_small=0.95)
+PEAK_MEMORY = 1.1
+TRAINING_896 = {"lion_d_small": 0.9, "lion_d_natural_small": 0.9}  # 896 px batch 32, the form plan() picks
+INFERENCE_224 = {"lion_d_small": 1.05}  # inference time against DeiT-S at 224 px, batch 16 and 256
+# inference at high resolution, batch 16, the chunk form: the attention's share, LION's time less DeiT-S's
+# non-attention floor (b L of the fit in floor_lines) against DeiT-S's attention time (a L^2)
+ATTENTION_SHARE = {1248: 0.25, 1792: 0.15}
 INFERENCE_MODELS = ("lion_d_small", "lion_d_natural_small")
 RNN_OVER_CHUNK = 3.0  # the rnn form's time against the chunk form's
 BASELINE = "deit_small_patch16_224"
@@ -49,20 +55,37 @@ def line(target: str, measured: Optional[float], limit: float) -> str:
 def target_lines(folder: Path) -> List[str]:
     lines = ["| target | limit | measured | met |", "|---|---|---|---|"]
     for csv_names, limits, what in (
+            (("train/train.csv",), EAGER_TRAINING, "train 224 px b256 eager"),
+            (("train_448/train.csv",), EAGER_TRAINING, "train 448 px b64 eager"),
             (("train_compile/train.csv", "train_compile_natural/train.csv"), COMPILED_TRAINING,
              "train 224 px b256 compiled"),
             (("train_896/train.csv",), TRAINING_896, "train 896 px b32")):
-        rows = {r["model"]: r for name in csv_names for r in read(folder / name)}
+        runs = [read(folder / name) for name in csv_names]
+        rows, peaks = {}, {}  # a model's first row: as plan() runs it (a later row of it names its form)
+        for run in runs:
+            for r in run:
+                if r["model"] not in rows:
+                    rows[r["model"]], peaks[r["model"]] = r, _peak_ratio(r, run)
         for model, limit in limits.items():
             lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
+            if "896" not in what:
+                lines.append(line(f"{what}, {model} peak memory x DeiT-S", peaks.get(model), PEAK_MEMORY))
+    for batch in (16, 256):
+        rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}" / "resolution.csv")}
+        for model, limit in INFERENCE_224.items():
+            lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S",
+                              number(rows.get(model), "time_x_baseline"), limit))
+    fit = deit_fit(folder)
     for batch in (1, 16):
         rows = read(folder / f"resolution_b{batch}" / "resolution.csv")
-        for resolution, limit in INFERENCE_TIME.items():
+        for resolution in ATTENTION_SHARE:
             for model in INFERENCE_MODELS:
                 found = {r["form"]: r for r in rows if r["model"] == model and int(r["resolution"]) == resolution}
                 chunk, rnn = found.get("chunk"), found.get("rnn")
                 where = f"{resolution} px b{batch}, {model}"
-                lines.append(line(f"{where} chunk time x DeiT-S", number(chunk, "time_x_baseline"), limit))
+                if batch == 16:
+                    lines.append(line(f"{where} chunk attention share x DeiT-S's attention",
+                                      attention_share(fit, chunk), ATTENTION_SHARE[resolution]))
                 if resolution == 1248:
                     lines.append(line(f"{where} chunk peak memory x DeiT-S", number(chunk, "mem_x_baseline"), 1.0))
                 rnn_time, chunk_time = number(rnn, "time_s"), number(chunk, "time_s")
@@ -71,23 +94,50 @@ def target_lines(folder: Path) -> List[str]:
     return lines
 
 
+def _peak_ratio(row: Dict[str, str], run: List[Dict[str, str]]) -> Optional[float]:
+    """A row's peak memory against the baseline's (the run's first row, DeiT-S)."""
+    peak, base = number(row, "peak_mem_mb"), number(run[0], "peak_mem_mb") if run else None
+    return peak / base if peak and base else None
+
+
+def deit_fit(folder: Path):
+    """DeiT-S's batch-16 inference times fitted as a L^2 + b L over the sizes measured from FIT_FROM px (its
+    attention grows with the square of the tokens L, the rest of its blocks linearly), by least squares of the
+    relative error: (a, b, {size: (tokens, time)}), or None where fewer than two sizes were measured."""
+    rows = [r for r in read(folder / "resolution_b16" / "resolution.csv") if r["model"] == BASELINE]
+    points = {int(r["resolution"]): (int(r["tokens"]), number(r, "time_s")) for r in rows}
+    points = {size: point for size, point in points.items() if point[1] and size >= FIT_FROM}
+    if len(points) < 2:
+        return None
+    lengths, times = np.array(list(points.values()), dtype=np.float64).T
+    # (a L^2 + b L) / t = 1 in the least-squares sense: the relative error
+    (a, b), *_ = np.linalg.lstsq(np.stack([lengths ** 2, lengths], 1) / times[:, None], np.ones_like(times),
+                                 rcond=None)
+    return a, b, points
+
+
+def attention_share(fit, row: Optional[Dict[str, str]]) -> Optional[float]:
+    """(LION's time - DeiT-S's non-attention floor b L) / DeiT-S's attention time a L^2, for a row of the
+    batch-16 resolution run; None where the row or the fit is missing."""
+    time = number(row, "time_s")
+    if fit is None or time is None or fit[0] <= 0 or fit[1] <= 0:
+        return None
+    a, b, _ = fit
+    length = int(row["tokens"])
+    return (time - b * length) / (a * length ** 2)
+
+
 def floor_lines(folder: Path) -> List[str]:
     """The least inference ratio against DeiT-S that any attention can reach: DeiT-S's batch-16 times fitted
     as a L^2 + b L over the sizes measured (its attention grows with the square of the tokens L, the rest of
     its blocks linearly), by least squares of the relative error. A LION model runs the same blocks around
     its attention, so b L / time is its ratio with an attention that takes no time at all."""
-    lines = ["| DeiT-S b16 at | time | its rest (b L) | least ratio | target |", "|---|---|---|---|---|"]
-    rows = [r for r in read(folder / "resolution_b16" / "resolution.csv") if r["model"] == BASELINE]
-    points = {int(r["resolution"]): (int(r["tokens"]), number(r, "time_s")) for r in rows}
-    points = {size: point for size, point in points.items() if point[1] and size >= FIT_FROM}
-    if len(points) < 2:
-        return lines + [f"| {size} px | not measured (needs DeiT-S at two sizes) | - | - | x{limit:g} |"
-                        for size, limit in INFERENCE_TIME.items()]
-    lengths, times = np.array(list(points.values()), dtype=np.float64).T
-    # (a L^2 + b L) / t = 1 in the least-squares sense: the relative error
-    (a, b), *_ = np.linalg.lstsq(np.stack([lengths ** 2, lengths], 1) / times[:, None], np.ones_like(times),
-                                 rcond=None)
-    for size, limit in INFERENCE_TIME.items():
+    lines = ["| DeiT-S b16 at | time | its rest (b L) | least ratio |", "|---|---|---|---|"]
+    fit = deit_fit(folder)
+    if fit is None:
+        return lines + [f"| {size} px | not measured (needs DeiT-S at two sizes) | - | - |" for size in ATTENTION_SHARE]
+    a, b, points = fit
+    for size in ATTENTION_SHARE:
         if size not in points:
             found = "not measured | - | -"
         elif a <= 0 or b <= 0:
@@ -95,9 +145,10 @@ def floor_lines(folder: Path) -> List[str]:
         else:
             tokens_, time = points[size]
             found = f"{time * 1e3:.1f} ms | {b * tokens_ * 1e3:.1f} ms | x{b * tokens_ / time:.3g}"
-        lines.append(f"| {size} px | {found} | x{limit:g} |")
+        lines.append(f"| {size} px | {found} |")
+    lengths, times = np.array(list(points.values()), dtype=np.float64).T
     residual = np.abs((a * lengths ** 2 + b * lengths) / times - 1).max()
-    return lines + [f"| (the fit) | {len(points)} sizes | worst relative residual {residual:.1%} | - | - |"]
+    return lines + [f"| (the fit) | {len(points)} sizes | worst relative residual {residual:.1%} | - |"]
 
 
 def size_of(row: Dict[str, str]) -> int:

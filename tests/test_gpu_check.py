@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "equivalence", "inference", "graphs", "train", "fallback", "normaliser", "forms", "compile",
+PARTS = ["tests", "equivalence", "inference", "graphs", "fused", "fallback", "normaliser", "forms", "compile",
          "compile_natural", "input"]
 
 
@@ -51,8 +51,10 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     commands = [c[2:] if c[0] == "env" else c for c in commands]
 
     tests = [c for c in commands if c[1:3] == ["-m", "pytest"]]
-    assert len(tests) == 1 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
-    assert all((ROOT / arg).is_file() for arg in tests[0] if arg.startswith("tests/"))
+    assert len(tests) == 2 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
+    assert all((ROOT / arg).is_file() for test in tests for arg in test if arg.startswith("tests/"))
+    fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused part's: the fused attention form's tests, natively
+    assert fused_tests == "attention or fused or same_bits" and "tests/test_triton.py" in tests[1]
 
     seen = []
     for command in commands:
@@ -99,7 +101,10 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     five = {"lion_lit_small", "lion_d_small", "lion_s_small", "lion_d_natural_small", "lion_s_natural_small"}
     at_224 = [a for a in train if a.img_size == 224]  # the training targets, eager and both sides compiled
     eager, compiled = [a for a in at_224 if not a.compile], [a for a in at_224 if a.compile]
-    assert len(eager) == 1 and {m for m, _, _ in eager[0].models[1:]} == five
+    default = [a for a in eager if a.attn_backend == "auto"]  # the fused attention form on a GPU
+    assert len(default) == 1 and {m for m, _, _ in default[0].models[1:]} == five
+    assert [a.attn_backend for a in eager if a is not default[0]] == ["torch"]  # the portable form beside it
+    assert any(a.img_size == 448 and a.batch_size == 64 and {m for m, _, _ in a.models[1:]} == five for a in train)
     assert {m for a in compiled for m, _, _ in a.models[1:]} == five  # in parts that fit a call each
     assert all(a.batch_size == 256 for a in at_224)
     assert any(a.img_size == 896 and a.batch_size == 32 and ("lion_d_small", None, None) in a.models for a in train)
@@ -183,27 +188,50 @@ def test_settings_table_picks_from_the_timings(tmp_path):
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
-    """Met, missed, failed (out of memory) and never measured targets, from CSVs as the scripts write them."""
+    """Met, missed, failed (out of memory) and never measured targets, from CSVs as the scripts write them:
+    step time and peak memory against DeiT-S's row of the same run, a model's first row where a run names it
+    twice (as plan() runs it, then by form), and the attention's share of high-resolution inference."""
     def write(name, header, *rows):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("\n".join([header, *rows]) + "\n")
 
-    write("train_compile/train.csv", "model,form,status,x_baseline", "deit_small_patch16_224,,ok,1.0",
-          "lion_d_small,attention,ok,1.1", "lion_s_small,attention,ok,1.5", "lion_s_natural_small,,out of memory,")
+    write("train_compile/train.csv", "model,form,status,x_baseline,peak_mem_mb", "deit_small_patch16_224,,ok,1.0,100",
+          "lion_d_small,attention,ok,1.0,120", "lion_s_small,attention,ok,1.5,105",
+          "lion_s_natural_small,,out of memory,,")
+    write("train_896/train.csv", "model,form,status,x_baseline,peak_mem_mb", "deit_small_patch16_224,,ok,1.0,100",
+          "lion_d_small,chunk,ok,0.8,90", "lion_d_small,attention,ok,1.4,200")
+    write("inference_224_b16/resolution.csv", "model,form,resolution,status,time_s,time_x_baseline",
+          "deit_small_patch16_224,,224,ok,0.01,1.0", "lion_d_small,attention,224,ok,0.0104,1.04")
+    a, b = 2e-10, 4e-6  # DeiT-S's batch-16 times exactly a L^2 + b L
+    deit = [f"deit_small_patch16_224,,{size},{tokens},ok,{a * tokens ** 2 + b * tokens},,"
+            for size, tokens in ((896, 3137), (1248, 6085), (1792, 12545))]
+    # LION-d: its attention a fifth of DeiT-S's at 1248 px, a third at 1792 px
+    write("resolution_b16/resolution.csv", "model,form,resolution,tokens,status,time_s,time_x_baseline,mem_x_baseline",
+          *deit, f"lion_d_small,chunk,1248,6085,ok,{b * 6085 + a * 6085 ** 2 / 5},,0.9",
+          f"lion_d_small,chunk,1792,12545,ok,{b * 12545 + a * 12545 ** 2 / 3},,0.9")
     write("resolution_b1/resolution.csv", "model,form,resolution,status,time_s,time_x_baseline,mem_x_baseline",
           "deit_small_patch16_224,,1248,ok,0.01,,", "lion_d_small,chunk,1248,ok,0.004,0.4,1.2",
           "lion_d_small,rnn,1248,ok,0.02,2.0,1.0")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["target_lines"](tmp_path)
-    row = {cells[1].strip(): cells[2:] for cells in (line.split("|") for line in lines[2:])}
-    assert [c.strip() for c in row["train 224 px b256 compiled, lion_d_small x DeiT-S"][1:3]] == ["1.1", "yes"]
-    assert [c.strip() for c in row["train 224 px b256 compiled, lion_s_small x DeiT-S"][1:3]] == ["1.5", "NO"]
-    for missing in ("train 224 px b256 compiled, lion_s_natural_small x DeiT-S",
-                    "train 896 px b32, lion_d_small x DeiT-S", "1248 px b16, lion_d_small chunk time x DeiT-S"):
-        assert row[missing][1].strip() == "not measured", missing
-    assert [c.strip() for c in row["1248 px b1, lion_d_small chunk time x DeiT-S"][1:3]] == ["0.4", "yes"]
-    assert [c.strip() for c in row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:3]] == ["1.2", "NO"]
-    assert [c.strip() for c in row["1248 px b1, lion_d_small rnn time x chunk"][1:3]] == ["5", "NO"]
-    assert len(lines) == 2 + 5 + 1 + 2 * 2 * 2 * 2 + 2 * 2  # every target has its line
+    row = {cells[1].strip(): [c.strip() for c in cells[2:5]] for cells in (line.split("|") for line in lines[2:])}
+    assert row["train 224 px b256 compiled, lion_d_small x DeiT-S"] == ["<= 1.05", "1", "yes"]
+    assert row["train 224 px b256 compiled, lion_d_small peak memory x DeiT-S"] == ["<= 1.1", "1.2", "NO"]
+    assert row["train 224 px b256 compiled, lion_s_small x DeiT-S"] == ["<= 1.1", "1.5", "NO"]
+    assert row["train 224 px b256 compiled, lion_s_small peak memory x DeiT-S"][1:] == ["1.05", "yes"]
+    assert row["train 896 px b32, lion_d_small x DeiT-S"] == ["<= 0.9", "0.8", "yes"]
+    assert row["inference 224 px b16, lion_d_small attention time x DeiT-S"] == ["<= 1.05", "1.04", "yes"]
+    assert row["1248 px b16, lion_d_small chunk attention share x DeiT-S's attention"] == ["<= 0.25", "0.2", "yes"]
+    assert row["1792 px b16, lion_d_small chunk attention share x DeiT-S's attention"] == ["<= 0.15", "0.333", "NO"]
+    for missing in ("train 224 px b256 compiled, lion_s_natural_small x DeiT-S", "train 224 px b256 eager, "
+                    "lion_d_small x DeiT-S", "inference 224 px b256, lion_d_small attention time x DeiT-S",
+                    "1248 px b16, lion_d_natural_small chunk attention share x DeiT-S's attention"):
+        assert row[missing][1] == "not measured", missing
+    assert row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:] == ["1.2", "NO"]
+    assert row["1248 px b1, lion_d_small rnn time x chunk"][1:] == ["5", "NO"]
+    # every target has its line: training (time and memory, three runs of five; 896 px: two), inference at
+    # 224 px (two batches), then per batch (1, 16), size (1248, 1792) and model (two): the rnn's time, the
+    # chunk form's memory at 1248 px, and at batch 16 the attention's share
+    assert len(lines) == 2 + 3 * 5 * 2 + 2 + 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2
 
 
 def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_path):
@@ -217,7 +245,7 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
     header = "model,form,resolution,tokens,status,time_s"
     csv.write_text("\n".join([header, *rows, "lion_d_small,chunk,1248,6084,ok,1.0"]))
     floor_lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["floor_lines"]
-    row = {cells[1].strip(): [c.strip() for c in cells[2:6]]
+    row = {cells[1].strip(): [c.strip() for c in cells[2:5]]
            for cells in (line.split("|") for line in floor_lines(tmp_path)[2:])}
     for size in (1248, 1792):
         tokens = (size // 16) ** 2
@@ -228,7 +256,7 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs train fallback normaliser forms compile "
+    (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs fused fallback normaliser forms compile "
               "compile_natural input)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
