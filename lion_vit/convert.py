@@ -113,9 +113,9 @@ def to_lion_vit(weights: Mapping[str, Tensor],
             raise ValueError(f"{block}.attn has {sorted(found)}, but order={settings['order']!r} has {list(names)}")
         parts = [found[name] for name in names]
         if selective:  # lam = 1 - sigmoid(W x + b) = sigmoid(-W x - b)
-            state[f"{block}.attn.decay_proj{suffix}"] = -torch.cat(parts)
+            state[f"{block}.attn.decay.proj{suffix}"] = -torch.cat(parts)
         else:
-            state[f"{block}.attn.decay_logit"] = torch.stack(parts)
+            state[f"{block}.attn.decay.logit"] = torch.stack(parts)
     return name, kwargs, state
 
 
@@ -148,11 +148,11 @@ def to_official(model: LionViT) -> Dict[str, Any]:
     state: Dict[str, Tensor] = {}
     heads = model.blocks[0].attn.num_heads
     for key, value in model.state_dict().items():
-        if ".attn.decay_logit" in key or ".attn.decay_proj" in key:
-            selective = ".decay_proj" in key
+        if ".attn.decay.logit" in key or ".attn.decay.proj" in key:
+            selective = ".decay.proj" in key
             scans = value.shape[0] // heads if selective else value.shape[0]
             for scan, name in enumerate(("a_i", "a2_i")[:scans]):
-                target = key.replace("decay_proj" if selective else "decay_logit", name)
+                target = key.replace("decay.proj" if selective else "decay.logit", name)
                 state[target] = -value[scan * heads:(scan + 1) * heads].clone() if selective else value[scan].clone()
         else:
             state[key] = value
@@ -166,11 +166,11 @@ def official_args(model: LionViT) -> Dict[str, Any]:
     """The official settings (mask_type, order, pos_emb, cls_tok) of a model built as from_official builds
     one, or a ValueError naming every setting the official code has no counterpart for."""
     attn = model.blocks[0].attn
-    mask_type = MASK_TYPES.get(attn.decay)
+    mask_type = MASK_TYPES.get(attn.decay_name)
     cls_tok = not model.pool_all_tokens
     problems = []
     if mask_type is None:
-        problems.append(f"its decay kind {attn.decay!r} (official: {sorted(MASK_TYPES)})")
+        problems.append(f"its decay kind {attn.decay_name!r} (official: {sorted(MASK_TYPES)})")
     if model.cls_token is None:
         problems.append("it has no class token (class_token=True)")
     if model.distilled or model.reg_token is not None:

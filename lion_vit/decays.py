@@ -1,26 +1,38 @@
 """Decay kinds: what a LION layer's mask is made of (docs/design.md section 1).
 
-A kind adds its parameters to a LionAttention (named `decay_*`: timm's no_weight_decay leaves them
-out, lion_vit.testing.randomize_decays perturbs them) and turns them, and the layer's input, into
-log decays log(lam) <= 0. The ops take it from there: every form and backend follows a new kind.
+A kind is an `nn.Module` that its layer owns (`LionAttention.decay`), as timm's and FLA's layers own
+their gates: its parameters are its own (`blocks.0.attn.decay.logit`; timm's no_weight_decay leaves every
+decay kind's parameters out, lion_vit.testing.randomize_decays perturbs them), and its forward turns them,
+and the layer's input, into log decays log(lam) <= 0. The ops take it from there: every form and backend
+follows a new kind.
 
     class RetNetDecay(Decay):  # gamma_h = 1 - 2^(-5-h), fixed (the paper's Table 1)
-        def log_decays(self, inputs, num_scans, num_heads, dtype, device):
-            gamma = 1 - 2.0 ** (-5.0 - torch.arange(num_heads, dtype=dtype, device=device))
-            return gamma.log().expand(num_scans, num_heads)[:, None, :, None]
+        def forward(self, x):
+            gamma = 1 - 2.0 ** (-5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
+            return gamma.log().expand(self.num_scans, self.num_heads)[:, None, :, None]
 
-    register_decay("retnet", RetNetDecay())             # then LionViT(decay="retnet") or
+    register_decay("retnet", RetNetDecay)             # then LionViT(decay="retnet") or
     lion_vit.models.register_variant("lion_retnet", decay="retnet")   # lion_retnet_{tiny,small,base}
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Dict, Optional, Type
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "DECAYS", "register_decay", "initial_decays"]
+__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "DECAYS", "register_decay", "initial_decays",
+           "in_mask_precision"]
+
+
+def in_mask_precision(t: Tensor) -> Tensor:
+    """t in float32, or float64 if it is float64: the precision masks are built in (a bfloat16 logit under
+    autocast is widened before its logsigmoid)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+torch.fx.wrap("in_mask_precision")  # (a dtype branch: torch.fx records the call, which runs on real tensors)
 
 
 def initial_decays(num_heads: int) -> Tensor:
@@ -31,28 +43,28 @@ def initial_decays(num_heads: int) -> Tensor:
     return 1.0 - torch.pow(2.0, -torch.linspace(2.0, 7.0, num_heads))
 
 
-class Decay:
-    """A decay kind. LionAttention calls add_parameters once, reset_parameters after timm's weight init,
-    and at every forward inputs() (module calls, which torch.fx traces) then log_decays() (tensor math
-    on them, an fx leaf)."""
+class Decay(nn.Module):
+    """A decay kind for a layer of `dim` channels, `num_heads` heads and `num_scans` scans. Its layer calls
+    reset_parameters after timm's generic weight init, and forward(x) at every call (torch.fx traces it)."""
 
     decayed = True  # False: the all-ones mask of LION-lit, which needs positional embeddings
 
-    def add_parameters(self, attn: nn.Module, dim: int, factory: Dict[str, Any]) -> None:
-        """Create the kind's parameters on attn (names starting with decay_); factory: device, dtype."""
+    def __init__(self, dim: int, num_heads: int, num_scans: int = 1, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.dim, self.num_heads, self.num_scans = dim, num_heads, num_scans
 
     @torch.no_grad()
-    def reset_parameters(self, attn: nn.Module) -> None:
-        """Their initial values."""
+    def reset_parameters(self) -> None:
+        """The parameters' initial values (none by default)."""
 
-    def inputs(self, attn: nn.Module, x: Tensor) -> Optional[Tensor]:
-        """What log_decays reads: parameters, or a projection of x [B, L, dim]."""
-        return None
-
-    def log_decays(self, inputs: Optional[Tensor], num_scans: int, num_heads: int, dtype: torch.dtype,
-                   device: torch.device) -> Optional[Tensor]:
-        """log lam <= 0 in dtype as [S, B|1, H, L|1] (last dim 1: one decay per head), token order."""
+    def forward(self, x: Tensor) -> Optional[Tensor]:
+        """log lam <= 0 as [S, B|1, H, L|1] (last dim 1: one decay per head) in token order, from the layer's
+        input x [B, L, dim]; any float dtype (the layer casts to the masks' dtype). None: no decay."""
         raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, scans={self.num_scans}"
 
 
 class NoDecay(Decay):
@@ -60,48 +72,48 @@ class NoDecay(Decay):
 
     decayed = False
 
-    def log_decays(self, inputs, num_scans, num_heads, dtype, device):
+    def forward(self, x: Tensor) -> None:
         return None
 
 
 class PerHeadDecay(Decay):
     """LION-d: lam = sigmoid(a_h), one learnable decay per scan and head."""
 
-    def add_parameters(self, attn, dim, factory):
-        attn.decay_logit = nn.Parameter(torch.zeros(attn.num_scans, attn.num_heads, **factory))
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.logit = nn.Parameter(torch.zeros(num_scans, num_heads, device=device, dtype=dtype))
 
     @torch.no_grad()
-    def reset_parameters(self, attn):
-        attn.decay_logit.copy_(torch.logit(initial_decays(attn.num_heads)).expand(attn.num_scans, -1))
+    def reset_parameters(self):
+        self.logit.copy_(torch.logit(initial_decays(self.num_heads)).expand(self.num_scans, -1))
 
-    def inputs(self, attn, x):
-        return attn.decay_logit
-
-    def log_decays(self, inputs, num_scans, num_heads, dtype, device):
-        return F.logsigmoid(inputs.to(dtype))[:, None, :, None]
+    def forward(self, x):
+        return F.logsigmoid(in_mask_precision(self.logit))[:, None, :, None]
 
 
 class SelectiveDecay(Decay):
     """LION-s: lam_i = sigmoid(w_h . x_i + b_h), one projection per scan (per token and head)."""
 
-    def add_parameters(self, attn, dim, factory):
-        attn.decay_proj = nn.Linear(dim, attn.num_scans * attn.num_heads, **factory)
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.proj = nn.Linear(dim, num_scans * num_heads, device=device, dtype=dtype)
 
     @torch.no_grad()
-    def reset_parameters(self, attn):
-        nn.init.normal_(attn.decay_proj.weight, std=0.02)
-        attn.decay_proj.bias.copy_(torch.logit(initial_decays(attn.num_heads)).repeat(attn.num_scans))
+    def reset_parameters(self):
+        nn.init.normal_(self.proj.weight, std=0.02)
+        self.proj.bias.copy_(torch.logit(initial_decays(self.num_heads)).repeat(self.num_scans))
 
-    def inputs(self, attn, x):
-        return attn.decay_proj(x)  # [B, L, S * H]
-
-    def log_decays(self, inputs, num_scans, num_heads, dtype, device):
-        return F.logsigmoid(inputs.to(dtype).unflatten(-1, (num_scans, num_heads))).permute(2, 0, 3, 1)
+    def forward(self, x):  # [B, L, S * H] -> [S, B, H, L]
+        logits = in_mask_precision(self.proj(x)).unflatten(-1, (self.num_scans, self.num_heads))
+        return F.logsigmoid(logits).permute(2, 0, 3, 1)
 
 
-DECAYS: Dict[str, Decay] = {"lit": NoDecay(), "fixed": PerHeadDecay(), "selective": SelectiveDecay()}
+DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay}
 
 
-def register_decay(name: str, decay: Decay) -> None:
-    """Make `decay` available as LionAttention / LionViT(decay=name)."""
-    DECAYS[name] = decay
+def register_decay(name: str, kind: Type[Decay]) -> None:
+    """Make the Decay subclass `kind` available as LionAttention / LionViT(decay=name)."""
+    if not (isinstance(kind, type) and issubclass(kind, Decay)):
+        raise TypeError(f"register_decay({name!r}, ...) takes a subclass of lion_vit.decays.Decay (the class, which "
+                        f"each layer builds its own of), got {kind!r}")
+    DECAYS[name] = kind

@@ -2,7 +2,7 @@
 
 One module covers every variant: `decay` names the kind of mask (lion_vit.decays: lit, all ones;
 fixed, one learnable decay per head; selective, an input-dependent decay per token and head; or a
-kind registered there) and `num_scans` picks
+kind registered there), which the layer builds as its submodule `decay`, and `num_scans` picks
 single-scan (raster order) or the two snake scans of the "natural" models. The form
 (attention | rnn | chunk) can be switched at any time without touching the weights.
 """
@@ -26,12 +26,11 @@ def fx_tracing() -> bool:
 
 # torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
 # branches on shapes, dtypes and devices; they run with real tensors when the traced graph runs
-def _log_decays(kind: str, x: Tensor, inputs: Optional[Tensor], num_scans: int, num_heads: int,
-                fixed_prefix: int = 0) -> Optional[Tensor]:
-    """The decay kind's log decays [S, B|1, H, L|1] in float32 (float64 for float64 inputs); the first
-    fixed_prefix tokens' per-token decays are 1."""
-    log_decay = DECAYS[kind].log_decays(inputs, num_scans, num_heads, mask_dtype(x.dtype), x.device)
-    if fixed_prefix and log_decay is not None and log_decay.shape[-1] > 1:
+def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0) -> Tensor:
+    """A decay kind's log decays [S, B|1, H, L|1] in float32 (float64 for float64 inputs) on x's device; the
+    first fixed_prefix tokens' per-token decays are 1."""
+    log_decay = log_decay.to(x.device, mask_dtype(x.dtype))
+    if fixed_prefix and log_decay.shape[-1] > 1:
         log_decay = torch.cat([torch.zeros_like(log_decay[..., :fixed_prefix]), log_decay[..., fixed_prefix:]], -1)
     return log_decay
 
@@ -48,6 +47,13 @@ def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: 
 
 for _leaf in ("_log_decays", "_scan_orders", "lion_attention"):
     torch.fx.wrap(_leaf)
+
+
+def _decay_parameters_in_their_module(state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: a layer's decay parameters as checkpoints before the decay kinds were modules
+    named them (`decay_logit`, `decay_proj.weight`) are the kind's own (`decay.logit`, `decay.proj.weight`)."""
+    for key in [key for key in state_dict if key.startswith(prefix + "decay_")]:
+        state_dict[prefix + "decay." + key[len(prefix + "decay_"):]] = state_dict.pop(key)
 
 
 class LionAttention(nn.Module):
@@ -88,7 +94,7 @@ class LionAttention(nn.Module):
             raise ValueError("attn_drop is not supported: the rnn and chunk forms never form attention weights")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.decay = decay
+        self.decay_name = decay
         self.num_scans = num_scans
         self.feature_map_name = feature_map
         get_feature_map(feature_map)  # (an unknown name is a ValueError here; the op applies the map)
@@ -104,24 +110,20 @@ class LionAttention(nn.Module):
         norm_layer = norm_layer or nn.LayerNorm
         self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.decay_kind.add_parameters(self, dim, dd)
+        self.decay: Decay = DECAYS[decay](dim, num_heads, num_scans, **dd)
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_decay_parameters()
+        self._register_load_state_dict_pre_hook(_decay_parameters_in_their_module)
 
     def reset_decay_parameters(self) -> None:
         """Initialise the decays (called again after timm's generic weight init)."""
-        self.decay_kind.reset_parameters(self)
-
-    @property
-    def decay_kind(self) -> Decay:
-        """The decay kind named by self.decay (lion_vit.decays)."""
-        return DECAYS[self.decay]
+        self.decay.reset_parameters()
 
     @property
     def decayed(self) -> bool:
         """Whether the mask has decays (False for LION-lit's all-ones mask)."""
-        return self.decay_kind.decayed
+        return self.decay.decayed
 
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None, backend: Optional[str] = None) -> None:
         """Switch the form (and chunk size; backend too unless None). Same weights, same function. Unknown
@@ -144,7 +146,7 @@ class LionAttention(nn.Module):
                     training=self.training and torch.is_grad_enabled() and weight.requires_grad)
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, decay={self.decay}, scans={self.num_scans}, "
+        return (f"heads={self.num_heads}, decay={self.decay_name}, scans={self.num_scans}, "
                 f"feature_map={self.feature_map_name}, attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
                 f"attn_backend={self.attn_backend}")
 
@@ -152,8 +154,7 @@ class LionAttention(nn.Module):
         """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
         if not self.decayed:
             return None
-        return _log_decays(self.decay, x, self.decay_kind.inputs(self, x), self.num_scans, self.num_heads,
-                           self.num_prefix_tokens if self.prefix_decay_one else 0)
+        return _log_decays(self.decay(x), x, self.num_prefix_tokens if self.prefix_decay_one else 0)
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
         """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,

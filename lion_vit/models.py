@@ -24,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 from torch import Tensor, nn
 
-from .decays import DECAYS
+from .decays import DECAYS, Decay
 from .layers import LionAttention, fx_tracing
 from .ops import Plan
 
@@ -234,8 +234,9 @@ class LionViT(VisionTransformer):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
-        """timm's set plus every decay parameter (decay logits and selective-decay projections)."""
-        names = {n for n, _ in self.named_parameters() if ".decay_" in n}
+        """timm's set plus every parameter of the layers' decay kinds (lion_vit.decays)."""
+        names = {f"{name}.{param}" for name, module in self.named_modules() if isinstance(module, Decay)
+                 for param, _ in module.named_parameters()}
         return super().no_weight_decay() | names
 
     def pool(self, x: Tensor, pool_type: Optional[str] = None) -> Tensor:

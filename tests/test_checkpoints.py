@@ -164,3 +164,63 @@ def test_resume_auto_reads_checkpoints_that_counted_epochs_from_0(tmp_path):
     ckpt.save_atomic({"model": {}, "epoch": 2, "format": ckpt.FORMAT}, tmp_path / ckpt.LAST)
     state = ckpt.newest_readable(tmp_path)
     assert "format" not in state and ckpt.epochs_done(state) == 3
+
+
+@pytest.mark.parametrize("name", ["lion_d_natural_tiny", "lion_s_tiny"])
+def test_decay_parameters_saved_under_their_old_names_load(name, tmp_path):
+    """Checkpoints from before the decay kinds were modules name a layer's decays `attn.decay_logit` and
+    `attn.decay_proj.*`: they load into `attn.decay.logit` / `attn.decay.proj.*`, through load_state_dict and
+    timm's checkpoint_path."""
+    import timm
+
+    from lion_vit.testing import randomize_decays
+    settings = dict(img_size=32, patch_size=8, depth=2, num_classes=3)
+    source = randomize_decays(timm.create_model(name, **settings))
+    old = {key.replace(".decay.", ".decay_"): value for key, value in source.state_dict().items()}
+    assert any(".attn.decay_" in key for key in old)
+    model = timm.create_model(name, **settings)
+    model.load_state_dict(old)
+    torch.save({"model": old}, tmp_path / "old.pt")
+    from_file = timm.create_model(name, checkpoint_path=str(tmp_path / "old.pt"), **settings)
+    for loaded in (model, from_file):
+        for key, value in source.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_optimizer_state_of_a_format_2_checkpoint_follows_its_parameters():
+    """A format-2 checkpoint's optimizer state lists LION-d's decay logits where they were then, first among
+    their layer's parameters (a parameter of the layer itself, not of a submodule): loaded through
+    ckpt.optimizer_state, every parameter gets its own state back; format 3 loads as saved."""
+    import timm
+    from timm.optim import create_optimizer_v2
+
+    import lion_vit  # noqa: F401
+    from lion_vit.engine import checkpoint as ckpt
+    model = timm.create_model("lion_d_natural_tiny", img_size=32, patch_size=8, depth=2, num_classes=3)
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    model(torch.randn(2, 3, 32, 32)).square().sum().backward()
+    optimizer.step()
+    expected = {id(param): state["exp_avg"].clone() for param, state in optimizer.state.items()}
+
+    # the order of the old layout: the logits as the layer's own parameters (torch lists those before submodules')
+    attentions = list(model.lion_attentions())
+    for attn in attentions:
+        attn.register_parameter("decay_logit", attn.decay._parameters.pop("logit"))
+    old_order = {id(param): index for index, (_, param) in enumerate(model.named_parameters())}
+    for attn in attentions:
+        attn.decay.register_parameter("logit", attn._parameters.pop("decay_logit"))
+    saved = optimizer.state_dict()
+    groups = [sorted(group["params"], key=lambda param: old_order[id(param)]) for group in optimizer.param_groups]
+    index = {id(param): i for i, param in enumerate(p for group in groups for p in group)}
+    old = {"state": {index[id(param)]: {key: value.clone() for key, value in state.items()}
+                     for param, state in optimizer.state.items()},
+           "param_groups": [dict(saved_group, params=[index[id(param)] for param in group])
+                            for saved_group, group in zip(saved["param_groups"], groups)]}
+    assert any(old["state"][i]["exp_avg"].shape != saved["state"][i]["exp_avg"].shape for i in saved["state"])
+
+    for state, fmt in ((old, 2), (saved, ckpt.FORMAT)):
+        fresh = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+        fresh.load_state_dict(ckpt.optimizer_state({"optimizer": state, "format": fmt}, fresh, model))
+        assert {id(param) for param in fresh.state} == set(expected)
+        for param, got in fresh.state.items():
+            assert torch.equal(got["exp_avg"], expected[id(param)]), fmt

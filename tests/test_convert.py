@@ -119,8 +119,8 @@ def test_mapping_both_ways_and_the_decay_sign():
     model = from_official(checkpoint)
     attn = model.blocks[1].attn
     weights = checkpoint["model"]
-    assert torch.equal(attn.decay_proj.weight[:HEADS], -weights["blocks.1.attn.a_i.weight"])  # 1 - sigmoid(z) = sigmoid(-z)
-    assert torch.equal(attn.decay_proj.bias[HEADS:], -weights["blocks.1.attn.a2_i.bias"])
+    assert torch.equal(attn.decay.proj.weight[:HEADS], -weights["blocks.1.attn.a_i.weight"])  # 1 - sigmoid(z) = sigmoid(-z)
+    assert torch.equal(attn.decay.proj.bias[HEADS:], -weights["blocks.1.attn.a2_i.bias"])
     back = to_official(model)
     assert back["args"] == {"mask_type": "Selective", "order": "S", "pos_emb": False, "cls_tok": False}
     back = back["model"]

@@ -93,7 +93,7 @@ def test_init_from_a_softmax_vit_copies_its_weights_and_beats_random_init(teache
     source = torch.load(teacher, weights_only=True)["model"]
     assert len(report.copied) == 52 and all(torch.equal(model.state_dict()[k], source[k]) for k in report.copied)
     assert torch.equal(model.fc_norm.weight, source["norm.weight"])  # the final norm, where the pooling reads it
-    assert report.fresh == [f"blocks.{i}.attn.decay_logit" for i in range(4)]
+    assert report.fresh == [f"blocks.{i}.attn.decay.logit" for i in range(4)]
     assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in report.fresh)  # as a new model's
     assert report.unused == ["cls_token"]
 
@@ -134,7 +134,7 @@ def test_init_from_adapts_positional_embeddings_and_prefix_tokens(tmp_path):
 
     other_classes = small_vit("lion_s_tiny", num_classes=7)
     report = lion_vit.init_from_vit(other_classes, str(path))
-    assert "head.weight" in report.fresh and "blocks.0.attn.decay_proj.weight" in report.fresh
+    assert "head.weight" in report.fresh and "blocks.0.attn.decay.proj.weight" in report.fresh
     assert dict(report.adapted)["head"] == "5 classes in the source, 7 here: fresh"
 
     for wider, needle in ((dict(embed_dim=64), "width 32"), (dict(depth=3), "depth 2")):

@@ -92,9 +92,9 @@ def test_layer_gradients_match_plain_autograd(decay):
     k = k / k.norm(dim=-1, keepdim=True)
     lam = None
     if decay == "fixed":
-        lam = torch.sigmoid(layer.decay_logit)[0][None, :, None]  # [1, H, 1]
+        lam = torch.sigmoid(layer.decay.logit)[0][None, :, None]  # [1, H, 1]
     elif decay == "selective":
-        lam = torch.sigmoid(layer.decay_proj(x)).transpose(1, 2)  # [B, H, L]
+        lam = torch.sigmoid(layer.decay.proj(x)).transpose(1, 2)  # [B, H, L]
     expected = layer.proj(naive_lion(q, k, v, lam).transpose(1, 2).flatten(2))
     ref_grads = torch.autograd.grad((expected * upstream).sum(), [x, *layer.parameters()])
     assert rel_err(out, expected) < 1e-12
@@ -145,11 +145,11 @@ def test_selective_gate_trains():
     """The official code detached its selective gate; ours must move with the optimizer."""
     model = timm.create_model("lion_s_tiny", num_classes=2)
     attn = next(m for m in model.modules() if isinstance(m, LionAttention))
-    before = attn.decay_proj.weight.detach().clone()
+    before = attn.decay.proj.weight.detach().clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    assert not torch.equal(before, attn.decay_proj.weight)
+    assert not torch.equal(before, attn.decay.proj.weight)
 
 
 @pytest.mark.parametrize("size", [(225, 224), (224, 100), (17, 16)])
@@ -230,7 +230,7 @@ def test_timm_api():
     assert model(x).shape == (2, 3)
     assert "pos_embed" in model.no_weight_decay()
     decay_model = timm.create_model("lion_d_tiny")
-    assert all(f"blocks.{i}.attn.decay_logit" in decay_model.no_weight_decay() for i in range(12))
+    assert all(f"blocks.{i}.attn.decay.logit" in decay_model.no_weight_decay() for i in range(12))
     assert model.group_matcher()["blocks"]
     model.set_grad_checkpointing(True)
     model.train()

@@ -2,6 +2,7 @@
 paper's Table 1 row) with one registration, and every form agrees with the float64 reference."""
 from __future__ import annotations
 
+import pytest
 import timm
 import torch
 
@@ -15,18 +16,24 @@ from naive import rel_err
 class RetNetDecay(Decay):
     """gamma_h = 1 - 2^(-5-h), fixed: no parameters."""
 
-    def log_decays(self, inputs, num_scans, num_heads, dtype, device):
-        gamma = 1 - 2.0 ** (-5.0 - torch.arange(num_heads, dtype=dtype, device=device))
-        return gamma.log().expand(num_scans, num_heads)[:, None, :, None]
+    def forward(self, x):
+        gamma = 1 - 2.0 ** (-5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
+        return gamma.log().expand(self.num_scans, self.num_heads)[:, None, :, None]
+
+
+def test_a_kind_is_registered_as_its_class():
+    with pytest.raises(TypeError, match="takes a subclass of lion_vit.decays.Decay"):
+        register_decay("retnet", RetNetDecay(8, 2))
 
 
 def test_lion_retnet_defined_outside_the_package(monkeypatch):
-    register_decay("retnet", RetNetDecay())
+    register_decay("retnet", RetNetDecay)
     names = register_variant("lion_retnet", decay="retnet")
     try:
         assert "lion_retnet_small" in names and "lion_retnet_small" in timm.list_models("lion_retnet_*")
         model = timm.create_model("lion_retnet_tiny", num_classes=4, img_size=32, patch_size=8, depth=2).double().eval()
-        assert not any(".decay_" in name for name, _ in model.named_parameters())  # nothing learnable
+        assert not any(".decay." in name for name, _ in model.named_parameters())  # nothing learnable
+        assert isinstance(next(model.lion_attentions()).decay, RetNetDecay)  # each layer owns its own
         assert model.pos_embed is None  # decayed: the mask carries position
         attn = next(model.lion_attentions())
         log_decay = attn.log_decay(torch.zeros(1, 17, model.embed_dim, dtype=torch.float64))
@@ -39,6 +46,7 @@ def test_lion_retnet_defined_outside_the_package(monkeypatch):
         with torch.no_grad():
             for form, chunk in [("attention", None), ("rnn", None), ("chunk", 3)]:
                 assert rel_err(model.set_attn_form(form, chunk)(x), expected) < 1e-10, form
+                assert rel_err(torch.fx.symbolic_trace(model)(x), expected) < 1e-10, form  # traced through the kind
     finally:  # out of timm's registry again, for the tests that list every LION model
         from timm.models import _registry
         DECAYS.pop("retnet")

@@ -18,12 +18,44 @@ log = logging.getLogger(__name__)
 LAST, PREVIOUS, BEST = "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt"
 # A training checkpoint's `epoch` is the number of epochs it has finished, as the console and metrics.jsonl
 # count them (format 2); checkpoints without `format` held the finished epoch's 0-based index, as DeiT's do.
-FORMAT = 2
+# Format 3: the layers' decay parameters are their decay kind's (`attn.decay.logit`; load_state_dict reads
+# the old names), which moved LION-d's logits in the optimizer's order of parameters (optimizer_state).
+FORMAT = 3
 
 
 def epochs_done(state: Dict[str, Any]) -> int:
-    """How many epochs a training checkpoint has finished (either format)."""
+    """How many epochs a training checkpoint has finished (any format)."""
     return state["epoch"] + (0 if state.get("format", 1) >= 2 else 1)
+
+
+def optimizer_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Dict[str, Any]:
+    """The checkpoint's optimizer state in the order of this optimizer's parameters. Before format 3 a layer's
+    per-head decay logits (`attn.decay_logit`) were its own parameters, first among the layer's; now they are
+    `attn.decay.logit`, after its projections and norms: in each parameter group they move back to where the
+    checkpoint has their state."""
+    saved = state["optimizer"]
+    groups = [len(group["params"]) for group in optimizer.param_groups]
+    if state.get("format", 1) >= 3 or groups != [len(group["params"]) for group in saved["param_groups"]]:
+        return saved  # (another optimizer's state: load_state_dict says how it differs)
+    names = {id(param): name for name, param in model.named_parameters()}
+    position = {name: index for index, name in enumerate(names.values())}
+
+    def old_position(param: torch.Tensor) -> float:  # a logit right before its layer's first parameter
+        name = names.get(id(param), "")
+        if not name.endswith(".attn.decay.logit"):
+            return position.get(name, -1)
+        layer = name[:-len("decay.logit")]
+        return min(index for other, index in position.items() if other.startswith(layer)) - 0.5
+
+    index = {id(param): i for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    remapped = {"state": {}, "param_groups": []}
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        old_order = sorted(group["params"], key=old_position)  # the checkpoint's order of this group's params
+        for param, saved_index in zip(old_order, saved_group["params"]):
+            if saved_index in saved["state"]:
+                remapped["state"][index[id(param)]] = saved["state"][saved_index]
+        remapped["param_groups"].append(dict(saved_group, params=[index[id(param)] for param in group["params"]]))
+    return remapped
 
 
 def save_atomic(state: Dict[str, Any], path: Path, keep_previous: Optional[Path] = None) -> None:

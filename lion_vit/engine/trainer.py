@@ -217,7 +217,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     check_resumable(cfg, state)
     load_weights(model, state["model"])
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(ckpt.optimizer_state(state, optimizer, model))
     except (ValueError, KeyError) as error:  # other parameter groups: another weight_decay, say
         raise UserError(f"the checkpoint's optimizer state does not fit this run's optimizer "
                         f"({first_line(error)}); {RESUME_SAME_OPTIMIZER}") from None
