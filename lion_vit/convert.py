@@ -182,6 +182,8 @@ def official_args(model: LionViT) -> Dict[str, Any]:
     feature_map = "elu" if mask_type == "Lit" else "silu_norm"
     if attn.feature_map_name != feature_map:
         problems.append(f"its feature map {attn.feature_map_name!r} (feature_map={feature_map!r})")
+    if attn.scaling != "sum":
+        problems.append(f"its scaling {attn.scaling!r} (scaling='sum')")
     if attn.prefix_decay_one != (mask_type == "Selective"):
         problems.append(f"prefix_decay_one={attn.prefix_decay_one} (prefix_decay_one={mask_type == 'Selective'})")
     if model.patch_embed.patch_size != (16, 16) or model.embed_dim not in SIZES:

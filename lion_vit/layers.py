@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from .decays import DECAYS, Decay
-from .ops import Plan, check_backend, check_form, get_feature_map, lion_attention, mask_dtype, plan, snake_orders
+from .ops import (POSITIVE_FEATURE_MAPS, Plan, check_backend, check_form, check_scaling, get_feature_map,
+                  lion_attention, mask_dtype, plan, snake_orders)
 
 
 def fx_tracing() -> bool:
@@ -72,6 +73,7 @@ class LionAttention(nn.Module):
             decay: str = "lit",
             num_scans: int = 1,
             feature_map: str = "silu_norm",
+            scaling: str = "sum",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
@@ -98,6 +100,12 @@ class LionAttention(nn.Module):
         self.num_scans = num_scans
         self.feature_map_name = feature_map
         get_feature_map(feature_map)  # (an unknown name is a ValueError here; the op applies the map)
+        check_scaling(scaling)
+        if scaling == "sum" and feature_map not in POSITIVE_FEATURE_MAPS:
+            raise ValueError(f"scaling='sum' divides by sum_j q_i . k_j, which needs positive features: feature_map="
+                             f"{feature_map!r} is not one of {sorted(POSITIVE_FEATURE_MAPS)}; pick one, or "
+                             "scaling='none' or 'max'")
+        self.scaling = scaling
         self.set_attn_form(attn_form, chunk_size, attn_backend)
         self.prefix_decay_one = prefix_decay_one  # selective decays of prefix (class) tokens fixed to 1
         # Set by the backbone before each forward: patch grid and leading class/register tokens.
@@ -147,7 +155,7 @@ class LionAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay_name}, scans={self.num_scans}, "
-                f"feature_map={self.feature_map_name}, attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
+                f"feature_map={self.feature_map_name}, scaling={self.scaling}, attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
                 f"attn_backend={self.attn_backend}")
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
@@ -176,6 +184,6 @@ class LionAttention(nn.Module):
         log_decays = self.log_decay(x)
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,
-                           backend=self.attn_backend, feature_map=self.feature_map_name)
+                           backend=self.attn_backend, feature_map=self.feature_map_name, scaling=self.scaling)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.proj_drop(self.proj(y))

@@ -92,6 +92,7 @@ class LionViT(VisionTransformer):
             decay: str = "lit",
             num_scans: int = 1,
             feature_map: str = "silu_norm",
+            scaling: str = "sum",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
@@ -124,7 +125,7 @@ class LionViT(VisionTransformer):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
-                                        attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
+                                        scaling=scaling, attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
                                         prefix_decay_one=prefix_decay_one)
         super().__init__(
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,

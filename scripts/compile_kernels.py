@@ -4,7 +4,7 @@ The tests run the kernels under Triton's interpreter, which executes their Pytho
 programs that the GPU compiler rejects (a loop variable whose type changes, more shared memory than a GPU
 has) and cannot run bfloat16. This script runs the triton backend's attention, chunk and rnn forms under
 the interpreter on small inputs (float32 and float16, every decay kind, one and two scans, every fused
-feature map, training and inference), records every launch of lion_vit's own kernels (not FLA's), and
+feature map and scaling, training and inference), records every launch of lion_vit's own kernels (not FLA's), and
 compiles each distinct launch to a cubin for each target with Triton's compiler and ptxas, as a GPU's
 first call would: float16 launches also in bfloat16, the dtype GPUs train in.
 
@@ -40,7 +40,7 @@ def calls(quick: bool):
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
 
-    def call(dtype, decay, scans, form, feature_map, training, length=20, width=64):
+    def call(dtype, decay, scans, form, feature_map, training, scaling="sum", length=20, width=64):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, 2, length, width, generator=g).to(dtype).requires_grad_(training) for _ in "qkv")
         logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
@@ -51,10 +51,11 @@ def calls(quick: bool):
         with torch.set_grad_enabled(training):
             if scans == 1:
                 y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
-                                   feature_map=feature_map)
+                                   feature_map=feature_map, scaling=scaling)
             else:  # two snakes over a 4 x 5 grid
                 decays = None if log_decay is None else torch.stack([log_decay, log_decay / 2])
-                y = lion_attention(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map)
+                y = lion_attention(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map,
+                                   scaling=scaling)
             if training:
                 y.float().sum().backward()
 
@@ -62,9 +63,13 @@ def calls(quick: bool):
              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
              for form in ("attention", "chunk", "rnn") for feature_map in ("silu", "silu_norm", "elu", None)
              for training in (True, False)]
+    cases += [(decay, scans, form, "identity", training, scaling)  # the other scalings (ops/scalings.py)
+              for decay, scans in [("fixed", 1), ("selective", 2)] for form in ("attention", "chunk", "rnn")
+              for training in (True, False) for scaling in ("none", "max")]
     if quick:  # every kernel and every value of its flags at least once
         cases = [("lit", 1, "rnn", "silu_norm", True), ("selective", 2, "chunk", "elu", True),
-                 ("fixed", 1, "chunk", None, False), ("selective", 2, "attention", "silu_norm", False)]
+                 ("fixed", 1, "chunk", None, False), ("selective", 2, "attention", "silu_norm", False),
+                 ("fixed", 1, "chunk", "identity", True, "none"), ("selective", 2, "rnn", "identity", True, "max")]
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)

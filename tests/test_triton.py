@@ -16,7 +16,7 @@ import torch
 
 import interpret
 from lion_vit.ops import lion_attention, plan, snake_orders
-from lion_vit.ops.reference import lion_reference, lion_reference_multiscan
+from lion_vit.ops.reference import lion_attention_reference, lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import AtenCalls, rel_err
 from test_ops import float16_overflowing_inputs, make_inputs
@@ -149,6 +149,29 @@ def test_fused_attention_form_at_vit_lengths(scans, length):
         return lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton")
 
     _check(triton, reference, [q, k, v, log_decays])
+
+
+@pytest.mark.parametrize("form", ["attention", "chunk", "rnn"])
+@pytest.mark.parametrize("scaling", ["none", "max"])
+def test_triton_scalings_match_the_reference(form, scaling, chunks_always):
+    """The finishing step's other scalings (none; max(|n|, 1)) on features of both signs, mapped by the fused
+    step's identity map, two scans, 70 tokens (two tiles of the chunk kernels): outputs and gradients of q, k,
+    v and the decays against the float64 reference."""
+    length = 70
+    orders = snake_orders(3, 23, num_prefix_tokens=1)
+    g = torch.Generator().manual_seed(42)
+    q = (torch.rand(1, 2, length, 16, generator=g) - 0.5) * torch.linspace(0.05, 6, length)[:, None]
+    k = torch.rand(1, 2, length, 16, generator=g) - 0.4
+    v = torch.randn(1, 2, length, 16, generator=g)
+    log_decays = torch.log(torch.rand(2, 1, 2, length, generator=g) * 0.5 + 0.45)
+    rows = (q.double() @ k.double().transpose(-1, -2)).sum(-1).abs()
+    assert (rows < 1).any() and (rows > 1).any()
+
+    def triton(q, k, v, log_decays):
+        return lion_attention(q, k, v, log_decays, orders.to(DEVICE), form=form, backend="triton",
+                              feature_map="identity", scaling=scaling)
+
+    _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
 @pytest.mark.parametrize("form", ["attention", "chunk"])

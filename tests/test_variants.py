@@ -54,3 +54,18 @@ def test_lion_retnet_defined_outside_the_package(monkeypatch):
             _registry._clear_model_entries(name)
             _registry._model_entrypoints.pop(name)
         assert not timm.list_models("lion_retnet_*")
+
+
+def test_scaling_is_a_model_setting_that_every_form_follows():
+    """LionViT(scaling=...) with the identity feature map runs each form alike; "sum" with features that may
+    sum to zero is one line."""
+    model = timm.create_model("lion_d_natural_tiny", num_classes=4, img_size=32, patch_size=8, depth=2,
+                              scaling="max", feature_map="identity").double().eval()
+    assert "scaling=max" in repr(next(model.lion_attentions()))
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.set_attn_form("attention")(x)
+        for form, chunk in [("rnn", None), ("chunk", 3)]:
+            assert rel_err(model.set_attn_form(form, chunk)(x), expected) < 1e-10, form
+    with pytest.raises(ValueError, match="scaling='sum' divides by sum_j q_i . k_j, which needs positive features"):
+        timm.create_model("lion_d_tiny", feature_map="identity")

@@ -6,13 +6,15 @@ the GPU kernels.
 """
 from .chunk import whole_product_is_cheaper
 from .dispatch import BACKENDS, FORM_CHOICES, FORM_NAMES, TORCH_FORMS, Plan, check_backend, check_form, plan
-from .features import FEATURE_MAPS, get_feature_map
+from .features import FEATURE_MAPS, POSITIVE_FEATURE_MAPS, get_feature_map
 from .lion import lion_attention
 from .masks import decay_mask, mask_dtype
+from .scalings import SCALINGS, check_scaling
 from .scans import column_snake, row_snake, snake_orders
 
 __all__ = [
     "lion_attention", "plan", "Plan", "check_form", "check_backend",
-    "FORM_NAMES", "FORM_CHOICES", "BACKENDS", "TORCH_FORMS", "FEATURE_MAPS", "get_feature_map",
+    "FORM_NAMES", "FORM_CHOICES", "BACKENDS", "TORCH_FORMS", "FEATURE_MAPS", "POSITIVE_FEATURE_MAPS",
+    "get_feature_map", "SCALINGS", "check_scaling",
     "decay_mask", "mask_dtype", "row_snake", "column_snake", "snake_orders", "whole_product_is_cheaper",
 ]

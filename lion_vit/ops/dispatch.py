@@ -37,6 +37,7 @@ from .attention import attention_form
 from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
 from .features import mapped, query_scale
 from .recurrent import recurrent_form
+from .scalings import scaled
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
@@ -193,7 +194,7 @@ TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chun
 
 
 def implementation(run: Plan) -> Callable[..., Tensor]:
-    """The function that computes a plan, (q, k, v, log_decays, orders, feature_map=) -> Y: the triton
+    """The function that computes a plan, (q, k, v, log_decays, orders, feature_map=, scaling=) -> Y: the triton
     backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
     plan's chunk_size."""
     if run.backend == "triton":
@@ -207,15 +208,16 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
 
 
 def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-             chunk_size: Optional[int] = None, feature_map: Optional[str] = None) -> Tensor:
+             chunk_size: Optional[int] = None, feature_map: Optional[str] = None, scaling: str = "sum") -> Tensor:
     """Y of a form that returns numerator and normaliser: q, k mapped first (feature_map: a FEATURE_MAPS
-    name, or None for features) and q scaled by query_scale (float16 under autocast stays finite), the
-    division in the dtype the form returns, then cast to v's."""
+    name, or None for features) and, for scaling "sum", q scaled by query_scale (float16 under autocast
+    stays finite), then the scaling (scalings.py) in the dtype the form returns, cast to v's."""
     q, k = mapped(q, k, feature_map)
-    q = q * query_scale(q.shape[-2])  # rebound: the unscaled features are not kept while the form runs
+    if scaling == "sum":
+        q = q * query_scale(q.shape[-2])  # rebound: the unscaled features are not kept while the form runs
     # head-major v, as the forms' matmuls read best (a layer hands over a view of its projection)
     numerator, normaliser = form(q, k, v.contiguous(), log_decays, orders, chunk_size=chunk_size)
-    return (numerator / normaliser).to(v.dtype)
+    return scaled(numerator, normaliser, scaling).to(v.dtype)
 
 
 def records_autograd(*tensors: Optional[Tensor]) -> bool:

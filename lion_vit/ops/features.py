@@ -1,5 +1,5 @@
-"""Strictly positive feature maps phi for queries and keys (positive features keep every
-normaliser q_i^T sum_j M_ij k_j > 0)."""
+"""Feature maps phi for queries and keys: strictly positive ones (which keep every normaliser
+q_i^T sum_j M_ij k_j > 0, as scaling "sum" needs), and the identity for the other scalings."""
 from __future__ import annotations
 
 import math
@@ -27,6 +27,11 @@ def normalized_shifted_silu(x: Tensor) -> Tensor:
     return y / torch.linalg.vector_norm(y, dim=-1, keepdim=True)
 
 
+def identity(x: Tensor) -> Tensor:
+    """x: the queries and keys as projected (RetNet, Mamba-2, xLSTM in the paper's Table 1)."""
+    return x
+
+
 FeatureMap = Callable[[Tensor], Tensor]
 
 # name -> (map for queries, map for keys). Scale() divides each row by its sum, so a positive
@@ -36,7 +41,9 @@ FEATURE_MAPS: Dict[str, Tuple[FeatureMap, FeatureMap]] = {
     "silu_norm": (shifted_silu, normalized_shifted_silu),
     "silu": (shifted_silu, shifted_silu),
     "elu": (elu_plus_one, elu_plus_one),
+    "identity": (identity, identity),  # q, k as projected: for the scalings other than "sum"
 }
+POSITIVE_FEATURE_MAPS = frozenset({"silu_norm", "silu", "elu"})  # q . k > 0: what scaling "sum" divides by
 
 
 def get_feature_map(name: str) -> Tuple[FeatureMap, FeatureMap]:

@@ -13,11 +13,13 @@ from typing import Optional
 from torch import Tensor
 
 from . import dispatch
+from .masks import mask_dtype
+from .scalings import check_scaling
 
 
 def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor] = None,
                    orders: Optional[Tensor] = None, *, form: str = "attention", chunk_size: Optional[int] = None,
-                   backend: str = "auto", feature_map: Optional[str] = None,
+                   backend: str = "auto", feature_map: Optional[str] = None, scaling: str = "sum",
                    plan: Optional[dispatch.Plan] = None) -> Tensor:
     """Bidirectional LION attention of S scans,  Y = sum_s (A * M_s) V / sum_s rowsum(A * M_s),  A = Q K^T.
 
@@ -29,17 +31,21 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
     this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
     backend: "auto" | "torch" | "triton"; feature_map: None (q, k are features) or a FEATURE_MAPS name
-    (q, k are raw and mapped by it). plan: a dispatch.Plan to run instead of the one these inputs and
+    (q, k are raw and mapped by it); scaling: "sum" (the division above), "none" (no division) or "max"
+    (by max(|rowsum|, 1), xLSTM's), scalings.py. plan: a dispatch.Plan to run instead of the one these inputs and
     settings give (form, chunk_size and backend are then not read): for scripts that force a route.
     Returns [B, H, L, Dv].
     """
     dispatch.check_inputs(q, k, v, log_decays, orders)
+    check_scaling(scaling)
+    if log_decays is None and orders is not None and scaling != "sum":  # S all-ones masks add up
+        log_decays = q.new_zeros(len(orders), 1, 1, 1, dtype=mask_dtype(q.dtype))
     if log_decays is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         orders = None
     else:  # [S, B|1, H|1, L|1]
         log_decays = log_decays.reshape(log_decays.shape[:1] + (1,) * (4 - log_decays.dim()) + log_decays.shape[1:])
     run = plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend)
-    return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map)
+    return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map, scaling=scaling)
 
 
 def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor], form: str,

@@ -1,6 +1,6 @@
 """The paper's formula, plainly: the oracle every fast path is tested against (docs/design.md section 1).
 
-    Y = Scale(Q K^T * M) V,   Scale(A)_ij = A_ij / sum_p A_ip,
+    Y = Scale(Q K^T * M) V,   Scale(A)_ij = A_ij / sum_p A_ip  (scaling "sum"; "none": A, "max": A_ij / max(|sum_p A_ip|, 1)),
     M_ij = exp(sum of a_k over the path from key j (inclusive) to query i (exclusive))
 
 built as a whole L x L matrix in float64 (any input dtype; the result is float64), with the
@@ -35,16 +35,23 @@ def reference_mask(log_decay: Tensor, length: int) -> Tensor:
     return torch.exp(exponent)
 
 
-def lion_reference(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None) -> Tensor:
+def lion_reference(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, scaling: str = "sum") -> Tensor:
     """Y [B, H, L, Dv] in float64; q, k [B, H, L, Dk], v [B, H, L, Dv], log_decay None (all-ones mask)
-    or broadcastable to [B, H, L]."""
+    or broadcastable to [B, H, L]; scaling: "sum", "none" or "max" (above)."""
     scores = q.double() @ k.double().transpose(-1, -2)
     if log_decay is not None:
         scores = scores * reference_mask(log_decay, q.shape[-2])
-    return scores / scores.sum(-1, keepdim=True) @ v.double()
+    return _scale(scores, scaling) @ v.double()
 
 
-def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Tensor) -> Tensor:
+def _scale(scores: Tensor, scaling: str) -> Tensor:
+    rows = scores.sum(-1, keepdim=True)
+    return {"sum": lambda: scores / rows, "none": lambda: scores,
+            "max": lambda: scores / rows.abs().clamp_min(1.0)}[scaling]()
+
+
+def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Tensor,
+                             scaling: str = "sum") -> Tensor:
     """Multi-scan Y in float64: log_decays[s] broadcastable to [B, H, L] in token order, orders [S, L]
     (scan position -> token). Each scan's mask is built along its order and read back in token order."""
     scores = q.double() @ k.double().transpose(-1, -2)
@@ -54,16 +61,18 @@ def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor
         position = torch.argsort(order)  # token -> scan position
         mask = reference_mask(log_decay, q.shape[-2])[..., position[:, None], position[None, :]]
         total = total + scores * mask
-    return total / total.sum(-1, keepdim=True) @ v.double()
+    return _scale(total, scaling) @ v.double()
 
 
 def lion_attention_reference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor] = None,
                              orders: Optional[Tensor] = None, *, feature_map: Optional[str] = None,
-                             **settings: Any) -> Tensor:
+                             scaling: str = "sum", **settings: Any) -> Tensor:
     """The oracle with ops.lion_attention's call signature, to stand in for it (every layer of a model
     through the formula): log_decays [S, ...], orders [S, L] or None; form, backend and the other settings
     are ignored. Float64 result."""
     q, k = mapped(q, k, feature_map)
-    if orders is None or log_decays is None:
-        return lion_reference(q, k, v, None if log_decays is None else log_decays[0])
-    return lion_reference_multiscan(q, k, v, log_decays, orders)
+    if orders is not None and log_decays is None:
+        log_decays = torch.zeros(len(orders), 1, 1, 1, dtype=torch.float64)
+    if orders is None:
+        return lion_reference(q, k, v, None if log_decays is None else log_decays[0], scaling)
+    return lion_reference_multiscan(q, k, v, log_decays, orders, scaling)

@@ -259,31 +259,32 @@ RECURRENT_GROUP_PROGRAMS: Optional[int] = None
 
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False,
-               backward_by_forward: bool = False) -> Tensor:
+               backward_by_forward: bool = False, scaling: str = "sum") -> Tensor:
     """Y [B, H, L, Dv] by FLA's chunked kernels (`chunk_simple_gla`), every scan and direction in one call.
     chunk_size is the torch backend's; the kernels use their own tile of 64 tokens. q, k, v: [B, H, L, D]
     (any strides; token-major reads best); log_decays: None or [S, B|1, H|1, L|1] in token order; orders:
     [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features);
     grouped: one call per group of images (GROUP_SHARE), for inference: no autograd; backward_by_forward:
-    the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails."""
+    the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails; scaling: a
+    scalings.SCALINGS name, which the finishing step applies."""
     kernel = _chunk_with_forward_backward if backward_by_forward else _chunk
-    return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, "chunk")
+    return _run(kernel, q, k, v, log_decays, orders, feature_map, grouped, "chunk", scaling)
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                    chunk_size: Optional[int] = None, feature_map: Optional[str] = None,
-                   grouped: bool = False) -> Tensor:
+                   grouped: bool = False, scaling: str = "sum") -> Tensor:
     """Y by FLA's fused recurrent kernel: every scan and direction in one launch, O(L d) memory. Arguments
     as chunk_form's."""
-    return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, "rnn")
+    return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, "rnn", scaling)
 
 
 def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                    chunk_size: Optional[int] = None, feature_map: Optional[str] = None,
-                   grouped: bool = False) -> Tensor:
+                   grouped: bool = False, scaling: str = "sum") -> Tensor:
     """Y by FLA's tiled quadratic kernel (`parallel_simple_gla`): the attention form fused, every scan and
     direction in one launch, nothing L x L in memory. Arguments as chunk_form's."""
-    return _run(_parallel, q, k, v, log_decays, orders, feature_map, grouped, "attention")
+    return _run(_parallel, q, k, v, log_decays, orders, feature_map, grouped, "attention", scaling)
 
 
 # what inference traced by a compiler runs (_INFERENCE_OP), by form
@@ -291,7 +292,7 @@ _KERNELS = {"chunk": _chunk, "rnn": _recurrent, "attention": _parallel}
 
 
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-         orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, form: str) -> Tensor:
+         orders: Optional[Tensor], feature_map: Optional[str], grouped: bool, form: str, scaling: str) -> Tensor:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]). A compiler traces inference (grouped) as one op of its
     graph (_INFERENCE_OP), so that CUDA graphs can capture it, and breaks its graph around a call that
     autograd records: the kernels' own autograd Functions run eagerly."""
@@ -300,14 +301,14 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
         if records_autograd(q, k, v, log_decays):
             raise RuntimeError("grouped calls of the triton kernels are for inference: autograd cannot record them")
         if _INFERENCE_OP is not None and torch.compiler.is_compiling():
-            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, form).transpose(1, 2)
-    return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, form).transpose(1, 2)
+            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, form, scaling).transpose(1, 2)
+    return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, form, scaling).transpose(1, 2)
 
 
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
 def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
              log_decays: Optional[Tensor], orders: Optional[Tensor], feature_map: Optional[str], grouped: bool,
-             form: str) -> Tensor:
+             form: str, scaling: str) -> Tensor:
     """Y [B, L, H, Dv] of _run."""
     from .operands import FUSED_MAPS
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -318,14 +319,14 @@ def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
     batch, heads, length, value_dim = v.shape
     indices = _scan_indices(orders, length, q.device)
     if not grouped:
-        return _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype))
+        return _FirstOrderOnly.apply(_on_kernels(kernel, q, k, v, log_decays, indices, feature_map, dtype, scaling))
     y = v.new_empty(batch, length, heads, value_dim)
     groups = -(-batch // _images_per_group(batch, heads, q.shape[-1], value_dim, len(indices.layout.kv) // length,
                                            dtype, form, q.device))
     for group in range(groups):  # (sizes within one image of each other)
         part = slice(batch * group // groups, batch * (group + 1) // groups)
         decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
-        _on_kernels(kernel, q[part], k[part], v[part], decays, indices, feature_map, dtype, into=y[part])
+        _on_kernels(kernel, q[part], k[part], v[part], decays, indices, feature_map, dtype, scaling, into=y[part])
     return y
 
 
@@ -336,11 +337,11 @@ def _inference_op():
         return None
 
     def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-                  feature_map: Optional[str], form: str) -> Tensor:
-        return _eagerly(_KERNELS[form], q, k, v, log_decays, orders, feature_map, True, form)
+                  feature_map: Optional[str], form: str, scaling: str) -> Tensor:
+        return _eagerly(_KERNELS[form], q, k, v, log_decays, orders, feature_map, True, form, scaling)
 
     def shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-              feature_map: Optional[str], form: str) -> Tensor:
+              feature_map: Optional[str], form: str, scaling: str) -> Tensor:
         batch, heads, length, value_dim = v.shape
         return v.new_empty(batch, length, heads, value_dim)
 
@@ -385,19 +386,21 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _on_kernels(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
                 log_decays: Optional[Tensor], indices: _Indices, feature_map: Optional[str], dtype: torch.dtype,
-                into: Optional[Tensor] = None) -> Tensor:
+                scaling: str, into: Optional[Tensor] = None) -> Tensor:
     """Y [B, L, H, Dv] of one call of the kernels on every scan and direction (or, without autograd, written
-    into `into`, a slice of a batch's Y)."""
+    into `into`, a slice of a batch's Y). q's power-of-two scale (query_scale) is for scaling "sum", whose
+    division cancels it; "none" needs no normaliser."""
     from .normaliser import Normaliser
     from .operands import Finish, Operands, finish
     batch, heads, length, value_dim = v.shape
     gates, folds = _gates_and_folds(log_decays, indices, batch, heads)
     q2, k2, v2 = Operands.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), folds, indices.layout,
                                 feature_map, dtype)
-    scale = query_scale(length)
+    scale = query_scale(length) if scaling == "sum" else 1.0
     out, _ = kernel(q2, k2, v2, g=gates, scale=scale)
-    normalisers = Normaliser.apply(q2, k2, gates, scale)
+    normalisers = out.new_zeros(out.shape[:3], dtype=torch.float32) if scaling == "none" else \
+        Normaliser.apply(q2, k2, gates, scale)
     if into is None:
-        return Finish.apply(out, normalisers, indices.layout, batch, value_dim, v.dtype)
-    finish(out, normalisers, indices.layout, into)
+        return Finish.apply(out, normalisers, indices.layout, batch, value_dim, v.dtype, scaling)
+    finish(out, normalisers, indices.layout, into, scaling)
     return into

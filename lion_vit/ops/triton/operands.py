@@ -30,6 +30,7 @@ FUSED_MAPS = {  # FEATURE_MAPS' names -> (query, key)
     "silu": ((SHIFTED_SILU, False), (SHIFTED_SILU, False)),
     "silu_norm": ((SHIFTED_SILU, False), (SHIFTED_SILU, True)),
     "elu": ((ELU_PLUS_ONE, False), (ELU_PLUS_ONE, False)),
+    "identity": ((IDENTITY, False), (IDENTITY, False)),
 }
 
 
@@ -103,8 +104,18 @@ def _row(positions, b, j, t, rows, L, H, SEQS):
 
 
 @triton.jit
+def _divisor(normaliser, SCALING: tl.constexpr):
+    """What Y's rows are divided by (scalings.py): the normaliser (0, "sum"), 1 (1, "none"), or max(|n|, 1) (2)."""
+    if SCALING == 0:
+        return normaliser
+    if SCALING == 1:
+        return tl.full(normaliser.shape, 1.0, tl.float32)
+    return tl.maximum(tl.abs(normaliser), 1.0)
+
+
+@triton.jit
 def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, syl, syh,
-                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+                   SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     b, h, t, rows, token = _token_block(L, H, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
@@ -116,7 +127,7 @@ def _finish_kernel(out, normalisers, outputs, y, den, L, H, DV, W, SEQS, syb, sy
         normaliser += tl.load(normalisers + at, mask=rows, other=0.0)
     normaliser = tl.where(rows, normaliser, 1.0)
     tl.store(y + b * syb + t[:, None].to(tl.int64) * syl + h * syh + cv[None, :],
-             (total / normaliser[:, None]).to(y.dtype.element_ty), mask=read)
+             (total / _divisor(normaliser, SCALING)[:, None]).to(y.dtype.element_ty), mask=read)
     tl.store(den + token, normaliser, mask=rows)
 
 
@@ -177,15 +188,20 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
 
 @triton.jit
 def _finish_backward_kernel(dy, y, den, positions, grad_out, grad_normalisers, L, H, DV, W, SEQS, sdb, sdl, sdh,
-                            BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+                            SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     b, h, t, rows, token = _token_block(L, H, BLOCK_T)
     cv = tl.arange(0, BLOCK_V)
     read = rows[:, None] & (cv[None, :] < DV)
     normaliser = tl.load(den + token, mask=rows, other=1.0)
     grad = tl.load(dy + b * sdb + t[:, None].to(tl.int64) * sdl + h * sdh + cv[None, :], mask=read,
-                   other=0.0).to(tl.float32) / normaliser[:, None]
+                   other=0.0).to(tl.float32) / _divisor(normaliser, SCALING)[:, None]
     grad_normaliser = -tl.sum(grad * tl.load(y + token[:, None] * DV + cv[None, :], mask=read,
-                                             other=0.0).to(tl.float32), axis=1)
+                                             other=0.0).to(tl.float32), axis=1)  # d/d(divisor)
+    if SCALING == 1:
+        grad_normaliser = tl.zeros_like(grad_normaliser)
+    if SCALING == 2:  # d max(|n|, 1) / dn = sign(n) where |n| > 1
+        grad_normaliser = tl.where(tl.abs(normaliser) > 1.0, tl.where(normaliser > 0, grad_normaliser,
+                                                                       -grad_normaliser), 0.0)
     for j in range(SEQS):  # the same gradients for every sequence's row of this token
         at = _row(positions, b, j, t, rows, L, H, SEQS) + h
         tl.store(grad_out + at[:, None] * W + cv[None, :], grad.to(grad_out.dtype.element_ty),
@@ -252,15 +268,20 @@ class Operands(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_folds if fold_grad else None, None, None, None
 
 
-def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor) -> Tensor:
+SCALING_CODES = {"sum": 0, "none": 1, "max": 2}  # scalings.py's names -> _divisor's SCALING
+
+
+def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor, scaling: str = "sum") -> Tensor:
     """Writes Y into y [B, L, H, Dv] (any strides but the last; its dtype) from the kernels' outputs
-    [B * 2S, L, H, W] and normalisers [B * 2S, L, H]; returns every token's normaliser [B, L, H] float32."""
+    [B * 2S, L, H, W] and normalisers [B * 2S, L, H], by the scaling (scalings.py); returns every token's
+    normaliser [B, L, H] float32."""
     sequences, length = layout.q_positions.shape
     batch, _, heads, value_dim = y.shape
     normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
     _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
         out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, out.shape[3], sequences,
-        y.stride(0), y.stride(1), y.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(value_dim))
+        y.stride(0), y.stride(1), y.stride(2), SCALING=SCALING_CODES[scaling], BLOCK_T=_TOKENS,
+        BLOCK_V=_block(value_dim))
     return normaliser
 
 
@@ -270,11 +291,11 @@ class Finish(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: Tensor, normalisers: Tensor, layout: Layout, batch: int, value_dim: int,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, scaling: str = "sum") -> Tensor:
         y = out.new_empty(batch, layout.q_positions.shape[1], out.shape[2], value_dim, dtype=dtype)
-        normaliser = finish(out, normalisers, layout, y)
+        normaliser = finish(out, normalisers, layout, y, scaling)
         ctx.save_for_backward(y, normaliser)
-        ctx.layout, ctx.width, ctx.out_dtype = layout, out.shape[3], out.dtype
+        ctx.layout, ctx.width, ctx.out_dtype, ctx.scaling = layout, out.shape[3], out.dtype, scaling
         return y
 
     @staticmethod
@@ -288,5 +309,6 @@ class Finish(torch.autograd.Function):
         grad_normalisers = normaliser.new_empty(batch * sequences, length, heads)
         _finish_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
             dy, y, normaliser, layout.q_positions, grad_out, grad_normalisers, length, heads, value_dim, ctx.width,
-            sequences, dy.stride(0), dy.stride(1), dy.stride(2), BLOCK_T=_TOKENS, BLOCK_V=_block(ctx.width))
-        return grad_out, grad_normalisers, None, None, None, None
+            sequences, dy.stride(0), dy.stride(1), dy.stride(2), SCALING=SCALING_CODES[ctx.scaling], BLOCK_T=_TOKENS,
+            BLOCK_V=_block(ctx.width))
+        return grad_out, grad_normalisers, None, None, None, None, None
