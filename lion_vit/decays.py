@@ -6,24 +6,24 @@ decay kind's parameters out, lion_vit.testing.randomize_decays perturbs them), a
 and the layer's input, into log decays log(lam) <= 0. The ops take it from there: every form and backend
 follows a new kind.
 
-    class RetNetDecay(Decay):  # gamma_h = 1 - 2^(-5-h), fixed (the paper's Table 1)
+    class HalfDecay(Decay):  # lam = 1/2 everywhere, for every head and scan
         def forward(self, x):
-            gamma = 1 - 2.0 ** (-5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
-            return gamma.log().expand(self.num_scans, self.num_heads)[:, None, :, None]
+            return torch.full((self.num_scans, 1, self.num_heads, 1), -math.log(2.0), device=x.device)
 
-    register_decay("retnet", RetNetDecay)             # then LionViT(decay="retnet") or
-    lion_vit.models.register_variant("lion_retnet", decay="retnet")   # lion_retnet_{tiny,small,base}
+    register_decay("half", HalfDecay)             # then LionViT(decay="half") or
+    lion_vit.models.register_variant("lion_half", decay="half")   # lion_half_{tiny,small,base}
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Type
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "DECAYS", "register_decay", "initial_decays",
-           "in_mask_precision"]
+__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay",
+           "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
 
 
 def in_mask_precision(t: Tensor) -> Tensor:
@@ -108,7 +108,50 @@ class SelectiveDecay(Decay):
         return F.logsigmoid(logits).permute(2, 0, 3, 1)
 
 
-DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay}
+class RetNetDecay(Decay):
+    """RetNet's fixed decays, gamma_h = 1 - 2^(-5-h) per head (the paper's Table 1): no parameters."""
+
+    def forward(self, x):
+        exponents = -5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device)
+        return torch.log1p(-torch.exp2(exponents)).expand(self.num_scans, self.num_heads)[:, None, :, None]
+
+
+class Mamba2Decay(Decay):
+    """Mamba-2's selective decay, lam_i = exp(-softplus(dt_i + dt_bias) exp(A_log)) per token and head, dt_i a
+    projection of x_i, with Mamba-2's init: A = exp(A_log) ~ U(1, 16), softplus(dt_bias) log-uniform in
+    [0.001, 0.1], the projection's weights N(0, 0.02)."""
+
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.dt_proj = nn.Linear(dim, num_scans * num_heads, bias=False, device=device, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.zeros(num_scans, num_heads, device=device, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(num_scans, num_heads, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        nn.init.normal_(self.dt_proj.weight, std=0.02)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+
+    def forward(self, x):  # [B, L, S * H] -> [S, B, H, L]
+        dt = in_mask_precision(self.dt_proj(x)).unflatten(-1, (self.num_scans, self.num_heads))
+        log_decay = -F.softplus(dt + in_mask_precision(self.dt_bias)) * in_mask_precision(self.A_log).exp()
+        return log_decay.permute(2, 0, 3, 1)
+
+
+class XLSTMForgetDecay(SelectiveDecay):
+    """xLSTM's (mLSTM's) forget gate, f_i = sigmoid(w_h . x_i + b_h) per token and head, with xLSTM's init:
+    weights zero, biases spread from 3 to 6 over the heads (f from 0.95 to 0.998)."""
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        nn.init.zeros_(self.proj.weight)
+        self.proj.bias.copy_(torch.linspace(3.0, 6.0, self.num_heads).repeat(self.num_scans))
+
+
+DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay,
+                                  "retnet": RetNetDecay, "mamba2": Mamba2Decay, "xlstm": XLSTMForgetDecay}
 
 
 def register_decay(name: str, kind: Type[Decay]) -> None:

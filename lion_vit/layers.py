@@ -14,8 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from .decays import DECAYS, Decay
+from .gates import KEY_GATES, KeyGate
 from .ops import (POSITIVE_FEATURE_MAPS, Plan, check_backend, check_form, check_scaling, get_feature_map,
                   lion_attention, mask_dtype, plan, snake_orders)
+from .ops.features import mapped
 
 
 def fx_tracing() -> bool:
@@ -36,6 +38,11 @@ def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0) -> Tensor:
     return log_decay
 
 
+def _gated(k: Tensor, gate: Tensor) -> Tensor:
+    """Key features [B, H, L, D] times their gate [B, H, L, 1], in the keys' dtype."""
+    return k * gate.to(k.dtype)
+
+
 def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: int, device: torch.device) -> Tensor:
     """The two snake orders of a height x width grid after `prefix` leading tokens, on device, kept in cache."""
     if height * width + prefix != num_tokens:
@@ -46,7 +53,7 @@ def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: 
     return cache[key]
 
 
-for _leaf in ("_log_decays", "_scan_orders", "lion_attention"):
+for _leaf in ("_log_decays", "_gated", "_scan_orders", "lion_attention"):
     torch.fx.wrap(_leaf)
 
 
@@ -74,6 +81,7 @@ class LionAttention(nn.Module):
             num_scans: int = 1,
             feature_map: str = "silu_norm",
             scaling: str = "sum",
+            key_gate: str = "none",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
@@ -85,6 +93,9 @@ class LionAttention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if key_gate not in KEY_GATES:
+            raise ValueError(f"unknown key_gate {key_gate!r}; choose one of {sorted(KEY_GATES)} "
+                             "(lion_vit.gates.register_key_gate adds one)")
         if decay not in DECAYS:
             raise ValueError(f"unknown decay {decay!r}; choose one of {sorted(DECAYS)} (lion_vit.decays.register_decay "
                              "adds one)")
@@ -119,14 +130,17 @@ class LionAttention(nn.Module):
         self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
         self.decay: Decay = DECAYS[decay](dim, num_heads, num_scans, **dd)
+        self.key_gate_name = key_gate
+        self.key_gate: KeyGate = KEY_GATES[key_gate](dim, num_heads, **dd)
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.reset_decay_parameters()
         self._register_load_state_dict_pre_hook(_decay_parameters_in_their_module)
 
     def reset_decay_parameters(self) -> None:
-        """Initialise the decays (called again after timm's generic weight init)."""
+        """Initialise the decays and the key gate (called again after timm's generic weight init)."""
         self.decay.reset_parameters()
+        self.key_gate.reset_parameters()
 
     @property
     def decayed(self) -> bool:
@@ -155,7 +169,8 @@ class LionAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay_name}, scans={self.num_scans}, "
-                f"feature_map={self.feature_map_name}, scaling={self.scaling}, attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
+                f"feature_map={self.feature_map_name}, key_gate={self.key_gate_name}, scaling={self.scaling}, "
+                f"attn_form={self.attn_form}, chunk_size={self.chunk_size}, "
                 f"attn_backend={self.attn_backend}")
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
@@ -181,9 +196,13 @@ class LionAttention(nn.Module):
             self.grid_size = None
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
         q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
+        feature_map = self.feature_map_name
+        if self.key_gate.gated:  # the gate multiplies the keys' features: mapped here
+            q, k = mapped(q, k, feature_map)
+            k, feature_map = _gated(k, self.key_gate(x)), None
         log_decays = self.log_decay(x)
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,
-                           backend=self.attn_backend, feature_map=self.feature_map_name, scaling=self.scaling)
+                           backend=self.attn_backend, feature_map=feature_map, scaling=self.scaling)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.proj_drop(self.proj(y))

@@ -28,8 +28,8 @@ from .decays import DECAYS, Decay
 from .layers import LionAttention, fx_tracing
 from .ops import Plan
 
-__all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "VARIANTS", "register_variant",
-           "create_model_at_size"]
+__all__ = ["LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "FAMILY_MODEL_NAMES", "VARIANTS", "FAMILIES",
+           "register_variant", "is_lion_model", "create_model_at_size"]
 
 
 class DivisiblePatchEmbed(PatchEmbed):
@@ -93,6 +93,7 @@ class LionViT(VisionTransformer):
             num_scans: int = 1,
             feature_map: str = "silu_norm",
             scaling: str = "sum",
+            key_gate: str = "none",
             attn_form: str = "attention",
             chunk_size: Optional[int] = None,
             attn_backend: str = "auto",
@@ -125,7 +126,7 @@ class LionViT(VisionTransformer):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
-                                        scaling=scaling, attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
+                                        scaling=scaling, key_gate=key_gate, attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
                                         prefix_decay_one=prefix_decay_one)
         super().__init__(
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
@@ -323,6 +324,17 @@ LION_MODEL_NAMES = tuple(f"{variant}_{size}" for variant in VARIANTS for size in
 
 DISTILLED_MODEL_NAMES = tuple(f"{name}_distilled" for name in LION_MODEL_NAMES)  # DeiT's distillation token
 
+# The paper's Table 1 as LION-ViT models: other linear transformers' decays, key gates and scalings in the
+# same layer (docs/models.md, "Table 1 families"), each also with the two snake scans
+_TABLE_1 = {
+    "lion_retnet": dict(decay="retnet", feature_map="scaled", scaling="none"),
+    "lion_mamba2": dict(decay="mamba2", feature_map="swish", scaling="none"),
+    "lion_xlstm": dict(decay="xlstm", key_gate="input", feature_map="scaled", scaling="max"),
+}
+FAMILIES: Dict[str, Dict[str, Any]] = {**_TABLE_1, **{f"{prefix}_natural": dict(settings, num_scans=2)
+                                                       for prefix, settings in _TABLE_1.items()}}
+FAMILY_MODEL_NAMES = tuple(f"{family}_{size}" for family in FAMILIES for size in SIZES)
+
 default_cfgs: Dict[str, Any] = {}  # name -> timm DefaultCfg, filled by register_variant before timm reads it
 
 
@@ -359,5 +371,11 @@ def register_variant(prefix: str, **settings: Any) -> Tuple[str, ...]:
     return names
 
 
-for _prefix, _settings in list(VARIANTS.items()):
+for _prefix, _settings in [*VARIANTS.items(), *FAMILIES.items()]:
     register_variant(_prefix, **_settings)
+
+
+def is_lion_model(name: str) -> bool:
+    """Whether a timm model name is a LionViT registered by register_variant (a size, distilled or not)."""
+    prefix, _, size = name.removesuffix("_distilled").rpartition("_")
+    return prefix in VARIANTS and size in SIZES

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import lion_vit
-from lion_vit import DISTILLED_MODEL_NAMES, LION_MODEL_NAMES, LionAttention
+from lion_vit import DISTILLED_MODEL_NAMES, FAMILY_MODEL_NAMES, LION_MODEL_NAMES, LionAttention
 from lion_vit.testing import randomize_decays as trained_like
 from naive import naive_lion
 
@@ -28,7 +28,8 @@ def rel_err(a, b):
 def test_all_fifteen_registered_with_and_without_a_distillation_token():
     expected = {f"lion_{v}_{s}" for v in ("lit", "d", "s", "d_natural", "s_natural") for s in PARAMS_M}
     distilled = {f"{name}_distilled" for name in expected}
-    assert set(timm.list_models("lion_*")) == expected | distilled
+    families = {f"{name}{suffix}" for name in FAMILY_MODEL_NAMES for suffix in ("", "_distilled")}  # test_families.py
+    assert set(timm.list_models("lion_*")) == expected | distilled | families
     assert set(LION_MODEL_NAMES) == expected and set(DISTILLED_MODEL_NAMES) == distilled
     model = timm.create_model("lion_d_small_distilled")
     assert model.distilled and model.pretrained_cfg["classifier"] == ("head", "head_dist")

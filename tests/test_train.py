@@ -30,6 +30,15 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert "wandb:" not in proc.stdout + proc.stderr  # (disabled in tests; online runs keep the history in wandb)
 
 
+def test_a_table_1_family_trains_with_the_lion_settings(folder, tmp_path):
+    """model.name picks a Table 1 family like any LION model: the form settings apply to it."""
+    proc = run_train(*SMALL_LION, "model.name=lion_xlstm_natural_tiny", "model.attn_form=chunk", "model.chunk_size=4",
+                     "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4", "aug=none",
+                     f"output_dir={tmp_path}")
+    assert_ok(proc)
+    assert "chunk form" in proc.stdout and len(read_metrics(tmp_path)) == 1
+
+
 def test_one_epoch_deit_baseline(folder, tmp_path):
     proc = run_train("model=deit", "model.name=deit_tiny_patch16_224", "model.patch_size=8", "img_size=32",
                      "+model.kwargs.depth=2", "optim=adamw", "progress=false", "data=imagefolder",

@@ -1,5 +1,5 @@
-"""A variant is data: a decay kind defined outside the package (RetNet's fixed per-head decays, the
-paper's Table 1 row) with one registration, and every form agrees with the float64 reference."""
+"""A variant is data: a decay kind defined outside the package (fixed per-head decays, 1 - 2^(-4-h)) with one
+class and one registration, and every form, torch.fx and the float64 reference agree."""
 from __future__ import annotations
 
 import pytest
@@ -13,31 +13,31 @@ from lion_vit.ops.reference import lion_attention_reference
 from naive import rel_err
 
 
-class RetNetDecay(Decay):
-    """gamma_h = 1 - 2^(-5-h), fixed: no parameters."""
+class HalvingDecay(Decay):
+    """gamma_h = 1 - 2^(-4-h), fixed: no parameters."""
 
     def forward(self, x):
-        gamma = 1 - 2.0 ** (-5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
+        gamma = 1 - 2.0 ** (-4.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
         return gamma.log().expand(self.num_scans, self.num_heads)[:, None, :, None]
 
 
 def test_a_kind_is_registered_as_its_class():
     with pytest.raises(TypeError, match="takes a subclass of lion_vit.decays.Decay"):
-        register_decay("retnet", RetNetDecay(8, 2))
+        register_decay("halving", HalvingDecay(8, 2))
 
 
-def test_lion_retnet_defined_outside_the_package(monkeypatch):
-    register_decay("retnet", RetNetDecay)
-    names = register_variant("lion_retnet", decay="retnet")
+def test_a_kind_defined_outside_the_package(monkeypatch):
+    register_decay("halving", HalvingDecay)
+    names = register_variant("lion_halving", decay="halving")
     try:
-        assert "lion_retnet_small" in names and "lion_retnet_small" in timm.list_models("lion_retnet_*")
-        model = timm.create_model("lion_retnet_tiny", num_classes=4, img_size=32, patch_size=8, depth=2).double().eval()
+        assert "lion_halving_small" in names and "lion_halving_small" in timm.list_models("lion_halving_*")
+        model = timm.create_model("lion_halving_tiny", num_classes=4, img_size=32, patch_size=8, depth=2).double().eval()
         assert not any(".decay." in name for name, _ in model.named_parameters())  # nothing learnable
-        assert isinstance(next(model.lion_attentions()).decay, RetNetDecay)  # each layer owns its own
+        assert isinstance(next(model.lion_attentions()).decay, HalvingDecay)  # each layer owns its own
         assert model.pos_embed is None  # decayed: the mask carries position
         attn = next(model.lion_attentions())
         log_decay = attn.log_decay(torch.zeros(1, 17, model.embed_dim, dtype=torch.float64))
-        assert torch.allclose(log_decay.exp().flatten(), 1 - 2.0 ** -torch.arange(5.0, 8.0, dtype=torch.float64))
+        assert torch.allclose(log_decay.exp().flatten(), 1 - 2.0 ** -torch.arange(4.0, 7.0, dtype=torch.float64))
 
         x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         with monkeypatch.context() as patch:  # every layer through the paper's formula
@@ -49,11 +49,11 @@ def test_lion_retnet_defined_outside_the_package(monkeypatch):
                 assert rel_err(torch.fx.symbolic_trace(model)(x), expected) < 1e-10, form  # traced through the kind
     finally:  # out of timm's registry again, for the tests that list every LION model
         from timm.models import _registry
-        DECAYS.pop("retnet")
+        DECAYS.pop("halving")
         for name in names:
             _registry._clear_model_entries(name)
             _registry._model_entrypoints.pop(name)
-        assert not timm.list_models("lion_retnet_*")
+        assert not timm.list_models("lion_halving_*")
 
 
 def test_scaling_is_a_model_setting_that_every_form_follows():

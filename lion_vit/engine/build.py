@@ -31,7 +31,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"unknown model {name!r}; LION models: {', '.join(lion_models.LION_MODEL_NAMES)} "
                         f"(or any timm name, see timm.list_models())")
     patch = model_cfg.patch_size  # (create_model_at_size refuses a size it does not divide)
-    is_lion = name in lion_models.LION_MODEL_NAMES + lion_models.DISTILLED_MODEL_NAMES
+    is_lion = lion_models.is_lion_model(name)
     backend = model_cfg.attn_backend  # form and backend names: engine/config.py checks them
     if not is_lion and (model_cfg.attn_form not in ("auto", "attention") or model_cfg.chunk_size or backend != "auto"):
         raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "

@@ -32,6 +32,11 @@ def identity(x: Tensor) -> Tensor:
     return x
 
 
+def scaled_keys(x: Tensor) -> Tensor:
+    """x / sqrt(D): RetNet's and xLSTM's keys."""
+    return x * x.shape[-1] ** -0.5
+
+
 FeatureMap = Callable[[Tensor], Tensor]
 
 # name -> (map for queries, map for keys). Scale() divides each row by its sum, so a positive
@@ -41,7 +46,11 @@ FEATURE_MAPS: Dict[str, Tuple[FeatureMap, FeatureMap]] = {
     "silu_norm": (shifted_silu, normalized_shifted_silu),
     "silu": (shifted_silu, shifted_silu),
     "elu": (elu_plus_one, elu_plus_one),
-    "identity": (identity, identity),  # q, k as projected: for the scalings other than "sum"
+    # q and k of both signs, for the scalings other than "sum" (ops/scalings.py): as projected; keys scaled by
+    # 1 / sqrt(D) (RetNet's and xLSTM's); both through SiLU (Mamba-2's C and B)
+    "identity": (identity, identity),
+    "scaled": (identity, scaled_keys),
+    "swish": (F.silu, F.silu),
 }
 POSITIVE_FEATURE_MAPS = frozenset({"silu_norm", "silu", "elu"})  # q . k > 0: what scaling "sum" divides by
 
