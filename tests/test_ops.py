@@ -245,7 +245,7 @@ def test_bad_shapes_and_decays_above_one_raise(form):
         ((q[0], k[0], v[0], None), r"expected q, k \[B, H, L, Dk\]"),
         ((q, k, v, log_lam[None, ..., :7]), r"must broadcast to \[B, H, L\] = \[1, 2, 10\] .* got \[1, 2, 7\]"),
         ((q, k, v, log_lam[None, :, :1].expand(1, 1, 3, 10)), r"got \[1, 3, 10\]"),
-        ((q, k, v, log_lam[None, None]), r"got \[1, 1, 2, 10\]"),
+        ((q, k, v, log_lam[None, None]), r"vector log decays must be \[S, B\|1, H\|1, L, Dk\] .* got \[1, 1, 1, 2, 10\]"),
         ((q, k, v, log_lam[None] + 0.5), r"log decays must be <= 0 \(decays in \(0, 1\]\), got up to 0\.\d+"),
         # one scan's decays without the scan axis, as [B, H, L] with B = 2: one line saying what to pass
         ((q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), log_lam.expand(2, -1, -1)),
@@ -255,8 +255,9 @@ def test_bad_shapes_and_decays_above_one_raise(form):
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             lion_attention(*args, form=form, chunk_size=3)
-    # one scan's [L], [B, H, 1], [] (lam = 1, LION-lit) and [B, 1, L]
-    for ok in (log_lam[0, :1], log_lam[None, :, :, :1], torch.zeros(1), log_lam[None, :, :1]):
+    # one scan's [L], [B, H, 1], [] (lam = 1, LION-lit), [B, 1, L] and [B, H, L, Dk]
+    for ok in (log_lam[0, :1], log_lam[None, :, :, :1], torch.zeros(1), log_lam[None, :, :1],
+               log_lam[None, ..., None].expand(1, 1, 2, 10, 4)):  # (the last: vector decays, [B, H, L, Dk])
         assert lion_attention(q, k, v, ok, form=form, chunk_size=3).shape == v.shape
     orders = snake_orders(3, 3, 1)
     with pytest.raises(ValueError, match=r"S = 2 \(the orders given\); got 3 scans"):
@@ -612,3 +613,75 @@ def test_unknown_scaling_is_one_line():
     q = torch.rand(1, 1, 4, 2)
     with pytest.raises(ValueError, match=r"unknown scaling 'softmax'; choose one of \['sum', 'none', 'max'\]"):
         lion_attention(q, q, q, scaling="softmax")
+
+
+def naive_vector(q, k, v, lams, orders=None, scaling="sum"):
+    """The float64 oracle for vector decays lams [S, B, H, L, Dk] (token order): a running-product mask per key
+    channel (naive_mask), the scores sum_c q_i^c k_j^c M^c_ij summed over the scans, then Scale()."""
+    length = q.shape[-2]
+    orders = torch.arange(length)[None] if orders is None else orders
+    total = 0
+    for lam, order in zip(lams, orders):
+        back = torch.argsort(order)
+        masks = naive_mask(lam.double()[..., order, :].transpose(-1, -2))[..., back[:, None], back[None, :]]
+        total = total + torch.einsum("bhic,bhjc,bhcij->bhij", q.double(), k.double(), masks)
+    if scaling == "sum":
+        total = total / total.sum(-1, keepdim=True)
+    return total @ v.double()
+
+
+def vector_inputs(length: int, decay: str, dtype: torch.dtype, scans: int = 1, seed: int = 50):
+    """q, k, v [2, 2, L, 4] and vector decays [S, 2, 2, L, 4]: spread over (0.05, 0.95), near 0 or near 1."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.rand(2, 2, length, 4, generator=g, dtype=torch.float64) + 0.1 for _ in "qk")
+    v = torch.randn(2, 2, length, 3, generator=g, dtype=torch.float64)
+    u = torch.rand(scans, 2, 2, length, 4, generator=g, dtype=torch.float64)
+    lams = {"spread": u * 0.9 + 0.05, "near0": u * 1e-3 + 1e-6, "near1": 1 - u * 1e-5}[decay]
+    return [t.to(dtype) for t in (q, k, v)] + [lams]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["spread", "near0", "near1"])
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", 5)], ids=_form_id)
+def test_vector_decays_match_naive(form, decay, dtype):
+    """Vector decays (one per token, head and key channel: GLA, HGRN-2) in every form, one scan at an odd
+    length and two snake scans: outputs, and the gradients of q, k, v and the log decays, against per-channel
+    running products."""
+    tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
+    for scans, orders in ((1, None), (2, snake_orders(3, 4, 1))):
+        q, k, v, lams = vector_inputs(13, decay, dtype, scans)
+        upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(51))
+        expected, ref_grads = _naive_vector_grads(q, k, v, lams, orders, upstream)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
+        out = lion_attention(*leaves, orders, form=form[0], chunk_size=form[1])
+        assert out.dtype == dtype and rel_err(out, expected) < tol[0], scans
+        grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
+        for name, got, want in zip("qkva", grads, ref_grads):
+            assert rel_err(got, want, min_scale=1e-3 if dtype == torch.float64 else 1.0) < tol[1], (scans, name)
+
+
+def _naive_vector_grads(q, k, v, lams, orders, upstream):
+    leaves = [t.double().clone().requires_grad_() for t in (q, k, v, lams)]
+    expected = naive_vector(*leaves, orders)
+    grads = list(torch.autograd.grad((expected * upstream).sum(), leaves))
+    grads[3] = grads[3] * lams  # d/d(log lam)
+    return expected.detach(), grads
+
+
+def test_vector_decays_plan_the_portable_forms_and_other_scalings():
+    """Vector decays run the portable forms (their plan says so), with any scaling; the rnn form keeps chunks of
+    one token."""
+    from lion_vit.ops import dispatch
+    from lion_vit.ops.reference import lion_attention_reference
+    q, k, v, lams = vector_inputs(13, "spread", torch.float64)
+    log_decays = torch.log(lams)
+    ran = []
+    implementation = dispatch.implementation
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch, "implementation", lambda run: ran.append(run) or implementation(run))
+        for form, chunk in [("auto", None), ("rnn", None), ("chunk", 4)]:
+            out = lion_attention(q - 0.6, k, v, log_decays, form=form, chunk_size=chunk, scaling="none")
+            assert rel_err(out, lion_attention_reference(q - 0.6, k, v, log_decays, scaling="none")) < 1e-10
+    assert [str(run) for run in ran] == ["attention form, torch backend: one masked product, vector decays",
+                                         "rnn form, torch backend: recurrence loop, vector decays",
+                                         "chunk form, torch backend: 4 chunks, vector decays"]

@@ -38,6 +38,7 @@ from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
 from .features import mapped, query_scale
 from .recurrent import recurrent_form
 from .scalings import scaled
+from .vector import vector_form
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
@@ -73,7 +74,8 @@ class Plan:
     chunk form); chunk_size: the most tokens per chunk the chunk form runs with (None: one chunk; on the
     triton backend its kernels' tile, TRITON_CHUNK); grouped: the triton backend runs the batch in groups
     of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
-    backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails).
+    backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
+    vector: the decays are vectors, one per key channel (vector.py: the portable forms for now).
     """
 
     form: str
@@ -83,6 +85,7 @@ class Plan:
     chunk_size: Optional[int] = None
     grouped: bool = False
     backward_by_forward: bool = False
+    vector: bool = False
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -95,7 +98,8 @@ class Plan:
             what = "one masked product" if self.form == "attention" or self.whole else ""
             if self.backend == "triton":
                 what = "one fused masked product (FLA kernel)"
-        return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "")
+        return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "") \
+            + (", vector decays" if self.vector else "")
 
 
 def check_form(form: str, chunk_size: Optional[int] = None) -> None:
@@ -146,12 +150,21 @@ def _warn_once(message: str) -> None:
 
 def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_dim: int, *,
          num_scans: int = 1, decayed: bool = True, device: torch.device = torch.device("cpu"),
-         dtype: torch.dtype = torch.float32, backend: str = "auto", training: bool = False) -> Plan:
+         dtype: torch.dtype = torch.float32, backend: str = "auto", training: bool = False,
+         vector: bool = False) -> Plan:
     """What runs for a call of `form` on sequences of `length` tokens (see the module docstring).
-    training: autograd records the call (its backward will run)."""
+    training: autograd records the call (its backward will run); vector: decays per key channel."""
     check_form(form, chunk_size)
     auto_backend = backend == "auto"
     backend = resolve_backend(backend, device, dtype)
+    if vector:  # the portable vector forms (vector.py): the attention form one chunk, the rnn form chunks of 1
+        if backend == "triton":
+            _warn_once("vector decays run the portable PyTorch forms on every device for now (flash-linear-"
+                       "attention's vector-gate kernels are not wired yet)")
+        form = "attention" if form == "auto" else form
+        if form == "chunk" and chunk_size is not None and chunk_size < length:
+            return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, vector=True)
+        return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
             length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
@@ -197,6 +210,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     """The function that computes a plan, (q, k, v, log_decays, orders, feature_map=, scaling=) -> Y: the triton
     backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
     plan's chunk_size."""
+    if run.vector:
+        return partial(_divided, vector_form, chunk_size=1 if run.form == "rnn" else run.chunk_size)
     if run.backend == "triton":
         kernels = triton_backend.attention_form if run.whole else \
             {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
@@ -253,10 +268,15 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                          f"({'one scan: no orders' if orders is None else 'the orders given'}); got {got}"
                          + ("; for one scan pass log_decay[None]" if orders is None else ""))
     shape = tuple(log_decays.shape[1:])
-    if (len(shape) > 3 or (shape and shape[-1] not in (1, length))
+    if len(shape) == 4:  # vector decays, one per key channel: [B|1, H|1, L, Dk]
+        if shape[2:] != (length, q.shape[-1]) or any(size not in (1, full) for size, full in zip(shape, (batch, heads))):
+            raise ValueError(f"vector log decays must be [S, B|1, H|1, L, Dk] with [B, H, L, Dk] = [{batch}, {heads}, "
+                             f"{length}, {q.shape[-1]}]; got {list(log_decays.shape)}")
+    elif (len(shape) > 3 or (shape and shape[-1] not in (1, length))
             or any(size not in (1, full) for size, full in zip(shape[::-1][1:], (heads, batch)))):
         raise ValueError(f"each scan's log decays must broadcast to [B, H, L] = [{batch}, {heads}, {length}] with a "
-                         f"last dimension of 1 (one decay per head) or L (one per token); got {list(shape)}")
+                         f"last dimension of 1 (one decay per head) or L (one per token), or be [B|1, H|1, L, Dk] "
+                         f"(one per key channel); got {list(shape)}")
     if log_decays.device.type == "cpu" and not torch.compiler.is_compiling() and bool((log_decays > 0).any()):
         raise ValueError(f"log decays must be <= 0 (decays in (0, 1]), got up to {log_decays.max().item():.3g}; "
                          "pass log(lam), e.g. F.logsigmoid(logits)")

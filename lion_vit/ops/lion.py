@@ -25,7 +25,8 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
 
     q, k: [B, H, L, Dk] non-negative features (or raw, with feature_map); v: [B, H, L, Dv].
     log_decays: None (all-ones mask, LION-lit) or log(lam) <= 0 as [S, ...], entry s broadcastable to
-    [B, H, L] in token order (last dim 1: one decay per head, LION-d; L: one per token, LION-s).
+    [B, H, L] in token order (last dim 1: one decay per head, LION-d; L: one per token, LION-s), or
+    [B|1, H|1, L, Dk] (vector decays, one per token and key channel: GLA, HGRN-2; ops/vector.py).
     orders: None (one scan in token order: S = 1) or [S, L] permutations (scan position -> token); each
     scan's mask is built along its order.
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
@@ -42,7 +43,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
         log_decays = q.new_zeros(len(orders), 1, 1, 1, dtype=mask_dtype(q.dtype))
     if log_decays is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         orders = None
-    else:  # [S, B|1, H|1, L|1]
+    elif log_decays.dim() <= 4:  # [S, B|1, H|1, L|1] (vector decays stay [S, B|1, H|1, L, Dk])
         log_decays = log_decays.reshape(log_decays.shape[:1] + (1,) * (4 - log_decays.dim()) + log_decays.shape[1:])
     run = plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend)
     return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map, scaling=scaling)
@@ -55,4 +56,5 @@ def inputs_plan(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], o
     return dispatch.plan(form, chunk_size, q.shape[-2], q.shape[-1], v.shape[-1],
                          num_scans=1 if orders is None else len(orders), decayed=log_decays is not None,
                          device=q.device, dtype=q.dtype, backend=backend,
-                         training=dispatch.records_autograd(q, k, v, log_decays))
+                         training=dispatch.records_autograd(q, k, v, log_decays),
+                         vector=log_decays is not None and log_decays.dim() == 5)

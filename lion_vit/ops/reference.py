@@ -36,12 +36,10 @@ def reference_mask(log_decay: Tensor, length: int) -> Tensor:
 
 
 def lion_reference(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, scaling: str = "sum") -> Tensor:
-    """Y [B, H, L, Dv] in float64; q, k [B, H, L, Dk], v [B, H, L, Dv], log_decay None (all-ones mask)
-    or broadcastable to [B, H, L]; scaling: "sum", "none" or "max" (above)."""
-    scores = q.double() @ k.double().transpose(-1, -2)
-    if log_decay is not None:
-        scores = scores * reference_mask(log_decay, q.shape[-2])
-    return _scale(scores, scaling) @ v.double()
+    """Y [B, H, L, Dv] in float64; q, k [B, H, L, Dk], v [B, H, L, Dv], log_decay None (all-ones mask),
+    broadcastable to [B, H, L], or [B|1, H|1, L, Dk] (vector decays: a mask per key channel, the scores
+    sum_c q_i^c k_j^c M^c_ij); scaling: "sum", "none" or "max" (above)."""
+    return _scale(_masked_scores(q, k, log_decay, None), scaling) @ v.double()
 
 
 def _scale(scores: Tensor, scaling: str) -> Tensor:
@@ -50,17 +48,28 @@ def _scale(scores: Tensor, scaling: str) -> Tensor:
             "max": lambda: scores / rows.abs().clamp_min(1.0)}[scaling]()
 
 
+def _masked_scores(q: Tensor, k: Tensor, log_decay: Optional[Tensor], order: Optional[Tensor]) -> Tensor:
+    """Q K^T * M [B, H, L, L] in float64, the mask built along order (None: token order) from log decays in
+    token order (scalar: broadcastable to [B, H, L]; vector: [B|1, H|1, L, Dk])."""
+    q, k = q.double(), k.double()
+    length = q.shape[-2]
+    if log_decay is None:
+        return q @ k.transpose(-1, -2)
+    order = torch.arange(length) if order is None else order
+    position = torch.argsort(order)  # token -> scan position
+    back = (..., position[:, None], position[None, :])
+    if log_decay.dim() == 4:  # one mask per key channel, [B, H, Dk, L, L]
+        a = log_decay.double().expand(*q.shape)[..., order, :].transpose(-1, -2)
+        return torch.einsum("bhic,bhjc,bhcij->bhij", q, k, reference_mask(a, length)[back])
+    a = log_decay.double().expand(*q.shape[:3])[..., order]  # into scan order
+    return (q @ k.transpose(-1, -2)) * reference_mask(a, length)[back]
+
+
 def lion_reference_multiscan(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Tensor,
                              scaling: str = "sum") -> Tensor:
-    """Multi-scan Y in float64: log_decays[s] broadcastable to [B, H, L] in token order, orders [S, L]
-    (scan position -> token). Each scan's mask is built along its order and read back in token order."""
-    scores = q.double() @ k.double().transpose(-1, -2)
-    total = torch.zeros_like(scores)
-    for log_decay, order in zip(log_decays, orders):
-        log_decay = log_decay.double().expand(*q.shape[:3])[..., order]  # into scan order
-        position = torch.argsort(order)  # token -> scan position
-        mask = reference_mask(log_decay, q.shape[-2])[..., position[:, None], position[None, :]]
-        total = total + scores * mask
+    """Multi-scan Y in float64: log_decays[s] in token order (as lion_reference's), orders [S, L] (scan
+    position -> token). Each scan's mask is built along its order and read back in token order."""
+    total = sum(_masked_scores(q, k, log_decay, order) for log_decay, order in zip(log_decays, orders))
     return _scale(total, scaling) @ v.double()
 
 

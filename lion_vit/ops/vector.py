@@ -1,0 +1,74 @@
+"""LION with vector decays: one decay per token, head and key channel (GLA, HGRN-2; the paper's Table 1).
+
+The mask is then one per key channel c, and the scores sum over the channels:
+
+    Y_i = sum_j sum_c q_i^c k_j^c M^c_ij v_j,   M^c_ij = prod of lam^c over the path from j to i (as section 1)
+
+which is no longer a product of matrices. Each direction is a causal gated linear attention, FLA's way
+(docs/design.md, "Vector decays"): with gates g, G their cumulative sum along the sequence,
+
+    o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v1_j      (v1 = [v, 1]: the normaliser rides along)
+
+the forward direction with g_p = a_{p-1} (the diagonal included), the backward direction the same on the
+mirrored sequence (without the diagonal). Chunk by chunk of C tokens: inside a chunk the [C, C, Dk] weights
+exp(G_i - G_j) (i >= j), between chunks a state [Dk, Dv + 1] decayed per channel. Every exponent is a sum of
+log decays <= 0, so nothing overflows. One routine serves the three forms: the attention form is one chunk
+(its [L, L, Dk] weights), the rnn form chunks of one token (a state and nothing L-sized besides autograd's),
+the chunk form chunks of chunk_size.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .scans import over_scans
+
+
+def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
+                chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
+    order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form)."""
+    return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size)
+
+
+def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None
+              ) -> Tuple[Tensor, Tensor]:
+    length = q.shape[-2]
+    a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    chunk = length if chunk_size is None else min(chunk_size, length)
+    forward = _causal(q, k, v1, F.pad(a[..., :-1, :], (0, 0, 1, 0)), chunk, diagonal=True)  # g_p = a_{p-1}
+    mirrored = a.flip(-2)
+    backward = _causal(q.flip(-2), k.flip(-2), v1.flip(-2), F.pad(mirrored[..., :-1, :], (0, 0, 1, 0)), chunk,
+                       diagonal=False).flip(-2)
+    both = forward + backward
+    return both[..., :-1], both[..., -1:]
+
+
+def _causal(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bool) -> Tensor:
+    """o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v_j (j < i without the diagonal), G the cumulative sum
+    of the gates g [B, H, L, Dk] <= 0, in chunks of `chunk` tokens (the last one shorter)."""
+    length = q.shape[-2]
+    state = q.new_zeros(*q.shape[:-2], q.shape[-1], v.shape[-1])  # [B, H, Dk, Dv]
+    outputs = []
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        qc, kc, vc = q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :]
+        gc = g[..., start:stop, :].to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
+        # inside the chunk: exp(G_i - G_j) for j <= i (< i), summed against q_i^c k_j^c over the channels
+        size = stop - start
+        keep = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(0 if diagonal else -1)
+        exponent = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
+        weights = torch.einsum("...ic,...jc,...ijc->...ij", qc, kc, exponent.exp().to(q.dtype))
+        out = weights @ vc
+        if start:  # the state of the chunks before, decayed to this chunk's tokens
+            out = out + (qc * gc.exp().to(q.dtype)) @ state
+        outputs.append(out)
+        if stop < length:  # the state at this chunk's last token, decayed per channel
+            last = gc[..., -1:, :]
+            state = last.exp().to(q.dtype).transpose(-1, -2) * state + \
+                (kc * (last - gc).exp().to(q.dtype)).transpose(-1, -2) @ vc
+    return torch.cat(outputs, dim=-2)
