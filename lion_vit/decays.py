@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay",
+__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay", "GLADecay",
            "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
 
 
@@ -48,6 +48,7 @@ class Decay(nn.Module):
     reset_parameters after timm's generic weight init, and forward(x) at every call (torch.fx traces it)."""
 
     decayed = True  # False: the all-ones mask of LION-lit, which needs positional embeddings
+    vector = False  # True: one decay per key channel too, [S, B|1, H, L, Dk] (ops/vector.py)
 
     def __init__(self, dim: int, num_heads: int, num_scans: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
@@ -59,8 +60,9 @@ class Decay(nn.Module):
         """The parameters' initial values (none by default)."""
 
     def forward(self, x: Tensor) -> Optional[Tensor]:
-        """log lam <= 0 as [S, B|1, H, L|1] (last dim 1: one decay per head) in token order, from the layer's
-        input x [B, L, dim]; any float dtype (the layer casts to the masks' dtype). None: no decay."""
+        """log lam <= 0 as [S, B|1, H, L|1] (last dim 1: one decay per head) in token order, or for a vector
+        kind [S, B|1, H, L, Dk], from the layer's input x [B, L, dim]; any float dtype (the layer casts to the
+        masks' dtype). None: no decay."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -150,8 +152,33 @@ class XLSTMForgetDecay(SelectiveDecay):
         self.proj.bias.copy_(torch.linspace(3.0, 6.0, self.num_heads).repeat(self.num_scans))
 
 
+class GLADecay(Decay):
+    """GLA's gate, one decay per token, head and key channel: log lam = logsigmoid(x W_down W_up + b) / 16
+    (a rank-16 projection, FLA's gate_logit_normalizer 16), with FLA's init (Xavier weights of gain 2^-2.5,
+    zero bias)."""
+
+    vector = True
+    RANK, NORMALIZER = 16, 16.0
+
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.down = nn.Linear(dim, self.RANK, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(self.RANK, num_scans * dim, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        for linear in (self.down, self.up):
+            nn.init.xavier_uniform_(linear.weight, gain=2 ** -2.5)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x):  # [B, L, S * H * Dk] -> [S, B, H, L, Dk]
+        logits = in_mask_precision(self.up(self.down(x))).unflatten(-1, (self.num_scans, self.num_heads, -1))
+        return (F.logsigmoid(logits) / self.NORMALIZER).permute(2, 0, 3, 1, 4)
+
+
 DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay,
-                                  "retnet": RetNetDecay, "mamba2": Mamba2Decay, "xlstm": XLSTMForgetDecay}
+                                  "retnet": RetNetDecay, "mamba2": Mamba2Decay, "xlstm": XLSTMForgetDecay,
+                                  "gla": GLADecay}
 
 
 def register_decay(name: str, kind: Type[Decay]) -> None:

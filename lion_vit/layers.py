@@ -29,12 +29,14 @@ def fx_tracing() -> bool:
 
 # torch.fx symbolic tracing records these as single calls (leaves) instead of tracing through their
 # branches on shapes, dtypes and devices; they run with real tensors when the traced graph runs
-def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0) -> Tensor:
-    """A decay kind's log decays [S, B|1, H, L|1] in float32 (float64 for float64 inputs) on x's device; the
-    first fixed_prefix tokens' per-token decays are 1."""
+def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0, vector: bool = False) -> Tensor:
+    """A decay kind's log decays [S, B|1, H, L|1] (vector: [S, B|1, H, L, Dk]) in float32 (float64 for float64
+    inputs) on x's device; the first fixed_prefix tokens' per-token decays are 1."""
     log_decay = log_decay.to(x.device, mask_dtype(x.dtype))
-    if fixed_prefix and log_decay.shape[-1] > 1:
-        log_decay = torch.cat([torch.zeros_like(log_decay[..., :fixed_prefix]), log_decay[..., fixed_prefix:]], -1)
+    tokens = -2 if vector else -1
+    if fixed_prefix and log_decay.shape[tokens] > 1:
+        log_decay = torch.cat([torch.zeros_like(log_decay.narrow(tokens, 0, fixed_prefix)),
+                               log_decay.narrow(tokens, fixed_prefix, log_decay.shape[tokens] - fixed_prefix)], tokens)
     return log_decay
 
 
@@ -165,7 +167,8 @@ class LionAttention(nn.Module):
         return plan(self.attn_form, self.chunk_size, num_tokens, self.head_dim, self.head_dim,
                     num_scans=self.num_scans, decayed=self.decayed, device=device or weight.device,
                     dtype=dtype or weight.dtype, backend=self.attn_backend,
-                    training=self.training and torch.is_grad_enabled() and weight.requires_grad)
+                    training=self.training and torch.is_grad_enabled() and weight.requires_grad,
+                    vector=self.decay.vector)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, decay={self.decay_name}, scans={self.num_scans}, "
@@ -174,10 +177,10 @@ class LionAttention(nn.Module):
                 f"attn_backend={self.attn_backend}")
 
     def log_decay(self, x: Tensor) -> Optional[Tensor]:
-        """log lam <= 0 as [S, B|1, H, L|1] (token order), or None for LION-lit."""
+        """log lam <= 0 as [S, B|1, H, L|1] (vector kinds: [S, B|1, H, L, Dk]) in token order, or None for LION-lit."""
         if not self.decayed:
             return None
-        return _log_decays(self.decay(x), x, self.num_prefix_tokens if self.prefix_decay_one else 0)
+        return _log_decays(self.decay(x), x, self.num_prefix_tokens if self.prefix_decay_one else 0, self.decay.vector)
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
         """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,

@@ -330,6 +330,7 @@ _TABLE_1 = {
     "lion_retnet": dict(decay="retnet", feature_map="scaled", scaling="none"),
     "lion_mamba2": dict(decay="mamba2", feature_map="swish", scaling="none"),
     "lion_xlstm": dict(decay="xlstm", key_gate="input", feature_map="scaled", scaling="max"),
+    "lion_gla": dict(decay="gla", feature_map="scaled", scaling="none"),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {**_TABLE_1, **{f"{prefix}_natural": dict(settings, num_scans=2)
                                                        for prefix, settings in _TABLE_1.items()}}

@@ -1,4 +1,4 @@
-"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM as LION layers) against a float64 reference written
+"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM, GLA as LION layers) against a float64 reference written
 straight from the table's formulas and the families' papers' parametrisations: each layer's output and the
 gradients of its input and every parameter, in every form, one scan and two, at an odd length, with decays
 near 0 and near 1. The reference reads the layer's weights, not its code: its features, decays, gate and
@@ -35,6 +35,8 @@ def family_layer(family: str, decays: str) -> torch.nn.Module:
             decay.A_log.add_(shift * 4.0)
         elif family.startswith("lion_xlstm"):  # f = sigmoid(w x + b)
             decay.proj.bias.add_(-shift * 10.0)
+        elif family.startswith("lion_gla"):  # log lam = logsigmoid(z) / 16, per key channel
+            decay.up.bias.add_(-shift * 100.0 if shift > 0 else 10.0 * -shift)
     return attn
 
 
@@ -55,16 +57,22 @@ def reference(attn, x: torch.Tensor, family: str) -> torch.Tensor:
     elif family.startswith("lion_mamba2"):  # lam_t = exp(-softplus(dt_t + dt_bias) exp(A_log))
         dt = (x @ decay.dt_proj.weight.T).unflatten(-1, (scans, heads)).permute(2, 0, 3, 1)
         lam = torch.exp(-F.softplus(dt + decay.dt_bias[:, None, :, None]) * decay.A_log.exp()[:, None, :, None])
-    else:  # xLSTM's forget gate f_t = sigmoid(w . x_t + b)
+    elif family.startswith("lion_xlstm"):  # xLSTM's forget gate f_t = sigmoid(w . x_t + b)
         lam = torch.sigmoid(x @ decay.proj.weight.T + decay.proj.bias).unflatten(-1, (scans, heads)).permute(2, 0, 3, 1)
+    else:  # GLA's gate, per key channel: alpha_t = sigmoid(x_t W_1 W_2 + b)^(1/16)  [S, B, H, L, Dk]
+        z = x @ decay.down.weight.T @ decay.up.weight.T + decay.up.bias
+        lam = (torch.sigmoid(z) ** (1 / 16)).unflatten(-1, (scans, heads, width)).permute(2, 0, 3, 1, 4)
     if family.startswith("lion_xlstm"):  # U = i * K, xLSTM's input gate i_t = exp(w . x_t + b)
         k = k * torch.exp(x @ attn.key_gate.proj.weight.T + attn.key_gate.proj.bias).transpose(1, 2)[..., None]
     orders = attn.scan_orders(length, x.device) if scans == 2 else torch.arange(length)[None]
-    mask = 0
+    weights = 0
     for s, order in enumerate(orders):
         back = torch.argsort(order)  # token -> scan position
-        mask = mask + naive_mask(lam[s][..., order])[..., back[:, None], back[None, :]]
-    weights = (q @ k.transpose(-1, -2)) * mask
+        if lam.dim() == 5:  # a mask per key channel: sum_c q_i^c k_j^c M^c_ij
+            mask = naive_mask(lam[s][..., order, :].transpose(-1, -2))[..., back[:, None], back[None, :]]
+            weights = weights + torch.einsum("bhic,bhjc,bhcij->bhij", q, k, mask)
+        else:
+            weights = weights + (q @ k.transpose(-1, -2)) * naive_mask(lam[s][..., order])[..., back[:, None], back[None, :]]
     if attn.scaling == "max":  # xLSTM: max(|n|, 1)
         weights = weights / weights.sum(-1, keepdim=True).abs().clamp_min(1.0)
     y = (weights @ v).transpose(1, 2).reshape(batch, length, dim)
@@ -115,3 +123,10 @@ def test_mamba2_and_xlstm_initial_decays_follow_their_papers():
     xlstm = next(timm.create_model("lion_xlstm_small").lion_attentions())
     assert torch.allclose(xlstm.decay.proj.bias, torch.linspace(3, 6, 6))
     assert not xlstm.decay.proj.weight.any() and not xlstm.key_gate.proj.weight.any()
+
+
+def test_gla_plans_its_vector_decays_in_every_form():
+    model = timm.create_model("lion_gla_natural_tiny", num_classes=3, depth=1, img_size=(32, 48)).eval()
+    assert str(model.attn_plan((32, 48))) == "attention form, torch backend: one masked product, vector decays"
+    assert str(model.set_attn_form("chunk", 4).attn_plan((32, 48))) == \
+        "chunk form, torch backend: 2 chunks, vector decays"
