@@ -11,5 +11,6 @@ from .models import DISTILLED_MODEL_NAMES, FAMILY_MODEL_NAMES, LION_MODEL_NAMES,
 from .ops import lion_attention
 
 __version__ = "0.1.0"
-__all__ = ["LionAttention", "LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "FAMILY_MODEL_NAMES", "init_from_vit",
+__all__ = ["LionAttention", "LionViT", "LION_MODEL_NAMES", "DISTILLED_MODEL_NAMES", "FAMILY_MODEL_NAMES",
+           "init_from_vit",
            "from_official", "to_official", "lion_attention"]

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay", "GLADecay",
-           "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
+__all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay",
+           "GLADecay", "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
 
 
 def in_mask_precision(t: Tensor) -> Tensor:

@@ -126,7 +126,8 @@ class LionViT(VisionTransformer):
             raise ValueError(f"unknown pos_embed {pos_embed!r}; choose 'learn' (default for LION-lit) or 'none' "
                              "(default for the decay variants, whose masks carry position)")
         attn_layer = _partial_attention(decay=decay, num_scans=num_scans, feature_map=feature_map,
-                                        scaling=scaling, key_gate=key_gate, attn_form=attn_form, chunk_size=chunk_size, attn_backend=attn_backend,
+                                        scaling=scaling, key_gate=key_gate, attn_form=attn_form,
+                                        chunk_size=chunk_size, attn_backend=attn_backend,
                                         prefix_decay_one=prefix_decay_one)
         super().__init__(
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,

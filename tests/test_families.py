@@ -72,7 +72,8 @@ def reference(attn, x: torch.Tensor, family: str) -> torch.Tensor:
             mask = naive_mask(lam[s][..., order, :].transpose(-1, -2))[..., back[:, None], back[None, :]]
             weights = weights + torch.einsum("bhic,bhjc,bhcij->bhij", q, k, mask)
         else:
-            weights = weights + (q @ k.transpose(-1, -2)) * naive_mask(lam[s][..., order])[..., back[:, None], back[None, :]]
+            mask = naive_mask(lam[s][..., order])[..., back[:, None], back[None, :]]
+            weights = weights + (q @ k.transpose(-1, -2)) * mask
     if attn.scaling == "max":  # xLSTM: max(|n|, 1)
         weights = weights / weights.sum(-1, keepdim=True).abs().clamp_min(1.0)
     y = (weights @ v).transpose(1, 2).reshape(batch, length, dim)

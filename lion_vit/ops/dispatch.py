@@ -269,7 +269,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                          + ("; for one scan pass log_decay[None]" if orders is None else ""))
     shape = tuple(log_decays.shape[1:])
     if len(shape) == 4:  # vector decays, one per key channel: [B|1, H|1, L, Dk]
-        if shape[2:] != (length, q.shape[-1]) or any(size not in (1, full) for size, full in zip(shape, (batch, heads))):
+        if shape[2:] != (length, q.shape[-1]) or \
+                any(size not in (1, full) for size, full in zip(shape, (batch, heads))):
             raise ValueError(f"vector log decays must be [S, B|1, H|1, L, Dk] with [B, H, L, Dk] = [{batch}, {heads}, "
                              f"{length}, {q.shape[-1]}]; got {list(log_decays.shape)}")
     elif (len(shape) > 3 or (shape and shape[-1] not in (1, length))

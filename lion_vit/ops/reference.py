@@ -1,6 +1,7 @@
 """The paper's formula, plainly: the oracle every fast path is tested against (docs/design.md section 1).
 
-    Y = Scale(Q K^T * M) V,   Scale(A)_ij = A_ij / sum_p A_ip  (scaling "sum"; "none": A, "max": A_ij / max(|sum_p A_ip|, 1)),
+    Y = Scale(Q K^T * M) V,   Scale(A)_ij = A_ij / sum_p A_ip
+                              (scaling "sum"; "none": A, "max": A_ij / max(|sum_p A_ip|, 1)),
     M_ij = exp(sum of a_k over the path from key j (inclusive) to query i (exclusive))
 
 built as a whole L x L matrix in float64 (any input dtype; the result is float64), with the
