@@ -71,7 +71,7 @@ def test_triton_forms_match_the_reference(form, decay):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
-                                         ("attention", "selective")])
+                                         ("attention", "fixed"), ("attention", "selective")])
 def test_triton_multiscan_matches_the_reference(form, decay):
     """Two snake scans over a grid with a class token: 11x18 for the chunk form (199 tokens, chunks of 64
     and 7: long enough that it runs the kernels, not one product), 7x10 for the rnn form."""
