@@ -685,3 +685,8 @@ def test_vector_decays_plan_the_portable_forms_and_other_scalings():
     assert [str(run) for run in ran] == ["attention form, torch backend: one masked product, vector decays",
                                          "rnn form, torch backend: recurrence loop, vector decays",
                                          "chunk form, torch backend: 4 chunks, vector decays"]
+    # above dispatch.VECTOR_ATTENTION_CHUNK tokens the attention form runs chunks of it: the same function
+    q, k, v, lams = vector_inputs(dispatch.VECTOR_ATTENTION_CHUNK + 6, "spread", torch.float64)
+    run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True)
+    assert str(run) == "attention form, torch backend: 2 chunks, vector decays"
+    assert rel_err(lion_attention(q, k, v, torch.log(lams)), naive_vector(q, k, v, lams)) < 1e-10

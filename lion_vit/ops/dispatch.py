@@ -61,6 +61,10 @@ CHUNK_BACKWARD_FALLBACK = "forward"
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
 
+# Vector decays' attention form is one chunk of their chunked form up to this many tokens, chunks of it above:
+# one chunk holds [L, L, Dk] weights, chunks [C, C, Dk] each (the same function; FLA's GLA chunk size).
+VECTOR_ATTENTION_CHUNK = 64
+
 _INSTALL_HINT = 'pip install "lion-vit[gpu]" (flash-linear-attention)'
 _warned = set()
 
@@ -90,7 +94,7 @@ class Plan:
     def __str__(self) -> str:
         if self.form == "rnn":
             what = "fused recurrent kernels" if self.backend == "triton" else "recurrence loop"
-        elif self.form == "chunk" and not self.whole:
+        elif (self.form == "chunk" or self.vector) and not self.whole:
             what = ("one chunk" if self.chunks == 1 else f"{self.chunks} chunks") + \
                 {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "") + \
                 (", backward by their forward pass" if self.backward_by_forward else "")
@@ -162,8 +166,10 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
             _warn_once("vector decays run the portable PyTorch forms on every device for now (flash-linear-"
                        "attention's vector-gate kernels are not wired yet)")
         form = "attention" if form == "auto" else form
-        if form == "chunk" and chunk_size is not None and chunk_size < length:
-            return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, vector=True)
+        if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else FLA's chunks
+            chunk_size = VECTOR_ATTENTION_CHUNK
+        if form != "rnn" and chunk_size is not None and chunk_size < length:
+            return Plan(form, "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, vector=True)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
