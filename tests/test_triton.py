@@ -174,6 +174,28 @@ def test_triton_scalings_match_the_reference(form, scaling, chunks_always):
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
+@pytest.mark.parametrize("form, scans, scaling", [("attention", 1, "sum"), ("chunk", 2, "sum"), ("rnn", 2, "sum"),
+                                                 ("chunk", 1, "none")])
+def test_triton_vector_decays_match_the_reference(form, scans, scaling):
+    """Vector decays (GLA's) on FLA's vector-gate kernels, every scan and direction in one launch, 70 tokens
+    (two of the chunk kernels' tiles; the two scans of a 3 x 23 grid and a class token): outputs and gradients
+    of q, k, v and the decays against the float64 reference, decays from near 0 to near 1."""
+    length = 70
+    orders = snake_orders(3, 23, num_prefix_tokens=1) if scans == 2 else None
+    g = torch.Generator().manual_seed(60)
+    q, k = (torch.rand(1, 2, length, 16, generator=g) + 0.1 for _ in "qk")
+    v = torch.randn(1, 2, length, 16, generator=g)
+    log_decays = torch.log(torch.rand(scans, 1, 2, length, 16, generator=g) * 0.98 + 0.01)
+    run = plan(form, None, length, 16, 16, num_scans=scans, device=DEVICE, backend="triton", vector=True)
+    assert run.backend == "triton" and run.vector
+
+    def triton(q, k, v, log_decays):
+        return lion_attention(q, k, v, log_decays, None if orders is None else orders.to(DEVICE), form=form,
+                              backend="triton", scaling=scaling)
+
+    _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
+
+
 @pytest.mark.parametrize("form", ["attention", "chunk"])
 def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always):
     """Two backward passes of the same call give bitwise equal gradients of q, k, v and the decays: no
@@ -221,7 +243,8 @@ def grid_images(batch: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name, forms", [("lion_s_natural_tiny", ("chunk",)), ("lion_d_tiny", ("chunk", "rnn")),
-                                         ("lion_xlstm_natural_tiny", ("attention",)), ("lion_mamba2_tiny", ("chunk",))])
+                                         ("lion_xlstm_natural_tiny", ("attention",)), ("lion_mamba2_tiny", ("chunk",)),
+                                         ("lion_gla_natural_tiny", ("chunk",))])
 def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always):
     """A small model in the chunk and rnn forms (and, for a Table 1 family, the fused attention form) on the
     triton backend agrees with the torch backend's attention form, at 82 tokens (the two-scan rnn form: above)."""

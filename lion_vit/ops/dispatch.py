@@ -14,6 +14,8 @@ exact way to get it:
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
   backend the fused attention form's, elsewhere the portable one's;
 - LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
+- vector decays (one per key channel, vector.py) run FLA's vector-gate kernels on the triton backend, the
+  portable vector forms elsewhere;
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
@@ -79,7 +81,7 @@ class Plan:
     triton backend its kernels' tile, TRITON_CHUNK); grouped: the triton backend runs the batch in groups
     of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
     backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
-    vector: the decays are vectors, one per key channel (vector.py: the portable forms for now).
+    vector: the decays are vectors, one per key channel (vector.py; triton/vector.py).
     """
 
     form: str
@@ -161,11 +163,11 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     check_form(form, chunk_size)
     auto_backend = backend == "auto"
     backend = resolve_backend(backend, device, dtype)
-    if vector:  # the portable vector forms (vector.py): the attention form one chunk, the rnn form chunks of 1
-        if backend == "triton":
-            _warn_once("vector decays run the portable PyTorch forms on every device for now (flash-linear-"
-                       "attention's vector-gate kernels are not wired yet)")
+    if vector:  # vector.py: the attention form one chunk (or FLA's chunks), the rnn form chunks of 1
         form = "attention" if form == "auto" else form
+        if backend == "triton":  # FLA's vector-gate kernels: chunked (attention and chunk forms) or recurrent
+            return Plan(form, "triton", chunks=chunk_count(length, TRITON_CHUNK) if form != "rnn" else 1,
+                        chunk_size=TRITON_CHUNK if form != "rnn" else None, vector=True)
         if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else FLA's chunks
             chunk_size = VECTOR_ATTENTION_CHUNK
         if form != "rnn" and chunk_size is not None and chunk_size < length:
@@ -217,6 +219,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
     plan's chunk_size."""
     if run.vector:
+        if run.backend == "triton":
+            return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
         return partial(_divided, vector_form, chunk_size=1 if run.form == "rnn" else run.chunk_size)
     if run.backend == "triton":
         kernels = triton_backend.attention_form if run.whole else \

@@ -8,5 +8,12 @@ imported until a call picks the triton backend.
 """
 from .fla import attention_form, available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
 
+
+def vector_form(*args, **kwargs):
+    """Vector decays on FLA's vector-gate kernels (vector.py; imported, with Triton, at the first call)."""
+    from .vector import vector_form as run
+    return run(*args, **kwargs)
+
+
 __all__ = ["attention_form", "available", "chunk_backward_fails", "chunk_form", "recurrent_form",
-           "unavailable_reason"]
+           "unavailable_reason", "vector_form"]

@@ -62,6 +62,13 @@ def _kernels():
     return chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
 
 
+@lru_cache(maxsize=None)
+def _vector_kernels():
+    """FLA's vector-gate kernels (chunk_gla, fused_recurrent_gla), for vector decays (vector.py)."""
+    from fla.ops.gla import chunk_gla, fused_recurrent_gla
+    return chunk_gla, fused_recurrent_gla
+
+
 @torch.compiler.assume_constant_result
 def chunk_backward_fails(device: torch.device) -> bool:
     """Whether FLA's gated chunk backward refuses to run on this device: on Hopper GPUs (H100, H200)
