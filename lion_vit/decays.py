@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay",
-           "GLADecay", "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
+           "GLADecay", "HGRN2Decay", "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
 
 
 def in_mask_precision(t: Tensor) -> Tensor:
@@ -49,6 +49,7 @@ class Decay(nn.Module):
 
     decayed = True  # False: the all-ones mask of LION-lit, which needs positional embeddings
     vector = False  # True: one decay per key channel too, [S, B|1, H, L, Dk] (ops/vector.py)
+    shared_by_scans = False  # True: every scan reads the same decays (along its own order)
 
     def __init__(self, dim: int, num_heads: int, num_scans: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
@@ -176,9 +177,36 @@ class GLADecay(Decay):
         return (F.logsigmoid(logits) / self.NORMALIZER).permute(2, 0, 3, 1, 4)
 
 
+class HGRN2Decay(Decay):
+    """HGRN-2's forget gate, one decay per token, head and key channel: lam = b + (1 - b) sigmoid(W x + c), above
+    a learned lower bound b = sigmoid(beta) per channel (HGRN-2 ties the bounds to grow with depth, which a layer
+    does not know: here each layer learns its own, starting near 0). One gate for every scan, since HGRN-2's keys
+    are 1 - lam (gates.OneMinusDecay): the two snake scans read the same decays along their orders."""
+
+    vector = True
+    shared_by_scans = True
+
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.proj = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.lower_bound_logit = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        nn.init.normal_(self.proj.weight, std=0.02)
+        nn.init.zeros_(self.proj.bias)
+        self.lower_bound_logit.fill_(-6.0)  # b = 0.0025
+
+    def forward(self, x):  # [B, L, H * Dk] -> [S, B, H, L, Dk], the same for every scan
+        bound = torch.sigmoid(in_mask_precision(self.lower_bound_logit))
+        lam = bound + (1 - bound) * torch.sigmoid(in_mask_precision(self.proj(x)))
+        log_decay = torch.log(lam).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
+        return log_decay[None].expand(self.num_scans, *log_decay.shape)
+
+
 DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay,
                                   "retnet": RetNetDecay, "mamba2": Mamba2Decay, "xlstm": XLSTMForgetDecay,
-                                  "gla": GLADecay}
+                                  "gla": GLADecay, "hgrn2": HGRN2Decay}
 
 
 def register_decay(name: str, kind: Type[Decay]) -> None:

@@ -1,7 +1,8 @@
 """Key gates: a factor on each key, i_j k_j, that some linear transformers of the paper's Table 1 put on the
-state's input (xLSTM's input gate: S_i = f_i S_{i-1} + i_i k_i v_i^T). Like a decay kind (decays.py), a
-gate kind is an `nn.Module` its layer owns (`LionAttention.key_gate`); its forward gives the gate
-[B, H, L, 1] > 0 from the layer's input, which the layer multiplies into the keys' features.
+state's input (xLSTM's input gate: S_i = f_i S_{i-1} + i_i k_i v_i^T), or keys made of the decays (HGRN-2's
+k_j = 1 - lam_j). Like a decay kind (decays.py), a gate kind is an `nn.Module` its layer owns
+(`LionAttention.key_gate`); its forward gives the gate [B, H, L, 1 | Dk] from the layer's input and log decays,
+which the layer multiplies into the keys' features (or, replaces_keys, takes as the keys).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 
 from .decays import in_mask_precision
 
-__all__ = ["KeyGate", "NoKeyGate", "InputGate", "KEY_GATES", "register_key_gate"]
+__all__ = ["KeyGate", "NoKeyGate", "InputGate", "OneMinusDecay", "KEY_GATES", "register_key_gate"]
 
 
 class KeyGate(nn.Module):
@@ -20,6 +21,7 @@ class KeyGate(nn.Module):
     weight init, forward(x) at every call."""
 
     gated = True  # False: no gate, the keys as their features are
+    replaces_keys = False  # True: the gate is the keys (the projected keys are not read)
 
     def __init__(self, dim: int, num_heads: int, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
@@ -30,8 +32,9 @@ class KeyGate(nn.Module):
     def reset_parameters(self) -> None:
         """The parameters' initial values (none by default)."""
 
-    def forward(self, x: Tensor) -> Optional[Tensor]:
-        """The gate [B, H, L, 1] > 0 for the layer's input x [B, L, dim] (float32, float64 for float64 x)."""
+    def forward(self, x: Tensor, log_decays: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The gate [B, H, L, 1 | Dk] > 0 for the layer's input x [B, L, dim] and its log decays (its decay kind's,
+        [S, ...]), in float32 (float64 for float64 x)."""
         raise NotImplementedError
 
 
@@ -40,7 +43,7 @@ class NoKeyGate(KeyGate):
 
     gated = False
 
-    def forward(self, x: Tensor) -> None:
+    def forward(self, x: Tensor, log_decays: Optional[Tensor] = None) -> None:
         return None
 
 
@@ -58,11 +61,21 @@ class InputGate(KeyGate):
         nn.init.zeros_(self.proj.weight)
         nn.init.normal_(self.proj.bias, std=0.1)
 
-    def forward(self, x):  # [B, L, H] -> [B, H, L, 1]
+    def forward(self, x, log_decays=None):  # [B, L, H] -> [B, H, L, 1]
         return in_mask_precision(self.proj(x)).exp().transpose(1, 2)[..., None]
 
 
-KEY_GATES: Dict[str, Type[KeyGate]] = {"none": NoKeyGate, "input": InputGate}
+class OneMinusDecay(KeyGate):
+    """HGRN-2's keys, k_j = 1 - lam_j per key channel, from its forget gate (a vector decay kind whose decays every
+    scan shares, decays.HGRN2Decay): the projected keys are not read."""
+
+    replaces_keys = True
+
+    def forward(self, x, log_decays=None):  # [S, B|1, H, L, Dk] -> [B|1, H, L, Dk]
+        return -torch.expm1(log_decays[0])
+
+
+KEY_GATES: Dict[str, Type[KeyGate]] = {"none": NoKeyGate, "input": InputGate, "one_minus_decay": OneMinusDecay}
 
 
 def register_key_gate(name: str, kind: Type[KeyGate]) -> None:

@@ -40,9 +40,10 @@ def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0, vector: boo
     return log_decay
 
 
-def _gated(k: Tensor, gate: Tensor) -> Tensor:
-    """Key features [B, H, L, D] times their gate [B, H, L, 1], in the keys' dtype."""
-    return k * gate.to(k.dtype)
+def _gated(k: Tensor, gate: Tensor, replaces: bool = False) -> Tensor:
+    """Key features [B, H, L, D] times their gate [B|1, H, L, 1 | D] (or, replaces, the gate as the keys), in the
+    keys' dtype."""
+    return gate.to(k.dtype).expand_as(k).contiguous() if replaces else k * gate.to(k.dtype)
 
 
 def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: int, device: torch.device) -> Tensor:
@@ -98,6 +99,12 @@ class LionAttention(nn.Module):
         if key_gate not in KEY_GATES:
             raise ValueError(f"unknown key_gate {key_gate!r}; choose one of {sorted(KEY_GATES)} "
                              "(lion_vit.gates.register_key_gate adds one)")
+        if KEY_GATES[key_gate].replaces_keys and decay in DECAYS and not DECAYS[decay].decayed:
+            raise ValueError(f"key_gate={key_gate!r} makes the keys of the decays; decay={decay!r} has none")
+        if KEY_GATES[key_gate].replaces_keys and num_scans > 1 and decay in DECAYS and \
+                not DECAYS[decay].shared_by_scans:
+            raise ValueError(f"key_gate={key_gate!r} makes one set of keys of the decays, but decay={decay!r} "
+                             "gives each scan its own; use a decay kind that every scan shares (hgrn2) or num_scans=1")
         if decay not in DECAYS:
             raise ValueError(f"unknown decay {decay!r}; choose one of {sorted(DECAYS)} (lion_vit.decays.register_decay "
                              "adds one)")
@@ -200,10 +207,10 @@ class LionAttention(nn.Module):
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
         q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
         feature_map = self.feature_map_name
-        if self.key_gate.gated:  # the gate multiplies the keys' features: mapped here
-            q, k = mapped(q, k, feature_map)
-            k, feature_map = _gated(k, self.key_gate(x)), None
         log_decays = self.log_decay(x)
+        if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): mapped here
+            q, k = mapped(q, k, feature_map)
+            k, feature_map = _gated(k, self.key_gate(x, log_decays), self.key_gate.replaces_keys), None
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,
                            backend=self.attn_backend, feature_map=feature_map, scaling=self.scaling)

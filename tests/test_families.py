@@ -1,4 +1,4 @@
-"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM, GLA as LION layers) against a float64 reference written
+"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM, GLA, HGRN-2 as LION layers) against a float64 reference written
 straight from the table's formulas and the families' papers' parametrisations: each layer's output and the
 gradients of its input and every parameter, in every form, one scan and two, at an odd length, with decays
 near 0 and near 1. The reference reads the layer's weights, not its code: its features, decays, gate and
@@ -37,6 +37,8 @@ def family_layer(family: str, decays: str) -> torch.nn.Module:
             decay.proj.bias.add_(-shift * 10.0)
         elif family.startswith("lion_gla"):  # log lam = logsigmoid(z) / 16, per key channel
             decay.up.bias.add_(-shift * 100.0 if shift > 0 else 10.0 * -shift)
+        elif family.startswith("lion_hgrn2"):  # lam = b + (1 - b) sigmoid(z), per key channel
+            decay.proj.bias.add_(-shift * 12.0)
     return attn
 
 
@@ -46,7 +48,7 @@ def reference(attn, x: torch.Tensor, family: str) -> torch.Tensor:
     heads, scans = attn.num_heads, attn.num_scans
     q, k, v = (x @ attn.qkv.weight.T + attn.qkv.bias).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
     width = q.shape[-1]
-    if family.startswith("lion_mamba2"):  # C and B through SiLU
+    if family.startswith(("lion_mamba2", "lion_hgrn2")):  # C and B (HGRN-2: q) through SiLU
         q, k = F.silu(q), F.silu(k)
     else:  # RetNet's and xLSTM's keys scaled by 1 / sqrt(d)
         k = k / width ** 0.5
@@ -59,9 +61,14 @@ def reference(attn, x: torch.Tensor, family: str) -> torch.Tensor:
         lam = torch.exp(-F.softplus(dt + decay.dt_bias[:, None, :, None]) * decay.A_log.exp()[:, None, :, None])
     elif family.startswith("lion_xlstm"):  # xLSTM's forget gate f_t = sigmoid(w . x_t + b)
         lam = torch.sigmoid(x @ decay.proj.weight.T + decay.proj.bias).unflatten(-1, (scans, heads)).permute(2, 0, 3, 1)
-    else:  # GLA's gate, per key channel: alpha_t = sigmoid(x_t W_1 W_2 + b)^(1/16)  [S, B, H, L, Dk]
+    elif family.startswith("lion_gla"):  # GLA's gate, per key channel: sigmoid(x_t W_1 W_2 + b)^(1/16) [S, B, H, L, Dk]
         z = x @ decay.down.weight.T @ decay.up.weight.T + decay.up.bias
         lam = (torch.sigmoid(z) ** (1 / 16)).unflatten(-1, (scans, heads, width)).permute(2, 0, 3, 1, 4)
+    else:  # HGRN-2's forget gate above its lower bound, one for both scans; its keys are 1 - lam
+        bound = torch.sigmoid(decay.lower_bound_logit)
+        lam = bound + (1 - bound) * torch.sigmoid(x @ decay.proj.weight.T + decay.proj.bias)
+        lam = lam.unflatten(-1, (heads, width)).transpose(1, 2)[None].expand(scans, -1, -1, -1, -1)
+        k = 1 - lam[0]
     if family.startswith("lion_xlstm"):  # U = i * K, xLSTM's input gate i_t = exp(w . x_t + b)
         k = k * torch.exp(x @ attn.key_gate.proj.weight.T + attn.key_gate.proj.bias).transpose(1, 2)[..., None]
     orders = attn.scan_orders(length, x.device) if scans == 2 else torch.arange(length)[None]
@@ -131,3 +138,14 @@ def test_gla_plans_its_vector_decays_in_every_form():
     assert str(model.attn_plan((32, 48))) == "attention form, torch backend: one masked product, vector decays"
     assert str(model.set_attn_form("chunk", 4).attn_plan((32, 48))) == \
         "chunk form, torch backend: 2 chunks, vector decays"
+
+
+def test_keys_made_of_decays_need_decays_every_scan_shares():
+    """HGRN-2's keys 1 - lam are one set: a decay kind that gives each scan its own (or none) is one line."""
+    with pytest.raises(ValueError, match="gives each scan its own; use a decay kind that every scan shares"):
+        timm.create_model("lion_gla_natural_tiny", key_gate="one_minus_decay")
+    with pytest.raises(ValueError, match="makes the keys of the decays; decay='lit' has none"):
+        timm.create_model("lion_lit_tiny", key_gate="one_minus_decay", feature_map="swish", scaling="none")
+    attn = next(timm.create_model("lion_hgrn2_natural_tiny").lion_attentions())
+    log_decays = attn.log_decay(torch.randn(2, 5, attn.qkv.in_features))
+    assert log_decays.shape == (2, 2, 3, 5, 64) and torch.equal(log_decays[0], log_decays[1])

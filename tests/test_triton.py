@@ -244,7 +244,7 @@ def grid_images(batch: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name, forms", [("lion_s_natural_tiny", ("chunk",)), ("lion_d_tiny", ("chunk", "rnn")),
                                          ("lion_xlstm_natural_tiny", ("attention",)), ("lion_mamba2_tiny", ("chunk",)),
-                                         ("lion_gla_natural_tiny", ("chunk",))])
+                                         ("lion_gla_natural_tiny", ("chunk",)), ("lion_hgrn2_tiny", ("rnn",))])
 def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always):
     """A small model in the chunk and rnn forms (and, for a Table 1 family, the fused attention form) on the
     triton backend agrees with the torch backend's attention form, at 82 tokens (the two-scan rnn form: above)."""
