@@ -96,18 +96,18 @@ class LionAttention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        if key_gate not in KEY_GATES:
-            raise ValueError(f"unknown key_gate {key_gate!r}; choose one of {sorted(KEY_GATES)} "
-                             "(lion_vit.gates.register_key_gate adds one)")
-        if KEY_GATES[key_gate].replaces_keys and decay in DECAYS and not DECAYS[decay].decayed:
-            raise ValueError(f"key_gate={key_gate!r} makes the keys of the decays; decay={decay!r} has none")
-        if KEY_GATES[key_gate].replaces_keys and num_scans > 1 and decay in DECAYS and \
-                not DECAYS[decay].shared_by_scans:
-            raise ValueError(f"key_gate={key_gate!r} makes one set of keys of the decays, but decay={decay!r} "
-                             "gives each scan its own; use a decay kind that every scan shares (hgrn2) or num_scans=1")
         if decay not in DECAYS:
             raise ValueError(f"unknown decay {decay!r}; choose one of {sorted(DECAYS)} (lion_vit.decays.register_decay "
                              "adds one)")
+        if key_gate not in KEY_GATES:
+            raise ValueError(f"unknown key_gate {key_gate!r}; choose one of {sorted(KEY_GATES)} "
+                             "(lion_vit.gates.register_key_gate adds one)")
+        if KEY_GATES[key_gate].replaces_keys and not DECAYS[decay].decayed:
+            raise ValueError(f"key_gate={key_gate!r} makes the keys of the decays; decay={decay!r} has none")
+        if KEY_GATES[key_gate].replaces_keys and num_scans > 1 and \
+                not DECAYS[decay].shared_by_scans:
+            raise ValueError(f"key_gate={key_gate!r} makes one set of keys of the decays, but decay={decay!r} "
+                             "gives each scan its own; use a decay kind that every scan shares (hgrn2) or num_scans=1")
         if num_scans not in (1, 2):
             raise ValueError(f"num_scans must be 1 (raster) or 2 (row and column snakes), got {num_scans}")
         if num_scans == 2 and not DECAYS[decay].decayed:
