@@ -69,3 +69,33 @@ def test_scaling_is_a_model_setting_that_every_form_follows():
             assert rel_err(model.set_attn_form(form, chunk)(x), expected) < 1e-10, form
     with pytest.raises(ValueError, match="scaling='sum' divides by sum_j q_i . k_j, which needs positive features"):
         timm.create_model("lion_d_tiny", feature_map="identity")
+
+
+def test_a_key_gate_defined_outside_the_package():
+    """One class, one registration: a constant gate of 1/2 on every key leaves LION's row-sum scaling unchanged
+    and halves an unscaled output; registering an instance is one TypeError."""
+    from lion_vit.gates import KEY_GATES, KeyGate, register_key_gate
+
+    class Half(KeyGate):
+        def forward(self, x, log_decays=None):
+            return torch.full((1, self.num_heads, x.shape[1], 1), 0.5, dtype=torch.float64, device=x.device)
+
+    with pytest.raises(TypeError, match="takes a subclass of lion_vit.gates.KeyGate"):
+        register_key_gate("half", Half(8, 2))
+    register_key_gate("half", Half)
+    try:
+        x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        for scaling, feature_map, factor in (("sum", "silu_norm", 1.0), ("none", "identity", 0.5)):
+            settings = dict(num_classes=4, img_size=32, patch_size=8, depth=1, scaling=scaling, feature_map=feature_map)
+            plain = timm.create_model("lion_d_tiny", **settings).double().eval()
+            gated = timm.create_model("lion_d_tiny", key_gate="half", **settings).double().eval()
+            gated.load_state_dict(plain.state_dict())
+            attn = next(gated.lion_attentions())
+            tokens = torch.randn(2, 16, 192, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            attn.grid_size = next(plain.lion_attentions()).grid_size = (4, 4)
+            with torch.no_grad():
+                got, want = attn(tokens), next(plain.lion_attentions())(tokens)
+                assert rel_err(got - attn.proj.bias, factor * (want - attn.proj.bias)) < 1e-12, scaling
+                assert gated(x).shape == (2, 4)
+    finally:
+        KEY_GATES.pop("half")
