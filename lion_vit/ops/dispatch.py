@@ -63,8 +63,8 @@ CHUNK_BACKWARD_FALLBACK = "forward"
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
 
-# Vector decays' attention form is one chunk of their chunked form up to this many tokens, chunks of it above:
-# one chunk holds [L, L, Dk] weights, chunks [C, C, Dk] each (the same function; FLA's GLA chunk size).
+# Vector decays' attention form is one chunk of their chunked form up to this many tokens, chunks of it above
+# (the same function; FLA's GLA chunk size): a chunk costs log2(C) levels of [C, Dk] operands.
 VECTOR_ATTENTION_CHUNK = 64
 
 _INSTALL_HINT = 'pip install "lion-vit[gpu]" (flash-linear-attention)'

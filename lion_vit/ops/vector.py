@@ -10,11 +10,11 @@ which is no longer a product of matrices. Each direction is a causal gated linea
     o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v1_j      (v1 = [v, 1]: the normaliser rides along)
 
 the forward direction with g_p = a_{p-1} (the diagonal included), the backward direction the same on the
-mirrored sequence (without the diagonal). Chunk by chunk of C tokens: inside a chunk the [C, C, Dk] weights
-exp(G_i - G_j) (i >= j), between chunks a state [Dk, Dv + 1] decayed per channel. Every exponent is a sum of
-log decays <= 0, so nothing overflows. One routine serves the three forms: the attention form is one chunk
-(its [L, L, Dk] weights), the rnn form chunks of one token (a state and nothing L-sized besides autograd's),
-the chunk form chunks of chunk_size.
+mirrored sequence (without the diagonal). Chunk by chunk of C tokens: inside a chunk the pairs by halves
+(`_within`: two matrix products per level, as FLA's kernels split a chunk into sub-chunks), between chunks a
+state [Dk, Dv + 1] decayed per channel. Every exponent is a sum of log decays <= 0, so nothing overflows.
+One routine serves the three forms: the attention form is one chunk (chunks of 64 above 64 tokens), the rnn
+form chunks of one token (a state and nothing L-sized besides autograd's), the chunk form chunks of chunk_size.
 """
 from __future__ import annotations
 
@@ -58,12 +58,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bo
         stop = min(start + chunk, length)
         qc, kc, vc = q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :]
         gc = g[..., start:stop, :].to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
-        # inside the chunk: exp(G_i - G_j) for j <= i (< i), summed against q_i^c k_j^c over the channels
-        size = stop - start
-        keep = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(0 if diagonal else -1)
-        exponent = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
-        weights = torch.einsum("...ic,...jc,...ijc->...ij", qc, kc, exponent.exp().to(q.dtype))
-        out = weights @ vc
+        out = _within(qc, kc, vc, gc, diagonal)
         if start:  # the state of the chunks before, decayed to this chunk's tokens
             out = out + (qc * gc.exp().to(q.dtype)) @ state
         outputs.append(out)
@@ -72,3 +67,30 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bo
             state = last.exp().to(q.dtype).transpose(-1, -2) * state + \
                 (kc * (last - gc).exp().to(q.dtype)).transpose(-1, -2) @ vc
     return torch.cat(outputs, dim=-2)
+
+
+def _within(q: Tensor, k: Tensor, v: Tensor, cumulative: Tensor, diagonal: bool) -> Tensor:
+    """sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v_j inside one chunk (j < i without the diagonal), G the
+    non-increasing `cumulative` gates, by halves: in every block, the pairs (i in its right half, j in its
+    left half) factor through G_r, the left half's last G, as (q_i * exp(G_i - G_r)) . (k_j * exp(G_r - G_j))
+    with both exponents <= 0: two matrix products per level, log2(chunk) levels, and no [C, C, Dk] tensor.
+    The chunk is padded to a power of two (zero keys and values, the last G repeated)."""
+    size = q.shape[-2]
+    n = 1 << (size - 1).bit_length()
+    if n > size:
+        q, k, v = (F.pad(t, (0, 0, 0, n - size)) for t in (q, k, v))
+        cumulative = torch.cat([cumulative, cumulative[..., -1:, :].expand(*cumulative.shape[:-2], n - size, -1)], -2)
+    out = (q * k).sum(-1, keepdim=True) * v if diagonal else torch.zeros_like(v)
+    half = 1
+    while half < n:
+        def halves(t: Tensor) -> Tensor:  # [..., blocks, 2 halves, half, D]
+            return t.reshape(*t.shape[:-2], n // (2 * half), 2, half, t.shape[-1])
+
+        qs, ks, vs, gs = halves(q), halves(k), halves(v), halves(cumulative)
+        ref = gs[..., 0, -1:, :]
+        right = qs[..., 1, :, :] * (gs[..., 1, :, :] - ref).exp().to(q.dtype)
+        left = ks[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp().to(q.dtype)
+        part = (right @ left.transpose(-1, -2)) @ vs[..., 0, :, :]  # to the right halves, from the left ones
+        out = out + torch.stack([torch.zeros_like(part), part], dim=-3).reshape(out.shape)
+        half *= 2
+    return out[..., :size, :]
