@@ -16,12 +16,13 @@ Prints each rate and its ratio to the old path at the same number of workers, an
 
 With --train MODEL ..., end to end instead (a GPU's measurement, as gpu_check.sh's `input` part runs it):
 train.py trains each model for --epochs on the folder (plus a small val/ split) with the recipe and
-num_workers=auto, eager and compiled (--compile), and its last epoch's images per second and share of
-time waiting for data are set against the model-only rate of benchmark_train.py for the same model,
-batch, precision and compile, measured in the same run; <out>/input_train.{csv,json}.
+num_workers=auto, eager and compiled (--compile), decoding in the workers or on the device (--decode:
+data.decode=cpu or gpu), and its last epoch's images per second and share of time waiting for data are
+set against the model-only rate of benchmark_train.py for the same model, batch, precision and compile,
+measured in the same run; <out>/input_train.{csv,json}.
 
     python scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
-        --train deit_small_patch16_224 lion_d_small --compile both
+        --train deit_small_patch16_224 lion_d_small --compile both --decode cpu gpu
 """
 from __future__ import annotations
 
@@ -121,13 +122,14 @@ def images_per_second(batches, epoch: int) -> float:
     return count / (time.perf_counter() - start) if count else 0.0
 
 
-def end_to_end(args, model: str, compile: bool, out: Path) -> dict:
-    """train.py on the folder (its last epoch) against benchmark_train.py's model-only step, in subprocesses."""
-    run = out / f"train_{model}{'_compiled' if compile else ''}"
+def end_to_end(args, model: str, compile: bool, decode: str, out: Path) -> dict:
+    """train.py on the folder (its last epoch, data.decode=decode) against benchmark_train.py's model-only step,
+    in subprocesses."""
+    run = out / f"train_{model}{'_compiled' if compile else ''}_decode_{decode}"
     shutil.rmtree(run, ignore_errors=True)  # this script's run of an earlier call: train.py refuses a used folder
     recipe_args = [f"img_size={args.img_size}", f"batch_size={args.batch_size}", f"compile={str(compile).lower()}"]
     command = [sys.executable, str(ROOT / "train.py"), "experiment=deit_small_imagenet", f"data.root={args.data}",
-               f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false",
+               f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false", f"data.decode={decode}",
                f"device={args.device}", f"output_dir={run}", "logger.wandb.mode=disabled", *recipe_args]
     trained = subprocess.run(command, capture_output=True, text=True)
     if trained.returncode:
@@ -142,10 +144,10 @@ def end_to_end(args, model: str, compile: bool, out: Path) -> dict:
         sys.exit(f"benchmark_input.py: benchmark_train.py failed for {model}: {measured.stderr.strip()[-300:]}")
     with open(only / "train.csv") as f:
         model_only = float(next(csv.DictReader(f))["imgs_per_s"])
-    row = dict(model=model, compile=compile, device=args.device, batch_size=args.batch_size, img_size=args.img_size,
+    row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size, img_size=args.img_size,
                workers=resolve_num_workers("auto"), imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
                x_model_only=last["imgs_per_s"] / model_only, data_wait_share=last["data_wait_share"])
-    print(f"{model}{' compiled' if compile else ''}: {row['imgs_per_s']:.0f} images/s end to end, {model_only:.0f} "
+    print(f"{model}{' compiled' if compile else ''}, decode {decode}: {row['imgs_per_s']:.0f} images/s end to end, {model_only:.0f} "
           f"model only (x{row['x_model_only']:.2f}), {100 * row['data_wait_share']:.0f} % waiting for data", flush=True)
     return row
 
@@ -164,6 +166,8 @@ def main() -> None:
     parser.add_argument("--train", nargs="+", metavar="MODEL", help="end to end: train.py on the folder against "
                         "benchmark_train.py, for these models (see above)")
     parser.add_argument("--compile", choices=["no", "yes", "both"], default="no", help="with --train")
+    parser.add_argument("--decode", nargs="+", choices=["cpu", "gpu"], default=["cpu"],
+                        help="with --train: data.decode, where the JPEGs are decoded and augmented")
     parser.add_argument("--epochs", type=positive_int, default=2, help="with --train: the last one is measured")
     parser.add_argument("--steps", type=positive_int, default=10, help="with --train: benchmark_train.py's steps")
     parser.add_argument("--device", default="cpu", type=device_name, help="with --train: cpu or cuda")
@@ -179,9 +183,10 @@ def main() -> None:
     if args.train:
         args.data = args.data.resolve()
         compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-        rows = [end_to_end(args, model, compile, args.out) for model in args.train for compile in compiled]
+        rows = [end_to_end(args, model, compile, decode, args.out)
+                for decode in args.decode for model in args.train for compile in compiled]
         write_table(rows, args.out, "input_train")
-        print(markdown_table(rows, ["model", "compile", "workers", "imgs_per_s", "model_only_imgs_per_s",
+        print(markdown_table(rows, ["model", "compile", "decode", "workers", "imgs_per_s", "model_only_imgs_per_s",
                                     "x_model_only", "data_wait_share"]))
         return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)

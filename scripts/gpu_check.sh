@@ -4,11 +4,13 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input (all by default, in
+# PART: tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu
+# (all by default, in
 # this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
 #   fused | tests inference | equivalence fallback | normaliser forms | graphs compile | compile_natural | input
+#   | input_gpu
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
 # one archive after every part, so that a run cut short still returns what it finished. --commit names
@@ -16,15 +18,16 @@
 # commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input"
+all_parts="tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, inference and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
 # 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
-# fused: its tests, then eight short eager runs of which the old train part's two took 37 s)
+# fused: its tests, then eight short eager runs of which the old train part's two took 37 s; input_gpu: the
+# device decoding's tests, then input's runs with data.decode=gpu)
 declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=7 [fallback]=2 [normaliser]=3 [forms]=6
-                    [compile]=4 [compile_natural]=4 [input]=9)
+                    [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
     case $1 in
@@ -162,6 +165,11 @@ for part in "${parts[@]}"; do
             # the DeiT-S recipe and num_workers=auto, against the model-only step, eager and compiled
             run input python3 scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
                 --train $deit lion_d_small --compile both --data /tmp/lion-vit-input --out "$out/input" ;;
+        input_gpu)  # the same with data.decode=gpu (nvJPEG and the augmentation on the GPU), after its tests there
+            run tests_gpu_decode python3 -m pytest -q -p no:cacheprovider tests/test_gpu_decode.py
+            run input_gpu python3 scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
+                --train $deit lion_d_small --compile both --decode gpu --data /tmp/lion-vit-input \
+                --out "$out/input_gpu" ;;
     esac
     if [[ -z $dry ]]; then
         echo "-- part $part: $((SECONDS - start)) s"

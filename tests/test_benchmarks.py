@@ -473,16 +473,20 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
 
 
 def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_path):
-    """--train: train.py's last epoch on the folder (plus its val/ split) against benchmark_train.py."""
+    """--train: train.py's last epoch on the folder (plus its val/ split) against benchmark_train.py, with
+    the JPEGs decoded in the workers and (--decode gpu, here on the CPU) on the device."""
     run_script("benchmark_input.py", "--images", "8", "--batch-size", "4", "--img-size", "32", "--train",
-               "lion_d_tiny", "--epochs", "1", "--steps", "1", "--data", str(tmp_path / "images"), "--out", str(tmp_path))
+               "lion_d_tiny", "--epochs", "1", "--steps", "1", "--decode", "cpu", "gpu", "--data",
+               str(tmp_path / "images"), "--out", str(tmp_path))
     assert len(list((tmp_path / "images").glob("val/*/*.JPEG"))) == 32  # 4 for each of the 8 classes
-    (row,) = read_rows(tmp_path / "input_train.csv")
-    assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
-    metrics = json.loads((tmp_path / "train_lion_d_tiny" / "metrics.jsonl").read_text())
-    assert float(row["imgs_per_s"]) == pytest.approx(metrics["imgs_per_s"])
-    assert float(row["data_wait_share"]) == pytest.approx(metrics["data_wait_share"])
-    assert float(row["x_model_only"]) == pytest.approx(float(row["imgs_per_s"]) / float(row["model_only_imgs_per_s"]))
+    rows = read_rows(tmp_path / "input_train.csv")
+    assert [row["decode"] for row in rows] == ["cpu", "gpu"]
+    for row in rows:
+        assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
+        metrics = json.loads((tmp_path / f"train_lion_d_tiny_decode_{row['decode']}" / "metrics.jsonl").read_text())
+        assert float(row["imgs_per_s"]) == pytest.approx(metrics["imgs_per_s"])
+        assert float(row["data_wait_share"]) == pytest.approx(metrics["data_wait_share"])
+        assert float(row["x_model_only"]) == pytest.approx(float(row["imgs_per_s"]) / float(row["model_only_imgs_per_s"]))
 
 
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):

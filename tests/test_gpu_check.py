@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["tests", "equivalence", "inference", "graphs", "fused", "fallback", "normaliser", "forms", "compile",
-         "compile_natural", "input"]
+         "compile_natural", "input", "input_gpu"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -51,7 +51,8 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     commands = [c[2:] if c[0] == "env" else c for c in commands]
 
     tests = [c for c in commands if c[1:3] == ["-m", "pytest"]]
-    assert len(tests) == 2 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
+    assert len(tests) == 3 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
+    assert tests[2][-1] == "tests/test_gpu_decode.py"  # input_gpu's: the device decoding, natively
     assert all((ROOT / arg).is_file() for test in tests for arg in test if arg.startswith("tests/"))
     fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused part's: the fused attention form's tests, natively
     assert fused_tests == "attention or fused or same_bits" and "tests/test_triton.py" in tests[1]
@@ -77,6 +78,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/benchmark_input.py":  # end to end: train.py (bf16 autocast) against model-only
             assert args.device == "cuda" and args.compile == "both" and args.out.is_relative_to(out)
             assert args.train == ["deit_small_patch16_224", "lion_d_small"] and args.batch_size == 256
+            assert args.decode == (["gpu"] if args.out.name == "input_gpu" else ["cpu"])
             continue
         assert args.device == "cuda" and ("benchmark_" not in command[1] or args.dtype == "bfloat16"), command
         folder = getattr(args, "out", None) or getattr(args, "json", None)
@@ -257,7 +259,7 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
 
 @pytest.mark.parametrize("args, message", [
     (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs fused fallback normaliser forms compile "
-              "compile_natural input)"),
+              "compile_natural input input_gpu)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
     ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),

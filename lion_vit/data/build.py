@@ -15,10 +15,18 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from ..errors import UserError
 from .compat import patch_timm_posterize
 from .datasets import cifar, collate_dropping_unreadable, digits, image_folder
+from .gpu import DeviceDecodeLoader, DrawAugmentation, collate_samples, read_encoded
 
 patch_timm_posterize()  # RandAugment on Pillow >= 13 (see compat.py)
 
 KINDS = ("digits", "imagefolder", "imagenet", "cifar10", "cifar100")
+DECODES = ("cpu", "gpu")  # data.decode: where training images are decoded and augmented (see gpu.py)
+
+
+def decodes_on_device(data: DictConfig, train: bool) -> bool:
+    """data.decode=gpu: the training split's JPEGs are decoded and augmented on the device (lion_vit.data.gpu);
+    evaluation keeps the CPU path (a few percent of an epoch's images, and no random draws)."""
+    return train and data.get("decode", "cpu") == "gpu"
 
 
 def build_transform(data: DictConfig, aug: DictConfig, img_size: int, train: bool) -> Callable:
@@ -34,12 +42,16 @@ def build_transform(data: DictConfig, aug: DictConfig, img_size: int, train: boo
     return create_transform(is_training=False, crop_pct=data.crop_pct, **common)
 
 
-def on_device(loader: DataLoader, data: DictConfig, aug: Optional[DictConfig], device: torch.device) -> PrefetchLoader:
+def on_device(loader: DataLoader, data: DictConfig, aug: Optional[DictConfig], device: torch.device
+              ) -> Union[PrefetchLoader, DeviceDecodeLoader]:
     """timm's PrefetchLoader over a loader of build_transform's uint8 images: on the device it normalises them
     (data.mean / std) and, for training (aug given and enabled), draws DeiT's random erasing per image; on
-    CUDA it copies the next batch on a side stream while the current one trains."""
+    CUDA it copies the next batch on a side stream while the current one trains. With data.decode=gpu the
+    training loader's files are decoded and augmented there first (DeviceDecodeLoader)."""
     erasing = dict(re_prob=aug.reprob, re_mode=aug.remode, re_count=aug.recount) if aug is not None and aug.enabled \
         else {}
+    if decodes_on_device(data, aug is not None):
+        return DeviceDecodeLoader(loader, device, mean=tuple(data.mean), std=tuple(data.std), **erasing)
     return PrefetchLoader(loader, mean=tuple(data.mean), std=tuple(data.std), device=device, **erasing)
 
 
@@ -54,8 +66,14 @@ def resolve_num_workers(num_workers: Union[int, str]) -> int:
 
 
 def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -> Dataset:
-    """split: "train" or "val"."""
+    """split: "train" or "val"; with data.decode=gpu the training split yields each file's bytes and drawn
+    augmentation (lion_vit.data.gpu) in place of an image."""
     kind, train = data.name, split == "train"
+    if decodes_on_device(data, train):
+        if kind not in ("imagefolder", "imagenet"):
+            raise UserError(f"data.decode=gpu decodes JPEG files: it needs data=imagefolder or data=imagenet, not "
+                            f"{kind}; set data.decode=cpu")
+        transform = DrawAugmentation(transform)
     if kind == "digits":
         return digits(train, transform)
     if kind in KINDS and not data.root:
@@ -64,7 +82,7 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
         return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
     if kind in ("imagefolder", "imagenet"):
         return image_folder(data.root, data.train_split if train else data.val_split, transform,
-                            drop_unreadable=not train)
+                            drop_unreadable=not train, loader=read_encoded if decodes_on_device(data, train) else None)
     raise UserError(f"unknown data.name {kind!r}; choose one of {KINDS}")
 
 
@@ -87,9 +105,10 @@ class ShardSampler(Sampler):
 
 def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers: int, rank: int,
                  world_size: int, seed: int, repeated_aug: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int = 2) -> DataLoader:
+                 prefetch_factor: int = 2, encoded: bool = False) -> DataLoader:
     """Training: shuffled per (seed, epoch) via `sampler.set_epoch`; repeated augmentation when asked.
-    prefetch_factor: batches each worker prepares ahead (with workers)."""
+    prefetch_factor: batches each worker prepares ahead (with workers); encoded: the dataset yields
+    data.decode=gpu's samples (files and draws), batched as lists."""
     sampler: Any
     if not train:
         sampler = ShardSampler(dataset, rank, world_size)
@@ -106,7 +125,7 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, drop_last=train, persistent_workers=False,
                       prefetch_factor=prefetch_factor if num_workers else None,
-                      collate_fn=collate_dropping_unreadable if dropping else None,
+                      collate_fn=collate_samples if encoded else collate_dropping_unreadable if dropping else None,
                       worker_init_fn=_leave_signals_to_the_main_process)
 
 

@@ -109,8 +109,9 @@ class SafeImageFolder(ImageFolder):
     part of an accuracy and the caller can name it.
     """
 
-    def __init__(self, root: str, transform: Optional[Callable] = None, drop_unreadable: bool = False) -> None:
-        super().__init__(root, transform=transform)
+    def __init__(self, root: str, transform: Optional[Callable] = None, drop_unreadable: bool = False,
+                 loader: Optional[Callable[[str], Any]] = None) -> None:
+        super().__init__(root, transform=transform, **({"loader": loader} if loader else {}))
         self.drop_unreadable = drop_unreadable
         self._warned: set = set()
 
@@ -151,14 +152,15 @@ def split_unreadable(images: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, L
 
 
 def image_folder(root: str, split: str, transform: Optional[Callable] = None,
-                 drop_unreadable: bool = False) -> SafeImageFolder:
-    """`root/<split>/<class>/<image>` (ImageNet's standard layout); drop_unreadable: see SafeImageFolder."""
+                 drop_unreadable: bool = False, loader: Optional[Callable[[str], Any]] = None) -> SafeImageFolder:
+    """`root/<split>/<class>/<image>` (ImageNet's standard layout); drop_unreadable: see SafeImageFolder;
+    loader: a file's path to what the transform takes (default: ImageFolder's, a PIL image)."""
     path = Path(root) / split
     if not path.is_dir():
         raise UserError(f"data folder {path} does not exist; set data.root to a folder with train/ and val/ "
                         f"class subfolders (see data/README.md)")
     try:
-        return SafeImageFolder(str(path), transform=transform, drop_unreadable=drop_unreadable)
+        return SafeImageFolder(str(path), transform=transform, drop_unreadable=drop_unreadable, loader=loader)
     except FileNotFoundError as error:
         flat = sum(1 for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
         if flat:  # ImageNet's validation archive unpacks flat

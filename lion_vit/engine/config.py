@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.optim import list_optimizers
 
-from ..data.build import KINDS
+from ..data.build import DECODES, KINDS
 from ..errors import UserError
 from ..ops import BACKENDS, FORM_CHOICES
 
@@ -127,6 +127,7 @@ class DataConfig:
     std: List[float] = MISSING
     interpolation: str = MISSING
     crop_pct: float = setting(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    decode: str = setting(choices=DECODES)
 
 
 @dataclass

@@ -24,7 +24,8 @@ from timm.utils import ModelEmaV3, NativeScaler, random_seed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..data import build_dataset, build_loader, build_transform, num_classes_of, on_device, resolve_num_workers
+from ..data import (build_dataset, build_loader, build_transform, decodes_on_device, num_classes_of, on_device,
+                    resolve_num_workers)
 from ..errors import UserError, first_line
 from ..from_vit import init_from_vit
 from ..hub import HubUnreachable
@@ -183,7 +184,7 @@ def _data(cfg: DictConfig, split: str, dist_info: DistInfo, device: torch.device
                           num_workers=resolve_num_workers(cfg.num_workers), rank=dist_info.rank,
                           world_size=dist_info.world_size, seed=cfg.seed,
                           repeated_aug=cfg.aug.repeated_aug if train else 0, pin_memory=device.type == "cuda",
-                          prefetch_factor=cfg.prefetch_factor)
+                          prefetch_factor=cfg.prefetch_factor, encoded=decodes_on_device(cfg.data, train))
     return dataset, on_device(loader, cfg.data, cfg.aug if train else None, device)
 
 

@@ -1,0 +1,347 @@
+"""data.decode=gpu: JPEG decoding and DeiT's training augmentation on the device.
+
+The workers only read each file's bytes and draw the augmentation's random parameters, with timm's own
+code in the order timm's PIL transform draws them (the same seed gives the same crops, flips and
+RandAugment ops). The main process decodes the batch with torchvision's nvJPEG decoder
+(`decode_jpeg(..., device="cuda")`, batched), then crops and resizes, flips and applies each image's
+RandAugment ops as tensor ops, normalises and draws timm's random erasing, all on the device. A file the
+device decoder rejects (CMYK, a PNG named .JPEG, ...) is decoded by PIL instead; those are counted.
+
+The tensor ops follow PIL's arithmetic (Image.blend's truncation, its affine transform's sampling and
+cubic kernel), so each equals timm's PIL op up to float rounding (tests/test_gpu_decode.py states the
+bounds). On a CPU device the same path runs (slowly: it is for tests).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
+from timm.data.auto_augment import RandAugment
+from timm.data.random_erasing import RandomErasing
+from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation, ToNumpy
+from torch import Tensor
+from torch.utils.data import DataLoader
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import ColorJitter, InterpolationMode, RandomHorizontalFlip
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+# PIL's resampling filters as torchvision's interpolation modes (RandomResizedCrop's resize)
+_MODES = {Image.Resampling.NEAREST: InterpolationMode.NEAREST, Image.Resampling.BILINEAR: InterpolationMode.BILINEAR,
+          Image.Resampling.BICUBIC: InterpolationMode.BICUBIC}
+
+
+class Encoded(NamedTuple):
+    """A file's bytes (uint8 [N]), its size from the header (width, height) and its path."""
+    data: Tensor
+    size: Tuple[int, int]
+    path: str
+
+
+def read_encoded(path: str) -> Encoded:
+    """An ImageFolder loader for the workers: the bytes, and the size PIL reads from the header (PIL raises
+    for a file it cannot identify, as it does when it decodes one)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    with Image.open(io.BytesIO(data)) as image:
+        size = image.size
+    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, path)
+
+
+@dataclass
+class Draw:
+    """One image's augmentation: crop box (top, left, height, width) resized to `size` with
+    `interpolation`, a horizontal flip, then RandAugment's ops as (timm function name, level args, kwargs)."""
+    box: Tuple[int, int, int, int]
+    size: Tuple[int, int]
+    interpolation: Any
+    flip: bool = False
+    ops: List[Tuple[str, tuple, Dict[str, Any]]] = field(default_factory=list)
+
+
+class Sample(NamedTuple):
+    encoded: Encoded
+    draw: Draw
+
+
+class DrawAugmentation:
+    """The transform the workers run: draws what timm's DeiT transform `transform` would do to an image of
+    the file's size, with the same random calls in the same order, and applies none of it."""
+
+    def __init__(self, transform: Callable) -> None:
+        steps = getattr(transform, "transforms", [transform])
+        self.crop: Optional[RandomResizedCropAndInterpolation] = None
+        self.flip: Optional[RandomHorizontalFlip] = None
+        self.augment: Optional[RandAugment] = None
+        self.jitter: Optional[ColorJitter] = None
+        for step in steps:
+            if isinstance(step, RandomResizedCropAndInterpolation) and self.crop is None:
+                self.crop = step
+            elif isinstance(step, RandomHorizontalFlip) and self.crop is not None and self.flip is None:
+                self.flip = step
+            elif isinstance(step, RandAugment) and self.crop is not None and self.augment is None:
+                self.augment = _recording(step)
+            elif isinstance(step, ColorJitter) and _no_jitter(step):  # aug.color_jitter=0 without RandAugment
+                self.jitter = step
+            elif not isinstance(step, (MaybePILToTensor, ToNumpy)):
+                raise UserError(f"data.decode=gpu has no device version of {type(step).__name__} (it runs timm's "
+                                f"RandomResizedCrop, flip and RandAugment); set data.decode=cpu, or aug.color_jitter=0 "
+                                f"with aug.auto_augment=null")
+        if self.crop is None:
+            raise UserError("data.decode=gpu runs DeiT's training augmentation (RandomResizedCrop first): set "
+                            "aug.enabled=true, or data.decode=cpu")
+
+    def __call__(self, encoded: Encoded) -> Sample:
+        crop = self.crop
+        width, height = encoded.size  # an image of that size without pixels: all get_params reads
+        box = crop.get_params(torch.empty(1, 1, 1).expand(1, height, width), crop.scale, crop.ratio)
+        interpolation = crop.interpolation
+        if isinstance(interpolation, (tuple, list)):
+            interpolation = random.choice(interpolation)
+        draw = Draw(tuple(int(b) for b in box), tuple(crop.size), interpolation)
+        if self.flip is not None:
+            draw.flip = bool(torch.rand(1) < self.flip.p)  # torchvision's RandomHorizontalFlip draws so
+        if self.jitter is not None:
+            self.jitter.get_params(None, None, None, None)  # the order it draws (and nothing to jitter)
+        if self.augment is not None:
+            self.augment(draw.ops)
+        return Sample(encoded, draw)
+
+
+def _no_jitter(jitter: ColorJitter) -> bool:
+    return all(getattr(jitter, name) is None for name in ("brightness", "contrast", "saturation", "hue"))
+
+
+def _recording(augment: RandAugment) -> RandAugment:
+    """A copy of timm's RandAugment whose ops append (name, level args, kwargs) to the list they are given
+    in place of changing an image: timm's own code draws the ops, their application and magnitudes."""
+    for op in augment.ops:
+        if op.aug_fn.__name__ not in DEVICE_OPS:
+            raise UserError(f"data.decode=gpu has no device version of RandAugment's {op.name}; set data.decode=cpu "
+                            f"or leave {op.name} out of aug.auto_augment")
+    recording = copy.copy(augment)
+    recording.ops = []
+    for op in augment.ops:
+        op = copy.copy(op)
+        op.aug_fn = _Record(op.aug_fn.__name__)
+        recording.ops.append(op)
+    return recording
+
+
+class _Record:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, ops: list, *args: Any, **kwargs: Any) -> list:
+        if self.name in _GEOMETRIC:  # timm draws a random resampling filter there when given several
+            resample = kwargs.get("resample")
+            if isinstance(resample, (tuple, list)):
+                kwargs["resample"] = random.choice(resample)
+        ops.append((self.name, args, kwargs))
+        return ops
+
+
+# ---- the tensor ops: uint8 [3, H, W] images, PIL's arithmetic ----
+
+def _blend(degenerate: Tensor, image: Tensor, factor: float) -> Tensor:
+    """PIL's Image.blend(degenerate, image, factor): truncated towards zero, clipped."""
+    return (degenerate.float() + factor * (image.float() - degenerate.float())).clamp_(0, 255).to(torch.uint8)
+
+
+def _grey(image: Tensor) -> Tensor:
+    """PIL's convert("L"): (19595 R + 38470 G + 7471 B + 2^15) >> 16, [1, H, W]."""
+    r, g, b = image.int().unbind(0)
+    return ((19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16).to(torch.uint8)[None]
+
+
+def _affine(image: Tensor, matrix: Sequence[float], fillcolor: Any = 128, resample: Any = Image.Resampling.BICUBIC,
+            **_: Any) -> Tensor:
+    """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor): output pixel (x, y) samples the input
+    at (a x' + b y' + c, d x' + e y' + f), x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic)
+    and edge-clamped taps; a point outside the input gets the fill colour."""
+    channels, height, width = image.shape
+    a, b, c, d, e, f = matrix
+    grid = dict(device=image.device, dtype=torch.float64)
+    ys, xs = torch.meshgrid(torch.arange(height, **grid) + 0.5, torch.arange(width, **grid) + 0.5, indexing="ij")
+    x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f
+    inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
+    if resample == Image.Resampling.NEAREST:
+        (x0, x_taps), (y0, y_taps) = (x_in.floor().long(), [(0, 1.0)]), (y_in.floor().long(), [(0, 1.0)])
+    elif resample in (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC):
+        (x0, x_taps), (y0, y_taps) = (_taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample))
+    else:
+        raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {resample}; use "
+                        f"data.interpolation=bicubic or bilinear")
+    flat = image.reshape(channels, -1).double()
+    out = torch.zeros(channels, height, width, **grid)
+    for dy, wy in y_taps:
+        rows = (y0 + dy).clamp_(0, height - 1) * width
+        for dx, wx in x_taps:
+            out += wy * wx * flat[:, rows + (x0 + dx).clamp(0, width - 1)]
+    fill = torch.tensor(_fill(fillcolor, channels), dtype=torch.uint8, device=image.device)[:, None, None]
+    return torch.where(inside, out.clamp_(0, 255).to(torch.uint8), fill)
+
+
+def _taps(position: Tensor, resample: Any) -> Tuple[Tensor, List[Tuple[int, Any]]]:
+    """First tap index and (offset, weight) pairs of PIL's bilinear or bicubic filter at `position`."""
+    start = position.floor()
+    t = position - start
+    if resample == Image.Resampling.BILINEAR:
+        return start.long(), [(0, 1 - t), (1, t)]
+    return start.long(), [(-1, -t * (1 - t) ** 2), (0, 1 - 2 * t ** 2 + t ** 3), (1, t + t ** 2 - t ** 3),
+                          (2, -t ** 2 * (1 - t))]
+
+
+def _fill(fillcolor: Any, channels: int) -> Tuple[int, ...]:
+    return tuple(fillcolor) if isinstance(fillcolor, (tuple, list)) else (int(fillcolor),) * channels
+
+
+def _rotate(image: Tensor, degrees: float, **kwargs: Any) -> Tensor:
+    """PIL's Image.rotate(degrees, resample, fillcolor): about the centre, same size."""
+    if degrees % 360.0 == 0:
+        return image
+    height, width = image.shape[-2:]
+    angle = -math.radians(degrees)
+    m = [round(math.cos(angle), 15), round(math.sin(angle), 15), 0.0,
+         round(-math.sin(angle), 15), round(math.cos(angle), 15), 0.0]
+    cx, cy = width / 2.0, height / 2.0
+    m[2], m[5] = m[0] * -cx + m[1] * -cy + cx, m[3] * -cx + m[4] * -cy + cy
+    return _affine(image, m, **kwargs)
+
+
+def _posterize(image: Tensor, bits: int, **_: Any) -> Tensor:
+    if bits >= 8:
+        return image
+    return torch.zeros_like(image) if bits <= 0 else TF.posterize(image, bits)  # 0 bits: black, as compat.py
+
+
+def _solarize_add(image: Tensor, add: int, thresh: int = 128, **_: Any) -> Tensor:
+    return torch.where(image < thresh, (image.int() + add).clamp_(max=255).to(torch.uint8), image)
+
+
+def _contrast(image: Tensor, factor: float, **_: Any) -> Tensor:
+    mean = int(_grey(image).double().mean().item() + 0.5)  # PIL's ImageStat mean, rounded
+    return _blend(torch.full_like(image, mean), image, factor)
+
+
+# timm's RandAugment functions (auto_augment.NAME_TO_OP's values, by name) on the device
+DEVICE_OPS: Dict[str, Callable[..., Tensor]] = {
+    "auto_contrast": lambda image, **_: TF.autocontrast(image),
+    "equalize": lambda image, **_: TF.equalize(image),
+    "invert": lambda image, **_: TF.invert(image),
+    "rotate": _rotate,
+    "posterize": _posterize,
+    "solarize": lambda image, thresh, **_: TF.solarize(image, thresh),
+    "solarize_add": _solarize_add,
+    "color": lambda image, factor, **_: _blend(_grey(image).expand_as(image), image, factor),
+    "contrast": _contrast,
+    "brightness": lambda image, factor, **_: _blend(torch.zeros_like(image), image, factor),
+    "sharpness": lambda image, factor, **_: TF.adjust_sharpness(image, factor),
+    "shear_x": lambda image, factor, **kw: _affine(image, (1, factor, 0, 0, 1, 0), **kw),
+    "shear_y": lambda image, factor, **kw: _affine(image, (1, 0, 0, factor, 1, 0), **kw),
+    "translate_x_abs": lambda image, pixels, **kw: _affine(image, (1, 0, pixels, 0, 1, 0), **kw),
+    "translate_y_abs": lambda image, pixels, **kw: _affine(image, (1, 0, 0, 0, 1, pixels), **kw),
+    "translate_x_rel": lambda image, pct, **kw: _affine(image, (1, 0, pct * image.shape[-1], 0, 1, 0), **kw),
+    "translate_y_rel": lambda image, pct, **kw: _affine(image, (1, 0, 0, 0, 1, pct * image.shape[-2]), **kw),
+}
+_GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x_abs", "translate_y_abs", "translate_x_rel",
+              "translate_y_rel")
+
+
+def augment(image: Tensor, draw: Draw) -> Tensor:
+    """One decoded image (uint8 [3, H, W], on any device) through its drawn augmentation."""
+    top, left, height, width = draw.box
+    out = TF.resized_crop(image, top, left, height, width, list(draw.size),
+                          interpolation=_MODES.get(draw.interpolation, draw.interpolation), antialias=True)
+    if draw.flip:
+        out = out.flip(-1)
+    for name, args, kwargs in draw.ops:
+        out = DEVICE_OPS[name](out, *args, **kwargs)
+    return out
+
+
+# ---- decoding and the loader ----
+
+def collate_samples(batch: List[Tuple[Sample, int]]) -> Tuple[List[Sample], Tensor]:
+    """The workers' batches: the samples as a list (files differ in length), the targets as a tensor."""
+    return [sample for sample, _ in batch], torch.tensor([target for _, target in batch])
+
+
+class Decoder:
+    """Batched JPEG decoding on `device`, PIL's decoding for the files it rejects (counted in `fallbacks`;
+    the first is reported with its reason)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.fallbacks = 0
+
+    def __call__(self, files: Sequence[Encoded]) -> List[Tensor]:
+        try:
+            return list(decode_jpeg([f.data for f in files], mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:  # one file the decoder rejects fails the batch: one at a time, to find it
+            return [self.one(f) for f in files]
+
+    def one(self, file: Encoded) -> Tensor:
+        try:
+            return decode_jpeg(file.data, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        try:
+            with Image.open(io.BytesIO(file.data.numpy().tobytes())) as image:
+                pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+        except (OSError, ValueError, SyntaxError) as error:
+            raise UserError(f"unreadable training image {file.path} ({error}); remove or replace it") from None
+        if not self.fallbacks:
+            log.warning("data.decode=gpu: %s was decoded by PIL on the CPU (the device decoder: %s); such files "
+                        "are counted and reported at the end of each epoch", file.path, reason)
+        self.fallbacks += 1
+        return pixels.to(self.device)
+
+
+class DeviceDecodeLoader:
+    """Iterates a DataLoader of `collate_samples` batches as normalised, randomly erased float images on
+    `device` (what the CPU path's timm PrefetchLoader yields)."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, mean: Sequence[float], std: Sequence[float],
+                 re_prob: float = 0.0, re_mode: str = "const", re_count: int = 1) -> None:
+        self.loader, self.device = loader, device
+        self.decoder = Decoder(device)
+        self.mean = torch.tensor([255 * m for m in mean], device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor([255 * s for s in std], device=device).view(1, -1, 1, 1)
+        self.random_erasing = RandomErasing(probability=re_prob, mode=re_mode, max_count=re_count, device=device) \
+            if re_prob > 0 else None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    def __iter__(self) -> Iterator[Tuple[Tensor, Tensor]]:
+        before = self.decoder.fallbacks
+        for samples, targets in self.loader:
+            images = self.decoder([s.encoded for s in samples])
+            batch = torch.stack([augment(image, s.draw) for image, s in zip(images, samples)])
+            batch = batch.float().sub_(self.mean).div_(self.std)
+            if self.random_erasing is not None:
+                batch = self.random_erasing(batch)
+            yield batch, targets.to(self.device, non_blocking=True)
+        if self.decoder.fallbacks > before:
+            log.info("data.decode=gpu: %d images of this epoch decoded by PIL on the CPU (%d in all)",
+                     self.decoder.fallbacks - before, self.decoder.fallbacks)

@@ -1,0 +1,234 @@
+"""data.decode=gpu (lion_vit.data.gpu) on a CPU: each device op against timm's PIL op on the same image and
+parameters, the drawn augmentation against timm's DeiT transform for the same seed, decoding and its PIL
+fallback, and train.py with it.
+
+Tolerances, in uint8 levels: the RandAugment ops follow PIL's arithmetic and differ by at most 1 (float
+rounding at a truncation); the crop's antialiased bicubic resize (torchvision's port of PIL's) by at most 2,
+0.5 on average. Through a whole DeiT transform those differences stay under 0.5 levels on average; where
+an op thresholds (solarize, posterize: a pixel one level apart falls on the other side) or stretches levels
+(equalize: one level becomes up to four), at most 3 % of pixels are more than 2 levels apart (1.4 % at worst
+over the test's 150 seeds).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+from timm.data import auto_augment, create_transform
+
+import lion_vit.data.build  # noqa: F401  (timm's posterize as the CPU path runs it: compat.py)
+from lion_vit.data import build_dataset, build_loader, on_device
+from lion_vit.data.gpu import DEVICE_OPS, Decoder, DrawAugmentation, augment, read_encoded
+from lion_vit.errors import UserError
+from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
+
+FILL = (124, 116, 104)  # timm's img_mean fill for ImageNet's mean
+BICUBIC, BILINEAR = Image.Resampling.BICUBIC, Image.Resampling.BILINEAR
+
+
+def photo(seed: int, width: int = 300, height: int = 260) -> Image.Image:
+    """Smooth colour fields with grain and a few hard edges: what a photo's JPEG holds, not noise."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.uniform(0, 255, (6, 7, 3)).astype(np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.float64)
+    field[height // 3: height // 2, width // 4: width // 2] = rng.uniform(0, 255, 3)
+    pixels = np.clip(field + rng.normal(0, 8, field.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def jpeg_bytes(image: Image.Image, **kwargs) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90, **kwargs)
+    return out.getvalue()
+
+
+def as_tensor(image: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def levels_apart(expected: Image.Image, got: torch.Tensor) -> torch.Tensor:
+    return (as_tensor(expected).int() - got.int()).abs()
+
+
+OP_CASES = [
+    ("auto_contrast", ()), ("equalize", ()), ("invert", ()), ("posterize", (3,)), ("posterize", (0,)),
+    ("posterize", (8,)), ("solarize", (100,)), ("solarize_add", (60,)),
+    ("color", (0.3,)), ("color", (1.7,)), ("contrast", (0.3,)), ("contrast", (1.7,)),
+    ("brightness", (0.3,)), ("brightness", (1.7,)), ("sharpness", (0.3,)), ("sharpness", (1.7,)),
+    ("rotate", (17.3,)), ("rotate", (-29.0,)), ("shear_x", (0.21,)), ("shear_y", (-0.27,)),
+    ("translate_x_abs", (40.3,)), ("translate_y_abs", (-20.0,)), ("translate_x_rel", (0.3,)),
+    ("translate_y_rel", (-0.2,)),
+]
+
+
+def test_every_device_op_is_tested():
+    assert {name for name, _ in OP_CASES} == set(DEVICE_OPS)
+
+
+@pytest.mark.parametrize("resample", [BICUBIC, BILINEAR], ids=["bicubic", "bilinear"])
+@pytest.mark.parametrize("name,args", OP_CASES, ids=[f"{n}{a}" for n, a in OP_CASES])
+def test_device_op_equals_timms_pil_op(name, args, resample):
+    image = photo(1, 224, 224)
+    pil_op = auto_augment.NAME_TO_OP["PosterizeIncreasing"] if name == "posterize" else getattr(auto_augment, name)
+    kwargs = dict(fillcolor=FILL, resample=resample)
+    expected = pil_op(image, *args, **dict(kwargs))  # (timm's geometric ops consume their kwargs)
+    apart = levels_apart(expected, DEVICE_OPS[name](as_tensor(image), *args, **kwargs))
+    assert apart.max() <= 1, (name, apart.max())
+
+
+def test_decoding_equals_pils():
+    data = jpeg_bytes(photo(2))
+    (decoded,) = Decoder(torch.device("cpu"))([read_encoded_bytes(data)])
+    assert torch.equal(decoded, as_tensor(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+def read_encoded_bytes(data: bytes, name: str = "x.JPEG"):
+    from lion_vit.data.gpu import Encoded
+    with Image.open(io.BytesIO(data)) as image:
+        size = image.size
+    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, name)
+
+
+def deit_transform(**kwargs):
+    settings = dict(is_training=True, auto_augment="rand-m9-mstd0.5-inc1", interpolation="bicubic",
+                    use_prefetcher=True, scale=(0.08, 1.0), hflip=0.5)
+    return create_transform(224, **{**settings, **kwargs})
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_states():
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
+
+
+def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path):
+    """Same seed: the same random calls (the generators end in the same state) and the same image, within
+    the tolerances above. Over 150 seeds every op of DeiT's RandAugment is drawn."""
+    transform = deit_transform()
+    draw = DrawAugmentation(transform)
+    decoder = Decoder(torch.device("cpu"))
+    drawn_ops, flips = set(), set()
+    for seed in range(150):
+        path = tmp_path / f"{seed % 6}.JPEG"
+        if not path.exists():
+            path.write_bytes(jpeg_bytes(photo(seed % 6, 300 + 37 * (seed % 6), 260)))
+        seed_all(seed)
+        expected = transform(Image.open(path).convert("RGB"))
+        after_pil = rng_states()
+        seed_all(seed)
+        sample = draw(read_encoded(str(path)))
+        assert rng_states()[:2] == after_pil[:2] and torch.equal(rng_states()[2], after_pil[2])
+        got = augment(decoder([sample.encoded])[0], sample.draw)
+        apart = (expected.int() - got.int()).abs()
+        assert apart.float().mean() <= 0.5 and (apart > 2).float().mean() <= 0.03, (seed, sample.draw)
+        drawn_ops |= {name for name, _, _ in sample.draw.ops}
+        flips.add(sample.draw.flip)
+    assert drawn_ops == {auto_augment.NAME_TO_OP[name].__name__ for name in auto_augment._RAND_INCREASING_TRANSFORMS}
+    assert flips == {True, False}
+
+
+def test_crop_resize_alone_is_within_two_levels(tmp_path):
+    transform = deit_transform(auto_augment=None, hflip=0.0, color_jitter=0.0)
+    path = tmp_path / "a.JPEG"
+    path.write_bytes(jpeg_bytes(photo(3)))
+    seed_all(0)
+    expected = transform(Image.open(path).convert("RGB"))
+    seed_all(0)
+    sample = DrawAugmentation(transform)(read_encoded(str(path)))
+    apart = (expected.int() - augment(Decoder(torch.device("cpu"))([sample.encoded])[0], sample.draw).int()).abs()
+    assert apart.max() <= 2 and apart.float().mean() <= 0.5
+
+
+def test_what_has_no_device_version_is_one_clear_line():
+    with pytest.raises(UserError, match="no device version of ColorJitter"):
+        DrawAugmentation(deit_transform(auto_augment=None, color_jitter=0.4))
+    transform = deit_transform()
+    transform.transforms[2] = auto_augment.RandAugment([auto_augment.AugmentOp("GaussianBlurRand", 0.5, 9)], 2)
+    with pytest.raises(UserError, match="no device version of RandAugment's GaussianBlurRand"):
+        DrawAugmentation(transform)
+    DrawAugmentation(deit_transform(auto_augment=None, color_jitter=0.0))  # no jitter: RNG kept in step, no op
+
+
+def write_folder(root, pngs_named_jpeg: int = 0):
+    """2 classes x 4 JPEGs (one grayscale, one progressive), and PNGs named .JPEG."""
+    for k in range(2):
+        folder = root / "train" / f"class_{k}"
+        folder.mkdir(parents=True)
+        for i in range(4):
+            image = photo(10 * k + i, 120 + 10 * i, 100)
+            image = image.convert("L") if i == 1 else image
+            (folder / f"{i}.JPEG").write_bytes(jpeg_bytes(image, progressive=i == 2))
+        for i in range(pngs_named_jpeg if k == 0 else 0):
+            photo(99 + i, 90, 80).save(folder / f"png_{i}.JPEG", "PNG")
+    return root
+
+
+def data_config(root, decode="gpu", name="imagefolder"):
+    return OmegaConf.create(dict(name=name, root=str(root), train_split="train", val_split="val", download=False,
+                                 mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], interpolation="bicubic",
+                                 crop_pct=0.875, decode=decode))
+
+
+AUG = OmegaConf.create(dict(enabled=True, auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, scale=[0.08, 1.0],
+                            hflip=0.5, reprob=1.0, remode="pixel", recount=1))
+
+
+def test_loader_decodes_augments_and_counts_pil_fallbacks(tmp_path, caplog):
+    root = write_folder(tmp_path, pngs_named_jpeg=2)
+    data = data_config(root)
+    dataset = build_dataset(data, "train", deit_transform())
+    loader = build_loader(dataset, train=True, batch_size=5, num_workers=1, rank=0, world_size=1, seed=0,
+                          encoded=True)
+    device_loader = on_device(loader, data, AUG, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="lion_vit.data.gpu"):
+        batches = list(device_loader)
+    assert len(batches) == len(device_loader) == 2
+    for images, targets in batches:
+        assert images.shape == (5, 3, 224, 224) and images.dtype == torch.float32 and targets.shape == (5,)
+        assert images.abs().max() < 10  # normalised (pixel-mode erasing draws N(0, 1))
+    assert device_loader.decoder.fallbacks == 2  # the PNGs, decoded by PIL
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "png_" in warnings[0].getMessage()
+    assert any("2 images of this epoch decoded by PIL" in r.getMessage() for r in caplog.records)
+
+
+def test_unreadable_training_file_is_an_error_naming_it(tmp_path):
+    root = write_folder(tmp_path)
+    bad = root / "train" / "class_0" / "0.JPEG"
+    bad.write_bytes(bad.read_bytes()[:2000])  # a header PIL reads, half an image
+    data = data_config(root)
+    dataset = build_dataset(data, "train", deit_transform())
+    decoder = Decoder(torch.device("cpu"))
+    sample, _ = dataset[dataset.samples.index((str(bad), 0))]
+    with pytest.raises(UserError, match=f"unreadable training image {bad}"):  # the fallback cannot read it either
+        decoder([sample.encoded])
+
+
+def test_decode_gpu_needs_an_image_folder():
+    with pytest.raises(UserError, match="data.decode=gpu decodes JPEG files: it needs data=imagefolder"):
+        build_dataset(data_config(None, name="digits"), "train", deit_transform())
+
+
+def test_train_py_with_decode_gpu_on_a_cpu(tmp_path):
+    root = write_folder(tmp_path / "data", pngs_named_jpeg=1)
+    for k in range(2):
+        val = root / "val" / f"class_{k}"
+        val.mkdir(parents=True)
+        photo(50 + k, 100, 90).save(val / "0.JPEG")
+    out = tmp_path / "run"
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={root}", "data.decode=gpu", "aug=deit", "epochs=1", "batch_size=4", "img_size=32", f"output_dir={out}"))
+    (line,) = read_metrics(out)
+    assert line["epoch"] == 1 and 0 <= line["val_acc1"] <= 100
+    proc = run_train(*SMALL_LION, "data=digits", "data.decode=gpu", "epochs=1", f"output_dir={tmp_path / 'no'}")
+    assert_clean_error(proc, "data.decode=gpu decodes JPEG files")
+    assert not (tmp_path / "no").exists()
