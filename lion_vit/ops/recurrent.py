@@ -5,8 +5,8 @@
     output:   y^F_t + y^B_t - (q_t . k_t) [v_t, 1]            (the diagonal is counted once)
 
 Both directions advance together, stacked on a new leading axis: one loop over the tokens, O(d^2)
-state and O(L d) memory without autograd, no L x L matrix; the stacked inputs are gathered a block
-of STEP_BLOCK steps at a time.
+state and O(L d) memory without autograd, no L x L matrix; the stacked inputs are gathered, and the
+outputs added to their places in one [L, Dv + 1] sum, a block of STEP_BLOCK steps at a time.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
 
 
 # Steps whose inputs (both directions) are gathered at once: O(block d) memory for them, not O(L d).
-STEP_BLOCK = 256
+STEP_BLOCK = 64
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -42,7 +42,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> T
         decays = torch.stack([lam, lam.flip(-1)])
         decays = F.pad(decays[..., :-1], (1, 0)) if lam.shape[-1] > 1 else decays
     state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], v.shape[-1] + 1)  # [2, B, H, Dk, Dv+1]
-    outputs = []
+    total = q.new_zeros(*q.shape[:-2], length, v.shape[-1] + 1)  # both directions' outputs summed, in token order
     for start in range(0, length, STEP_BLOCK):
         stop = min(start + STEP_BLOCK, length)
 
@@ -53,13 +53,15 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> T
         values = steps(v)
         values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [v, 1]: the normaliser's column
         block = zip(steps(q).unsqueeze(-2).unbind(-3), steps(k).unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
+        outputs = []
         for t, (q_t, k_t, v_t) in enumerate(block, start):
             if t > 0 and decays is not None:
                 state = state * decays[..., t if decays.shape[-1] > 1 else 0, None, None]
             state = torch.addcmul(state, k_t, v_t)
             outputs.append(q_t @ state)  # [2, B, H, 1, Dv+1]
-    both = torch.cat(outputs, dim=-2)
-    del outputs
-    diagonal = (q * k).sum(-1, keepdim=True)  # counted in both directions
-    numerator = both[0, ..., :-1] + both[1, ..., :-1].flip(-2) - diagonal * v
-    return numerator, both[0, ..., -1:] + both[1, ..., -1:].flip(-2) - diagonal
+        outputs = torch.cat(outputs, dim=-2)
+        total[..., start:stop, :] += outputs[0]
+        total[..., length - stop:length - start, :] += outputs[1].flip(-2)  # the mirror's steps, in token order
+    diagonal = (q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze(-1)  # q_t . k_t, counted in both directions
+    numerator, normaliser = total[..., :-1], total[..., -1:]  # views: the sum is the only L-sized buffer
+    return numerator.addcmul_(diagonal, v, value=-1), normaliser.sub_(diagonal)
