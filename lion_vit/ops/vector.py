@@ -38,35 +38,43 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
               ) -> Tuple[Tensor, Tensor]:
     length = q.shape[-2]
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     chunk = length if chunk_size is None else min(chunk_size, length)
-    forward = _causal(q, k, v1, F.pad(a[..., :-1, :], (0, 0, 1, 0)), chunk, diagonal=True)  # g_p = a_{p-1}
-    mirrored = a.flip(-2)
-    backward = _causal(q.flip(-2), k.flip(-2), v1.flip(-2), F.pad(mirrored[..., :-1, :], (0, 0, 1, 0)), chunk,
-                       diagonal=False).flip(-2)
-    both = forward + backward
+    both = _causal(q, k, v, a, chunk, mirrored=False) + _causal(q, k, v, a, chunk, mirrored=True)
     return both[..., :-1], both[..., -1:]
 
 
-def _causal(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bool) -> Tensor:
-    """o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v_j (j < i without the diagonal), G the cumulative sum
-    of the gates g [B, H, L, Dk] <= 0, in chunks of `chunk` tokens (the last one shorter)."""
+def _causal(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, mirrored: bool) -> Tensor:
+    """o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j [v_j, 1] [..., L, Dv + 1] in token order, G the cumulative
+    sum of the gates g_p = a_{p-1} (a [B, H, L, Dk] log decays <= 0), chunk by chunk of `chunk` tokens (the last
+    one shorter). mirrored: along the mirrored sequence and without the diagonal (j < i); each chunk is read from
+    the tokens and its output put back in token order, so nothing mirrored is copied whole."""
     length = q.shape[-2]
-    state = q.new_zeros(*q.shape[:-2], q.shape[-1], v.shape[-1])  # [B, H, Dk, Dv]
+    state = q.new_zeros(*q.shape[:-2], q.shape[-1], v.shape[-1] + 1)  # [B, H, Dk, Dv + 1]
     outputs = []
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
-        qc, kc, vc = q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :]
-        gc = g[..., start:stop, :].to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
-        out = _within(qc, kc, vc, gc, diagonal)
+        # this direction's positions start..stop-1 are tokens start..stop-1, or L-1-start down to L-stop mirrored
+        lo, hi = (length - stop, length - start) if mirrored else (start, stop)
+
+        def read(t: Tensor) -> Tensor:
+            return t[..., lo:hi, :].flip(-2) if mirrored else t[..., lo:hi, :]
+
+        qc, kc, vc = read(q), read(k), read(v)
+        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)  # [v, 1]: the normaliser rides along
+        # gates g_p = a_{p-1} in this direction: the decays of tokens lo-1..hi-2 (forward) or hi..lo+1 (mirrored)
+        gates = a[..., lo + 1:hi + 1, :].flip(-2) if mirrored else a[..., max(lo - 1, 0):hi - 1, :]
+        if start == 0:  # position 0 has no token before it
+            gates = F.pad(gates, (0, 0, 1, 0))
+        gc = gates.to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
+        out = _within(qc, kc, vc, gc, diagonal=not mirrored)
         if start:  # the state of the chunks before, decayed to this chunk's tokens
             out = out + (qc * gc.exp().to(q.dtype)) @ state
-        outputs.append(out)
+        outputs.append(out.flip(-2) if mirrored else out)
         if stop < length:  # the state at this chunk's last token, decayed per channel
             last = gc[..., -1:, :]
             state = last.exp().to(q.dtype).transpose(-1, -2) * state + \
                 (kc * (last - gc).exp().to(q.dtype)).transpose(-1, -2) @ vc
-    return torch.cat(outputs, dim=-2)
+    return torch.cat(outputs[::-1] if mirrored else outputs, dim=-2)
 
 
 def _within(q: Tensor, k: Tensor, v: Tensor, cumulative: Tensor, diagonal: bool) -> Tensor:
