@@ -24,7 +24,7 @@ from timm.data import auto_augment, create_transform
 
 import lion_vit.data.build  # noqa: F401  (timm's posterize as the CPU path runs it: compat.py)
 from lion_vit.data import build_dataset, build_loader, on_device
-from lion_vit.data.gpu import DEVICE_OPS, Decoder, DrawAugmentation, augment, read_encoded
+from lion_vit.data.gpu import BATCH_OPS, Decoder, DrawAugmentation, augment, device_op, read_encoded
 from lion_vit.errors import UserError
 from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
 
@@ -68,7 +68,7 @@ OP_CASES = [
 
 
 def test_every_device_op_is_tested():
-    assert {name for name, _ in OP_CASES} == set(DEVICE_OPS)
+    assert {name for name, _ in OP_CASES} == set(BATCH_OPS)
 
 
 @pytest.mark.parametrize("resample", [BICUBIC, BILINEAR], ids=["bicubic", "bilinear"])
@@ -78,7 +78,7 @@ def test_device_op_equals_timms_pil_op(name, args, resample):
     pil_op = auto_augment.NAME_TO_OP["PosterizeIncreasing"] if name == "posterize" else getattr(auto_augment, name)
     kwargs = dict(fillcolor=FILL, resample=resample)
     expected = pil_op(image, *args, **dict(kwargs))  # (timm's geometric ops consume their kwargs)
-    apart = levels_apart(expected, DEVICE_OPS[name](as_tensor(image), *args, **kwargs))
+    apart = levels_apart(expected, device_op(name, as_tensor(image), *args, **kwargs))
     assert apart.max() <= 1, (name, apart.max())
 
 
@@ -128,13 +128,19 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path):
         seed_all(seed)
         sample = draw(read_encoded(str(path)))
         assert rng_states()[:2] == after_pil[:2] and torch.equal(rng_states()[2], after_pil[2])
-        got = augment(decoder([sample.encoded])[0], sample.draw)
+        got = augment(decoder([sample.encoded]), [sample.draw])[0]
         apart = (expected.int() - got.int()).abs()
         assert apart.float().mean() <= 0.5 and (apart > 2).float().mean() <= 0.03, (seed, sample.draw)
         drawn_ops |= {name for name, _, _ in sample.draw.ops}
         flips.add(sample.draw.flip)
     assert drawn_ops == {auto_augment.NAME_TO_OP[name].__name__ for name in auto_augment._RAND_INCREASING_TRANSFORMS}
     assert flips == {True, False}
+    # a batch applies each op once to all the images that drew it: the same images as one at a time
+    samples = [draw(read_encoded(str(tmp_path / f"{i % 6}.JPEG"))) for i in range(24)]
+    images = decoder([sample.encoded for sample in samples])
+    batch = augment(images, [sample.draw for sample in samples])
+    for image, sample, got in zip(images, samples, batch):
+        assert torch.equal(got, augment([image], [sample.draw])[0])
 
 
 def test_crop_resize_alone_is_within_two_levels(tmp_path):
@@ -145,7 +151,7 @@ def test_crop_resize_alone_is_within_two_levels(tmp_path):
     expected = transform(Image.open(path).convert("RGB"))
     seed_all(0)
     sample = DrawAugmentation(transform)(read_encoded(str(path)))
-    apart = (expected.int() - augment(Decoder(torch.device("cpu"))([sample.encoded])[0], sample.draw).int()).abs()
+    apart = (expected.int() - augment(Decoder(torch.device("cpu"))([sample.encoded]), [sample.draw])[0].int()).abs()
     assert apart.max() <= 2 and apart.float().mean() <= 0.5
 
 

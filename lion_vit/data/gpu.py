@@ -127,7 +127,7 @@ def _recording(augment: RandAugment) -> RandAugment:
     """A copy of timm's RandAugment whose ops append (name, level args, kwargs) to the list they are given
     in place of changing an image: timm's own code draws the ops, their application and magnitudes."""
     for op in augment.ops:
-        if op.aug_fn.__name__ not in DEVICE_OPS:
+        if op.aug_fn.__name__ not in BATCH_OPS:
             raise UserError(f"data.decode=gpu has no device version of RandAugment's {op.name}; set data.decode=cpu "
                             f"or leave {op.name} out of aug.auto_augment")
     recording = copy.copy(augment)
@@ -144,7 +144,7 @@ class _Record:
         self.name = name
 
     def __call__(self, ops: list, *args: Any, **kwargs: Any) -> list:
-        if self.name in _GEOMETRIC:  # timm draws a random resampling filter there when given several
+        if self.name in _MATRICES:  # timm draws a random resampling filter there when given several
             resample = kwargs.get("resample")
             if isinstance(resample, (tuple, list)):
                 kwargs["resample"] = random.choice(resample)
@@ -152,45 +152,50 @@ class _Record:
         return ops
 
 
-# ---- the tensor ops: uint8 [3, H, W] images, PIL's arithmetic ----
+# ---- the tensor ops: uint8 [n, 3, H, W] images, per-image parameters, PIL's arithmetic ----
 
-def _blend(degenerate: Tensor, image: Tensor, factor: float) -> Tensor:
-    """PIL's Image.blend(degenerate, image, factor): truncated towards zero, clipped."""
-    return (degenerate.float() + factor * (image.float() - degenerate.float())).clamp_(0, 255).to(torch.uint8)
-
-
-def _grey(image: Tensor) -> Tensor:
-    """PIL's convert("L"): (19595 R + 38470 G + 7471 B + 2^15) >> 16, [1, H, W]."""
-    r, g, b = image.int().unbind(0)
-    return ((19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16).to(torch.uint8)[None]
+def _per_image(values: Sequence[float], images: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[n, 1, 1, 1] of one value per image, on the images' device."""
+    return torch.tensor(values, dtype=dtype, device=images.device).view(-1, 1, 1, 1)
 
 
-def _affine(image: Tensor, matrix: Sequence[float], fillcolor: Any = 128, resample: Any = Image.Resampling.BICUBIC,
-            **_: Any) -> Tensor:
-    """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor): output pixel (x, y) samples the input
-    at (a x' + b y' + c, d x' + e y' + f), x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic)
-    and edge-clamped taps; a point outside the input gets the fill colour."""
-    channels, height, width = image.shape
-    a, b, c, d, e, f = matrix
-    grid = dict(device=image.device, dtype=torch.float64)
+def _blend(degenerate: Tensor, images: Tensor, factor: Tensor) -> Tensor:
+    """PIL's Image.blend(degenerate, image, factor) (factor [n, 1, 1, 1]): truncated towards zero, clipped."""
+    return (degenerate.float() + factor * (images.float() - degenerate.float())).clamp_(0, 255).to(torch.uint8)
+
+
+def _grey(images: Tensor) -> Tensor:
+    """PIL's convert("L"): (19595 R + 38470 G + 7471 B + 2^15) >> 16, [n, 1, H, W]."""
+    r, g, b = images.int().unbind(-3)
+    return ((19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16).to(torch.uint8).unsqueeze(-3)
+
+
+def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resample: Any) -> Tensor:
+    """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor) per image (matrices [n, 6] float64, fills
+    [n, 3]): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f), x' = x + 1/2, with PIL's
+    kernels (its bicubic is the a = -1 cubic) and edge-clamped taps; a point outside the input gets the fill."""
+    count, channels, height, width = images.shape
+    grid = dict(device=images.device, dtype=torch.float64)
     ys, xs = torch.meshgrid(torch.arange(height, **grid) + 0.5, torch.arange(width, **grid) + 0.5, indexing="ij")
-    x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f
+    a, b, c, d, e, f = matrices.to(**grid).view(count, 6, 1, 1).unbind(1)
+    x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f  # [n, H, W]
     inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
     if resample == Image.Resampling.NEAREST:
         (x0, x_taps), (y0, y_taps) = (x_in.floor().long(), [(0, 1.0)]), (y_in.floor().long(), [(0, 1.0)])
     elif resample in (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC):
-        (x0, x_taps), (y0, y_taps) = (_taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample))
+        (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample)
     else:
         raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {resample}; use "
                         f"data.interpolation=bicubic or bilinear")
-    flat = image.reshape(channels, -1).double()
-    out = torch.zeros(channels, height, width, **grid)
+    flat = images.reshape(count, channels, -1).double()
+    out = torch.zeros(count, channels, height * width, **grid)
     for dy, wy in y_taps:
         rows = (y0 + dy).clamp_(0, height - 1) * width
         for dx, wx in x_taps:
-            out += wy * wx * flat[:, rows + (x0 + dx).clamp(0, width - 1)]
-    fill = torch.tensor(_fill(fillcolor, channels), dtype=torch.uint8, device=image.device)[:, None, None]
-    return torch.where(inside, out.clamp_(0, 255).to(torch.uint8), fill)
+            index = (rows + (x0 + dx).clamp(0, width - 1)).view(count, 1, -1).expand(-1, channels, -1)
+            out += (wy * wx).view(count, 1, -1) * flat.gather(-1, index)
+    out = out.view(count, channels, height, width).clamp_(0, 255).to(torch.uint8)
+    return torch.where(inside.unsqueeze(1), out, fills.to(device=images.device, dtype=torch.uint8).view(count, -1, 1, 1))
 
 
 def _taps(position: Tensor, resample: Any) -> Tuple[Tensor, List[Tuple[int, Any]]]:
@@ -203,72 +208,112 @@ def _taps(position: Tensor, resample: Any) -> Tuple[Tensor, List[Tuple[int, Any]
                           (2, -t ** 2 * (1 - t))]
 
 
-def _fill(fillcolor: Any, channels: int) -> Tuple[int, ...]:
-    return tuple(fillcolor) if isinstance(fillcolor, (tuple, list)) else (int(fillcolor),) * channels
-
-
-def _rotate(image: Tensor, degrees: float, **kwargs: Any) -> Tensor:
-    """PIL's Image.rotate(degrees, resample, fillcolor): about the centre, same size."""
-    if degrees % 360.0 == 0:
-        return image
-    height, width = image.shape[-2:]
+def _rotation(degrees: float, width: int, height: int) -> List[float]:
+    """PIL's Image.rotate matrix: about the centre, same size."""
     angle = -math.radians(degrees)
     m = [round(math.cos(angle), 15), round(math.sin(angle), 15), 0.0,
          round(-math.sin(angle), 15), round(math.cos(angle), 15), 0.0]
     cx, cy = width / 2.0, height / 2.0
     m[2], m[5] = m[0] * -cx + m[1] * -cy + cx, m[3] * -cx + m[4] * -cy + cy
-    return _affine(image, m, **kwargs)
+    return m
 
 
-def _posterize(image: Tensor, bits: int, **_: Any) -> Tensor:
-    if bits >= 8:
-        return image
-    return torch.zeros_like(image) if bits <= 0 else TF.posterize(image, bits)  # 0 bits: black, as compat.py
-
-
-def _solarize_add(image: Tensor, add: int, thresh: int = 128, **_: Any) -> Tensor:
-    return torch.where(image < thresh, (image.int() + add).clamp_(max=255).to(torch.uint8), image)
-
-
-def _contrast(image: Tensor, factor: float, **_: Any) -> Tensor:
-    mean = int(_grey(image).double().mean().item() + 0.5)  # PIL's ImageStat mean, rounded
-    return _blend(torch.full_like(image, mean), image, factor)
-
-
-# timm's RandAugment functions (auto_augment.NAME_TO_OP's values, by name) on the device
-DEVICE_OPS: Dict[str, Callable[..., Tensor]] = {
-    "auto_contrast": lambda image, **_: TF.autocontrast(image),
-    "equalize": lambda image, **_: TF.equalize(image),
-    "invert": lambda image, **_: TF.invert(image),
-    "rotate": _rotate,
-    "posterize": _posterize,
-    "solarize": lambda image, thresh, **_: TF.solarize(image, thresh),
-    "solarize_add": _solarize_add,
-    "color": lambda image, factor, **_: _blend(_grey(image).expand_as(image), image, factor),
-    "contrast": _contrast,
-    "brightness": lambda image, factor, **_: _blend(torch.zeros_like(image), image, factor),
-    "sharpness": lambda image, factor, **_: TF.adjust_sharpness(image, factor),
-    "shear_x": lambda image, factor, **kw: _affine(image, (1, factor, 0, 0, 1, 0), **kw),
-    "shear_y": lambda image, factor, **kw: _affine(image, (1, 0, 0, factor, 1, 0), **kw),
-    "translate_x_abs": lambda image, pixels, **kw: _affine(image, (1, 0, pixels, 0, 1, 0), **kw),
-    "translate_y_abs": lambda image, pixels, **kw: _affine(image, (1, 0, 0, 0, 1, pixels), **kw),
-    "translate_x_rel": lambda image, pct, **kw: _affine(image, (1, 0, pct * image.shape[-1], 0, 1, 0), **kw),
-    "translate_y_rel": lambda image, pct, **kw: _affine(image, (1, 0, 0, 0, 1, pct * image.shape[-2]), **kw),
+# The affine matrix of each geometric op from its level argument and the image's (width, height)
+_MATRICES: Dict[str, Callable[[float, int, int], Sequence[float]]] = {
+    "rotate": _rotation,
+    "shear_x": lambda factor, w, h: (1, factor, 0, 0, 1, 0),
+    "shear_y": lambda factor, w, h: (1, 0, 0, factor, 1, 0),
+    "translate_x_abs": lambda pixels, w, h: (1, 0, pixels, 0, 1, 0),
+    "translate_y_abs": lambda pixels, w, h: (1, 0, 0, 0, 1, pixels),
+    "translate_x_rel": lambda pct, w, h: (1, 0, pct * w, 0, 1, 0),
+    "translate_y_rel": lambda pct, w, h: (1, 0, 0, 0, 1, pct * h),
 }
-_GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x_abs", "translate_y_abs", "translate_x_rel",
-              "translate_y_rel")
 
 
-def augment(image: Tensor, draw: Draw) -> Tensor:
-    """One decoded image (uint8 [3, H, W], on any device) through its drawn augmentation."""
-    top, left, height, width = draw.box
-    out = TF.resized_crop(image, top, left, height, width, list(draw.size),
-                          interpolation=_MODES.get(draw.interpolation, draw.interpolation), antialias=True)
-    if draw.flip:
-        out = out.flip(-1)
-    for name, args, kwargs in draw.ops:
-        out = DEVICE_OPS[name](out, *args, **kwargs)
-    return out
+def _geometric(name: str) -> Callable[[Tensor, List[tuple], List[dict]], Tensor]:
+    def run(images: Tensor, args: List[tuple], kwargs: List[dict]) -> Tensor:
+        height, width = images.shape[-2:]
+        matrices = torch.tensor([_MATRICES[name](a[0], width, height) for a in args], dtype=torch.float64)
+        fills = torch.tensor([_fill(kw.get("fillcolor", 128), images.shape[-3]) for kw in kwargs])
+        return _affine(images, matrices, fills, kwargs[0].get("resample", Image.Resampling.BICUBIC))
+    return run
+
+
+def _fill(fillcolor: Any, channels: int) -> Tuple[int, ...]:
+    return tuple(fillcolor) if isinstance(fillcolor, (tuple, list)) else (int(fillcolor),) * channels
+
+
+def _posterize(images: Tensor, args: List[tuple], _: List[dict]) -> Tensor:
+    """Keep each image's top `bits` bits (8 or more: all; 0 or fewer: none, black, as compat.py)."""
+    masks = [0xFF if bits >= 8 else 0 if bits <= 0 else (0xFF << (8 - bits)) & 0xFF for bits, *_ in args]
+    return images & _per_image(masks, images, torch.uint8)
+
+
+def _solarize(images: Tensor, args: List[tuple], _: List[dict]) -> Tensor:
+    thresholds = _per_image([a[0] for a in args], images, torch.int32)
+    return torch.where(images.int() >= thresholds, 255 - images, images)
+
+
+def _solarize_add(images: Tensor, args: List[tuple], kwargs: List[dict]) -> Tensor:
+    adds = _per_image([a[0] for a in args], images, torch.int32)
+    thresholds = _per_image([a[1] if len(a) > 1 else kw.get("thresh", 128) for a, kw in zip(args, kwargs)], images,
+                            torch.int32)
+    return torch.where(images.int() < thresholds, (images.int() + adds).clamp_(max=255).to(torch.uint8), images)
+
+
+def _contrast(images: Tensor, args: List[tuple], _: List[dict]) -> Tensor:
+    means = (_grey(images).double().mean((-3, -2, -1), keepdim=True) + 0.5).floor()  # PIL's ImageStat, rounded
+    return _blend(means.float().expand_as(images), images, _factors(args, images))
+
+
+def _factors(args: List[tuple], images: Tensor) -> Tensor:
+    return _per_image([a[0] for a in args], images)
+
+
+# timm's RandAugment functions (auto_augment.NAME_TO_OP's values, by name) on batches of images on the device:
+# (images [n, 3, H, W] uint8, each image's level args, each image's kwargs) -> images
+BATCH_OPS: Dict[str, Callable[[Tensor, List[tuple], List[dict]], Tensor]] = {
+    "auto_contrast": lambda images, args, kwargs: TF.autocontrast(images),
+    "equalize": lambda images, args, kwargs: TF.equalize(images),
+    "invert": lambda images, args, kwargs: TF.invert(images),
+    "posterize": _posterize,
+    "solarize": _solarize,
+    "solarize_add": _solarize_add,
+    "color": lambda images, args, kwargs: _blend(_grey(images).expand_as(images), images, _factors(args, images)),
+    "contrast": _contrast,
+    "brightness": lambda images, args, kwargs: _blend(torch.zeros_like(images), images, _factors(args, images)),
+    "sharpness": lambda images, args, kwargs: _blend(TF.adjust_sharpness(images, 0.0), images, _factors(args, images)),
+    **{name: _geometric(name) for name in _MATRICES},
+}
+
+
+def device_op(name: str, image: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """One image ([3, H, W]) through timm's RandAugment function `name` with these arguments, on its device."""
+    return BATCH_OPS[name](image[None], [args], [kwargs])[0]
+
+
+def augment(images: Sequence[Tensor], draws: Sequence[Draw]) -> Tensor:
+    """Decoded images (uint8 [3, H_i, W_i], on one device) through their drawn augmentations: [n, 3, S, S].
+    The crops one by one (their sizes differ); then, step by step, each RandAugment op once for all the images
+    that drew it at that step."""
+    batch = torch.stack([TF.resized_crop(image, *draw.box, list(draw.size), antialias=True,
+                                         interpolation=_MODES.get(draw.interpolation, draw.interpolation))
+                         for image, draw in zip(images, draws)])
+    flips = torch.tensor([draw.flip for draw in draws], device=batch.device)
+    if flips.any():
+        batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
+    for step in range(max((len(draw.ops) for draw in draws), default=0)):
+        groups: Dict[tuple, List[int]] = {}
+        for i, draw in enumerate(draws):
+            if step < len(draw.ops):
+                name, _, kwargs = draw.ops[step]
+                groups.setdefault((name, kwargs.get("resample")), []).append(i)
+        for (name, _), members in groups.items():
+            index = torch.tensor(members, device=batch.device)
+            ops = [draws[i].ops[step] for i in members]
+            batch.index_copy_(0, index, BATCH_OPS[name](batch.index_select(0, index), [op[1] for op in ops],
+                                                        [op[2] for op in ops]))
+    return batch
 
 
 # ---- decoding and the loader ----
@@ -337,7 +382,7 @@ class DeviceDecodeLoader:
         before = self.decoder.fallbacks
         for samples, targets in self.loader:
             images = self.decoder([s.encoded for s in samples])
-            batch = torch.stack([augment(image, s.draw) for image, s in zip(images, samples)])
+            batch = augment(images, [s.draw for s in samples])
             batch = batch.float().sub_(self.mean).div_(self.std)
             if self.random_erasing is not None:
                 batch = self.random_erasing(batch)
