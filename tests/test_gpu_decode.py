@@ -28,6 +28,8 @@ from lion_vit.data.gpu import BATCH_OPS, Decoder, DrawAugmentation, augment, dev
 from lion_vit.errors import UserError
 from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
 
+# on a GPU machine (gpu-check part input_gpu) every test runs on CUDA too: nvJPEG and the ops on CUDA tensors
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FILL = (124, 116, 104)  # timm's img_mean fill for ImageNet's mean
 BICUBIC, BILINEAR = Image.Resampling.BICUBIC, Image.Resampling.BILINEAR
 
@@ -71,21 +73,26 @@ def test_every_device_op_is_tested():
     assert {name for name, _ in OP_CASES} == set(BATCH_OPS)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("resample", [BICUBIC, BILINEAR], ids=["bicubic", "bilinear"])
 @pytest.mark.parametrize("name,args", OP_CASES, ids=[f"{n}{a}" for n, a in OP_CASES])
-def test_device_op_equals_timms_pil_op(name, args, resample):
+def test_device_op_equals_timms_pil_op(name, args, resample, device):
     image = photo(1, 224, 224)
     pil_op = auto_augment.NAME_TO_OP["PosterizeIncreasing"] if name == "posterize" else getattr(auto_augment, name)
     kwargs = dict(fillcolor=FILL, resample=resample)
     expected = pil_op(image, *args, **dict(kwargs))  # (timm's geometric ops consume their kwargs)
-    apart = levels_apart(expected, device_op(name, as_tensor(image), *args, **kwargs))
+    apart = levels_apart(expected, device_op(name, as_tensor(image).to(device), *args, **kwargs).cpu())
     assert apart.max() <= 1, (name, apart.max())
 
 
-def test_decoding_equals_pils():
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoding_equals_pils(device):
+    """On a CPU torchvision's libjpeg-turbo decodes as PIL's; nvJPEG's IDCT and chroma upsampling differ: at most
+    one level on average."""
     data = jpeg_bytes(photo(2))
-    (decoded,) = Decoder(torch.device("cpu"))([read_encoded_bytes(data)])
-    assert torch.equal(decoded, as_tensor(Image.open(io.BytesIO(data)).convert("RGB")))
+    (decoded,) = Decoder(torch.device(device))([read_encoded_bytes(data)])
+    apart = levels_apart(Image.open(io.BytesIO(data)).convert("RGB"), decoded.cpu())
+    assert apart.max() == 0 if device == "cpu" else apart.float().mean() <= 1.0
 
 
 def read_encoded_bytes(data: bytes, name: str = "x.JPEG"):
@@ -111,12 +118,19 @@ def rng_states():
     return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state()
 
 
-def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path):
+def decoded_on(device: str):
+    """Decoding as PIL's (on the CPU), the images then on `device`: the ops' tolerances alone."""
+    cpu = Decoder(torch.device("cpu"))
+    return lambda files: [image.to(device) for image in cpu(files)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, device):
     """Same seed: the same random calls (the generators end in the same state) and the same image, within
     the tolerances above. Over 150 seeds every op of DeiT's RandAugment is drawn."""
     transform = deit_transform()
     draw = DrawAugmentation(transform)
-    decoder = Decoder(torch.device("cpu"))
+    decoder = decoded_on(device)
     drawn_ops, flips = set(), set()
     for seed in range(150):
         path = tmp_path / f"{seed % 6}.JPEG"
@@ -128,7 +142,7 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path):
         seed_all(seed)
         sample = draw(read_encoded(str(path)))
         assert rng_states()[:2] == after_pil[:2] and torch.equal(rng_states()[2], after_pil[2])
-        got = augment(decoder([sample.encoded]), [sample.draw])[0]
+        got = augment(decoder([sample.encoded]), [sample.draw])[0].cpu()
         apart = (expected.int() - got.int()).abs()
         assert apart.float().mean() <= 0.5 and (apart > 2).float().mean() <= 0.03, (seed, sample.draw)
         drawn_ops |= {name for name, _, _ in sample.draw.ops}
@@ -143,7 +157,8 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path):
         assert torch.equal(got, augment([image], [sample.draw])[0])
 
 
-def test_crop_resize_alone_is_within_two_levels(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_resize_alone_is_within_two_levels(tmp_path, device):
     transform = deit_transform(auto_augment=None, hflip=0.0, color_jitter=0.0)
     path = tmp_path / "a.JPEG"
     path.write_bytes(jpeg_bytes(photo(3)))
@@ -151,7 +166,7 @@ def test_crop_resize_alone_is_within_two_levels(tmp_path):
     expected = transform(Image.open(path).convert("RGB"))
     seed_all(0)
     sample = DrawAugmentation(transform)(read_encoded(str(path)))
-    apart = (expected.int() - augment(Decoder(torch.device("cpu"))([sample.encoded]), [sample.draw])[0].int()).abs()
+    apart = (expected.int() - augment(decoded_on(device)([sample.encoded]), [sample.draw])[0].cpu().int()).abs()
     assert apart.max() <= 2 and apart.float().mean() <= 0.5
 
 
@@ -189,18 +204,20 @@ AUG = OmegaConf.create(dict(enabled=True, auto_augment="rand-m9-mstd0.5-inc1", c
                             hflip=0.5, reprob=1.0, remode="pixel", recount=1))
 
 
-def test_loader_decodes_augments_and_counts_pil_fallbacks(tmp_path, caplog):
+@pytest.mark.parametrize("device", DEVICES)
+def test_loader_decodes_augments_and_counts_pil_fallbacks(tmp_path, caplog, device):
     root = write_folder(tmp_path, pngs_named_jpeg=2)
     data = data_config(root)
     dataset = build_dataset(data, "train", deit_transform())
     loader = build_loader(dataset, train=True, batch_size=5, num_workers=1, rank=0, world_size=1, seed=0,
                           encoded=True)
-    device_loader = on_device(loader, data, AUG, torch.device("cpu"))
+    device_loader = on_device(loader, data, AUG, torch.device(device))
     with caplog.at_level(logging.INFO, logger="lion_vit.data.gpu"):
         batches = list(device_loader)
     assert len(batches) == len(device_loader) == 2
     for images, targets in batches:
         assert images.shape == (5, 3, 224, 224) and images.dtype == torch.float32 and targets.shape == (5,)
+        assert images.device.type == targets.device.type == device
         assert images.abs().max() < 10  # normalised (pixel-mode erasing draws N(0, 1))
     assert device_loader.decoder.fallbacks == 2  # the PNGs, decoded by PIL
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
