@@ -137,7 +137,7 @@ def test_gla_plans_its_vector_decays_in_every_form():
     model = timm.create_model("lion_gla_natural_tiny", num_classes=3, depth=1, img_size=(32, 48)).eval()
     assert str(model.attn_plan((32, 48))) == "attention form, torch backend: one masked product, vector decays"
     assert str(model.set_attn_form("chunk", 4).attn_plan((32, 48))) == \
-        "chunk form, torch backend: 2 chunks, vector decays"
+        "chunk form, cpu backend: 2 chunks in groups of rows, vector decays"
 
 
 def test_keys_made_of_decays_need_decays_every_scan_shares():

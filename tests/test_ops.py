@@ -660,6 +660,27 @@ def test_vector_decays_match_naive(form, decay, dtype):
             assert rel_err(got, want, min_scale=1e-3 if dtype == torch.float64 else 1.0) < tol[1], (scans, name)
 
 
+@pytest.mark.parametrize("rows", ["one_row_groups", "whole_batch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["spread", "near0", "near1"])
+def test_vector_chunk_form_in_row_groups_matches_naive(decay, dtype, rows, request):
+    """Without autograd on a CPU the chunk form of vector decays runs the cpu backend: groups of (batch, head)
+    rows, each group's chunks at once. One scan and two, chunk sizes that divide the length or not."""
+    from lion_vit.ops import dispatch
+    if rows == "one_row_groups":
+        request.getfixturevalue("one_row_groups")
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}[dtype]
+    for scans, orders in ((1, None), (2, snake_orders(3, 4, 1))):
+        q, k, v, lams = vector_inputs(13, decay, dtype, scans)
+        expected = naive_vector(*(t.double() for t in (q, k, v, lams)), orders)
+        for chunk in (4, 5):
+            run = dispatch.plan("chunk", chunk, 13, 4, 3, vector=True, num_scans=scans)
+            assert run.backend == "cpu", str(run)
+            with torch.no_grad():
+                out = lion_attention(q, k, v, torch.log(lams).to(dtype), orders, form="chunk", chunk_size=chunk)
+            assert out.dtype == dtype and rel_err(out, expected) < tol, (scans, chunk)
+
+
 def _naive_vector_grads(q, k, v, lams, orders, upstream):
     leaves = [t.double().clone().requires_grad_() for t in (q, k, v, lams)]
     expected = naive_vector(*leaves, orders)
@@ -684,9 +705,9 @@ def test_vector_decays_plan_the_portable_forms_and_other_scalings():
             assert rel_err(out, lion_attention_reference(q - 0.6, k, v, log_decays, scaling="none")) < 1e-10
     assert [str(run) for run in ran] == ["attention form, torch backend: one masked product, vector decays",
                                          "rnn form, torch backend: recurrence loop, vector decays",
-                                         "chunk form, torch backend: 4 chunks, vector decays"]
+                                         "chunk form, cpu backend: 4 chunks in groups of rows, vector decays"]
     # above dispatch.VECTOR_ATTENTION_CHUNK tokens the attention form runs chunks of it: the same function
     q, k, v, lams = vector_inputs(dispatch.VECTOR_ATTENTION_CHUNK + 6, "spread", torch.float64)
-    run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True)
+    run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True, training=True)
     assert str(run) == "attention form, torch backend: 2 chunks, vector decays"
     assert rel_err(lion_attention(q, k, v, torch.log(lams)), naive_vector(q, k, v, lams)) < 1e-10

@@ -15,7 +15,7 @@ exact way to get it:
   backend the fused attention form's, elsewhere the portable one's;
 - LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
 - vector decays (one per key channel, vector.py) run FLA's vector-gate kernels on the triton backend, the
-  portable vector forms elsewhere;
+  portable vector forms elsewhere (in chunks, without autograd on a CPU in groups of rows: backend "cpu");
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
@@ -171,7 +171,11 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else FLA's chunks
             chunk_size = VECTOR_ATTENTION_CHUNK
         if form != "rnn" and chunk_size is not None and chunk_size < length:
-            return Plan(form, "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, vector=True)
+            # inference on a CPU: in groups of rows, each group's chunks at once (lion_vit.ops.cpu)
+            rows = auto_backend and backend == "torch" and device.type == "cpu" and not training and \
+                not torch.compiler.is_compiling()
+            return Plan(form, "cpu" if rows else "torch", chunks=chunk_count(length, chunk_size),
+                        chunk_size=chunk_size, vector=True)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
@@ -221,7 +225,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     if run.vector:
         if run.backend == "triton":
             return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
-        return partial(_divided, vector_form, chunk_size=1 if run.form == "rnn" else run.chunk_size)
+        return partial(_divided, cpu_backend.vector_form if run.backend == "cpu" else vector_form,
+                       chunk_size=1 if run.form == "rnn" else run.chunk_size)
     if run.backend == "triton":
         kernels = triton_backend.attention_form if run.whole else \
             {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]

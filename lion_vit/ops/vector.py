@@ -28,19 +28,51 @@ from .scans import over_scans
 
 
 def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
-                chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                chunk_size: Optional[int] = None, chunks_at_once: bool = False) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
-    order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form)."""
-    return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size)
+    order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form).
+    chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations
+    on whole-sequence temporaries, where the default loop runs tens per chunk on a chunk's: the CPU backend's
+    way for rows of one head, lion_vit.ops.cpu)."""
+    return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size,
+                      chunks_at_once=chunks_at_once)
 
 
-def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None
-              ) -> Tuple[Tensor, Tensor]:
+def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None,
+              chunks_at_once: bool = False) -> Tuple[Tensor, Tensor]:
     length = q.shape[-2]
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
     chunk = length if chunk_size is None else min(chunk_size, length)
-    both = _causal(q, k, v, a, chunk, mirrored=False) + _causal(q, k, v, a, chunk, mirrored=True)
+    if chunks_at_once and chunk > 1:
+        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        gates = F.pad(a[..., :-1, :], (0, 0, 1, 0))  # g_p = a_{p-1}
+        mirrored_gates = F.pad(a.flip(-2)[..., :-1, :], (0, 0, 1, 0))
+        both = _causal_at_once(q, k, v1, gates, chunk, diagonal=True) + _causal_at_once(
+            q.flip(-2), k.flip(-2), v1.flip(-2), mirrored_gates, chunk, diagonal=False).flip(-2)
+    else:
+        both = _causal(q, k, v, a, chunk, mirrored=False) + _causal(q, k, v, a, chunk, mirrored=True)
     return both[..., :-1], both[..., -1:]
+
+
+def _causal_at_once(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bool) -> Tensor:
+    """_causal's sums along the sequence as given (g the gates g_p = a_{p-1}, v with its ones column), every
+    chunk's own pairs in one batch ([..., chunks, C, D]), then the states entering each chunk, chunk after chunk."""
+    length = q.shape[-2]
+    count = -(-length // chunk)
+    if count * chunk > length:  # zero keys and values; zero gates keep G, so every exponent stays <= 0
+        q, k, v, g = (F.pad(t, (0, 0, 0, count * chunk - length)) for t in (q, k, v, g))
+    q, k, v, g = (t.unflatten(-2, (count, chunk)) for t in (q, k, v, g))
+    cumulative = g.to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
+    out = _within(q, k, v, cumulative, diagonal)
+    if count > 1:
+        last = cumulative[..., -1:, :]  # [..., chunks, 1, Dk]
+        own = (k * (last - cumulative).exp().to(q.dtype)).transpose(-1, -2) @ v  # each chunk's keys, at its end
+        decay = last.exp().to(q.dtype).transpose(-1, -2)  # [..., chunks, Dk, 1]: a whole chunk's decay
+        states = [torch.zeros_like(own[..., 0, :, :])]  # the state entering each chunk
+        for i in range(1, count):
+            states.append(decay[..., i - 1, :, :] * states[-1] + own[..., i - 1, :, :])
+        out = out + (q * cumulative.exp().to(q.dtype)) @ torch.stack(states, dim=-3)
+    return out.flatten(-3, -2)[..., :length, :]
 
 
 def _causal(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, mirrored: bool) -> Tensor:
