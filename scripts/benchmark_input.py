@@ -122,19 +122,32 @@ def images_per_second(batches, epoch: int) -> float:
     return count / (time.perf_counter() - start) if count else 0.0
 
 
-def end_to_end(args, model: str, compile: bool, decode: str, out: Path) -> dict:
-    """train.py on the folder (its last epoch, data.decode=decode) against benchmark_train.py's model-only step,
-    in subprocesses."""
+def end_to_end(args, model: str, compile: bool, decode: str, model_only: float, out: Path) -> dict:
+    """train.py on the folder (its last epoch, data.decode=decode) in a subprocess, against `model_only`,
+    benchmark_train.py's images per second for the same model and compile (model_only_rate)."""
     run = out / f"train_{model}{'_compiled' if compile else ''}_decode_{decode}"
     shutil.rmtree(run, ignore_errors=True)  # this script's run of an earlier call: train.py refuses a used folder
     recipe_args = [f"img_size={args.img_size}", f"batch_size={args.batch_size}", f"compile={str(compile).lower()}"]
     command = [sys.executable, str(ROOT / "train.py"), "experiment=deit_small_imagenet", f"data.root={args.data}",
-               f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false", f"data.decode={decode}",
-               f"device={args.device}", f"output_dir={run}", "logger.wandb.mode=disabled", *recipe_args]
+               f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false",
+               f"data.decode={decode}", f"device={args.device}", f"output_dir={run}", "logger.wandb.mode=disabled",
+               *recipe_args]
     trained = subprocess.run(command, capture_output=True, text=True)
     if trained.returncode:
         sys.exit(f"benchmark_input.py: train.py failed for {model}: {trained.stderr.strip().splitlines()[-1]}")
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size,
+               img_size=args.img_size, workers=resolve_num_workers("auto"), imgs_per_s=last["imgs_per_s"],
+               model_only_imgs_per_s=model_only, x_model_only=last["imgs_per_s"] / model_only,
+               data_wait_share=last["data_wait_share"])
+    print(f"{model}{' compiled' if compile else ''}, decode {decode}: {row['imgs_per_s']:.0f} images/s end to end, "
+          f"{model_only:.0f} model only (x{row['x_model_only']:.2f}), {100 * row['data_wait_share']:.0f} % waiting "
+          f"for data", flush=True)
+    return row
+
+
+def model_only_rate(args, model: str, compile: bool, out: Path) -> float:
+    """benchmark_train.py's images per second for the model alone (same batch, size, precision and compile)."""
     only = out / f"model_only_{model}{'_compiled' if compile else ''}"
     command = [sys.executable, str(ROOT / "scripts" / "benchmark_train.py"), "--models", model, "--device",
                args.device, "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--batch-size",
@@ -143,13 +156,7 @@ def end_to_end(args, model: str, compile: bool, decode: str, out: Path) -> dict:
     if measured.returncode:
         sys.exit(f"benchmark_input.py: benchmark_train.py failed for {model}: {measured.stderr.strip()[-300:]}")
     with open(only / "train.csv") as f:
-        model_only = float(next(csv.DictReader(f))["imgs_per_s"])
-    row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size, img_size=args.img_size,
-               workers=resolve_num_workers("auto"), imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
-               x_model_only=last["imgs_per_s"] / model_only, data_wait_share=last["data_wait_share"])
-    print(f"{model}{' compiled' if compile else ''}, decode {decode}: {row['imgs_per_s']:.0f} images/s end to end, {model_only:.0f} "
-          f"model only (x{row['x_model_only']:.2f}), {100 * row['data_wait_share']:.0f} % waiting for data", flush=True)
-    return row
+        return float(next(csv.DictReader(f))["imgs_per_s"])
 
 
 def main() -> None:
@@ -183,11 +190,13 @@ def main() -> None:
     if args.train:
         args.data = args.data.resolve()
         compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-        rows = [end_to_end(args, model, compile, decode, args.out)
+        model_only = {(model, compile): model_only_rate(args, model, compile, args.out)
+                      for model in args.train for compile in compiled}  # once, whichever the decoding
+        rows = [end_to_end(args, model, compile, decode, model_only[model, compile], args.out)
                 for decode in args.decode for model in args.train for compile in compiled]
         write_table(rows, args.out, "input_train")
-        print(markdown_table(rows, ["model", "compile", "decode", "workers", "imgs_per_s", "model_only_imgs_per_s",
-                                    "x_model_only", "data_wait_share"]))
+        print(markdown_table(rows, ["model", "compile", "decode", "workers", "imgs_per_s",
+                                    "model_only_imgs_per_s", "x_model_only", "data_wait_share"]))
         return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
     configs = [(path, workers) for workers in args.workers for path in PATHS]

@@ -481,6 +481,7 @@ def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_p
     assert len(list((tmp_path / "images").glob("val/*/*.JPEG"))) == 32  # 4 for each of the 8 classes
     rows = read_rows(tmp_path / "input_train.csv")
     assert [row["decode"] for row in rows] == ["cpu", "gpu"]
+    assert rows[0]["model_only_imgs_per_s"] == rows[1]["model_only_imgs_per_s"]  # measured once for both
     for row in rows:
         assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
         metrics = json.loads((tmp_path / f"train_lion_d_tiny_decode_{row['decode']}" / "metrics.jsonl").read_text())
