@@ -249,7 +249,8 @@ def test_train_py_with_decode_gpu_on_a_cpu(tmp_path):
         val.mkdir(parents=True)
         photo(50 + k, 100, 90).save(val / "0.JPEG")
     out = tmp_path / "run"
-    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={root}", "data.decode=gpu", "aug=deit", "epochs=1", "batch_size=4", "img_size=32", f"output_dir={out}"))
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={root}", "data.decode=gpu", "aug=deit",
+                        "epochs=1", "batch_size=4", "img_size=32", f"output_dir={out}"))
     (line,) = read_metrics(out)
     assert line["epoch"] == 1 and 0 <= line["val_acc1"] <= 100
     proc = run_train(*SMALL_LION, "data=digits", "data.decode=gpu", "epochs=1", f"output_dir={tmp_path / 'no'}")

@@ -69,7 +69,8 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
     """split: "train" or "val"; with data.decode=gpu the training split yields each file's bytes and drawn
     augmentation (lion_vit.data.gpu) in place of an image."""
     kind, train = data.name, split == "train"
-    if decodes_on_device(data, train):
+    encoded = decodes_on_device(data, train)
+    if encoded:
         if kind not in ("imagefolder", "imagenet"):
             raise UserError(f"data.decode=gpu decodes JPEG files: it needs data=imagefolder or data=imagenet, not "
                             f"{kind}; set data.decode=cpu")
@@ -82,7 +83,7 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
         return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
     if kind in ("imagefolder", "imagenet"):
         return image_folder(data.root, data.train_split if train else data.val_split, transform,
-                            drop_unreadable=not train, loader=read_encoded if decodes_on_device(data, train) else None)
+                            drop_unreadable=not train, loader=read_encoded if encoded else None)
     raise UserError(f"unknown data.name {kind!r}; choose one of {KINDS}")
 
 

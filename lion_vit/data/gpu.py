@@ -180,13 +180,10 @@ def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resample: Any) -> T
     a, b, c, d, e, f = matrices.to(**grid).view(count, 6, 1, 1).unbind(1)
     x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f  # [n, H, W]
     inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
-    if resample == Image.Resampling.NEAREST:
-        (x0, x_taps), (y0, y_taps) = (x_in.floor().long(), [(0, 1.0)]), (y_in.floor().long(), [(0, 1.0)])
-    elif resample in (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC):
-        (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample)
-    else:
+    if resample not in (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC):
         raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {resample}; use "
                         f"data.interpolation=bicubic or bilinear")
+    (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample)
     flat = images.reshape(count, channels, -1).double()
     out = torch.zeros(count, channels, height * width, **grid)
     for dy, wy in y_taps:
@@ -195,7 +192,8 @@ def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resample: Any) -> T
             index = (rows + (x0 + dx).clamp(0, width - 1)).view(count, 1, -1).expand(-1, channels, -1)
             out += (wy * wx).view(count, 1, -1) * flat.gather(-1, index)
     out = out.view(count, channels, height, width).clamp_(0, 255).to(torch.uint8)
-    return torch.where(inside.unsqueeze(1), out, fills.to(device=images.device, dtype=torch.uint8).view(count, -1, 1, 1))
+    fills = fills.to(device=images.device, dtype=torch.uint8).view(count, -1, 1, 1)
+    return torch.where(inside.unsqueeze(1), out, fills)
 
 
 def _taps(position: Tensor, resample: Any) -> Tuple[Tensor, List[Tuple[int, Any]]]:
@@ -356,7 +354,8 @@ class Decoder:
 
 class DeviceDecodeLoader:
     """Iterates a DataLoader of `collate_samples` batches as normalised, randomly erased float images on
-    `device` (what the CPU path's timm PrefetchLoader yields)."""
+    `device` (what the CPU path's timm PrefetchLoader yields; not that loader itself: on CUDA it normalises on
+    a side stream, which would not wait for the decoding and augmentation queued on the current one)."""
 
     def __init__(self, loader: DataLoader, device: torch.device, mean: Sequence[float], std: Sequence[float],
                  re_prob: float = 0.0, re_mode: str = "const", re_count: int = 1) -> None:
