@@ -6,8 +6,7 @@ Tolerances, in uint8 levels: the RandAugment ops follow PIL's arithmetic and dif
 rounding at a truncation); the crop's antialiased bicubic resize (torchvision's port of PIL's) by at most 2,
 0.5 on average. Through a whole DeiT transform those differences stay under 0.5 levels on average; where
 an op thresholds (solarize, posterize: a pixel one level apart falls on the other side) or stretches levels
-(equalize: one level becomes up to four), at most 3 % of pixels are more than 2 levels apart (1.4 % at worst
-over the test's 150 seeds).
+(equalize: one level becomes up to four), at most 3 % of pixels are more than 2 levels apart.
 """
 from __future__ import annotations
 
