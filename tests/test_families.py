@@ -135,7 +135,10 @@ def test_mamba2_and_xlstm_initial_decays_follow_their_papers():
 
 def test_gla_plans_its_vector_decays_in_every_form():
     model = timm.create_model("lion_gla_natural_tiny", num_classes=3, depth=1, img_size=(32, 48)).eval()
+    assert str(model.attn_plan((32, 48))) == "attention form, cpu backend: one chunk in groups of rows, vector decays"
+    model.set_attn_form("attention", backend="torch")
     assert str(model.attn_plan((32, 48))) == "attention form, torch backend: one masked product, vector decays"
+    model.set_attn_form("attention", backend="auto")
     assert str(model.set_attn_form("chunk", 4).attn_plan((32, 48))) == \
         "chunk form, cpu backend: 2 chunks in groups of rows, vector decays"
 

@@ -681,6 +681,55 @@ def test_vector_chunk_form_in_row_groups_matches_naive(decay, dtype, rows, reque
             assert out.dtype == dtype and rel_err(out, expected) < tol, (scans, chunk)
 
 
+def mixed_vector_decays(length: int, dtype: torch.dtype, seed: int = 52):
+    """q, k, v as vector_inputs and decays near 1 with every tenth token's near 0: long blocks of tokens stay in
+    exp's range, the blocks around a steep token do not."""
+    q, k, v, lams = vector_inputs(length, "near1", dtype, seed=seed)
+    steep = torch.arange(length) % 10 == 3
+    lams = torch.where(steep[:, None], lams * 1e-8, 1 - (1 - lams) * 5e3)  # near 0 / within 0.05 of 1
+    return q, k, v, lams
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["spread", "near0", "near1", "mixed"])
+def test_vector_leaves_match_naive(decay, dtype):
+    """The vector forms' masked products inside blocks (leaves): every leaf size, and the largest the decays allow
+    (leaf_size=None, the cpu backend's), in a loop over chunks and at once, at 70 tokens: outputs and gradients of
+    q, k, v and the log decays against per-channel running products."""
+    from lion_vit.ops import vector
+    tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
+    if decay == "mixed":
+        q, k, v, lams = mixed_vector_decays(70, dtype)
+    else:
+        q, k, v, lams = vector_inputs(70, decay, dtype)
+    upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(53))
+    expected, ref_grads = _naive_vector_grads(q, k, v, lams, None, upstream)
+    for chunk, at_once, leaf in [(None, False, None), (16, False, None), (16, True, None), (None, True, 4),
+                                 (32, False, 2), (70, True, 1)]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
+        numerator, normaliser = vector.vector_form(*leaves, chunk_size=chunk, chunks_at_once=at_once, leaf_size=leaf)
+        out = numerator / normaliser
+        assert rel_err(out, expected) < tol[0], (chunk, at_once, leaf)
+        grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
+        for name, got, want in zip("qkva", grads, ref_grads):
+            assert rel_err(got, want, min_scale=1e-3 if dtype == torch.float64 else 1.0) < tol[1], (chunk, leaf, name)
+
+
+def test_vector_leaves_are_as_large_as_the_decays_allow():
+    """leaf_tokens: the whole chunk for decays near 1, pairs of tokens for decays near 0 in float32, blocks with
+    one steep token in each half for mixed decays, larger ones in float64 (its exp reaches further)."""
+    from lion_vit.ops import vector
+
+    def leaf(lams, dtype):
+        g, h = vector._cumulative(torch.log(lams).to(dtype))
+        return vector.leaf_tokens(g, h, dtype, [1 << i for i in range(7)])
+
+    lams = {decay: vector_inputs(64, decay, torch.float32)[3][0] for decay in ("near0", "near1")}
+    assert leaf(lams["near1"], torch.float32) == 64 and leaf(lams["near0"], torch.float32) == 2
+    mixed = mixed_vector_decays(64, torch.float32)[3]
+    assert leaf(mixed, torch.float32) == 16 and leaf(mixed, torch.float64) == 64
+
+
 def _naive_vector_grads(q, k, v, lams, orders, upstream):
     leaves = [t.double().clone().requires_grad_() for t in (q, k, v, lams)]
     expected = naive_vector(*leaves, orders)
@@ -690,8 +739,8 @@ def _naive_vector_grads(q, k, v, lams, orders, upstream):
 
 
 def test_vector_decays_plan_the_portable_forms_and_other_scalings():
-    """Vector decays run the portable forms (their plan says so), with any scaling; the rnn form keeps chunks of
-    one token."""
+    """Vector decays run the portable forms (their plan says so), with any scaling, eagerly on a CPU in groups of
+    rows (training too); the rnn form keeps chunks of one token."""
     from lion_vit.ops import dispatch
     from lion_vit.ops.reference import lion_attention_reference
     q, k, v, lams = vector_inputs(13, "spread", torch.float64)
@@ -703,11 +752,13 @@ def test_vector_decays_plan_the_portable_forms_and_other_scalings():
         for form, chunk in [("auto", None), ("rnn", None), ("chunk", 4)]:
             out = lion_attention(q - 0.6, k, v, log_decays, form=form, chunk_size=chunk, scaling="none")
             assert rel_err(out, lion_attention_reference(q - 0.6, k, v, log_decays, scaling="none")) < 1e-10
-    assert [str(run) for run in ran] == ["attention form, torch backend: one masked product, vector decays",
+    assert [str(run) for run in ran] == ["attention form, cpu backend: one chunk in groups of rows, vector decays",
                                          "rnn form, torch backend: recurrence loop, vector decays",
                                          "chunk form, cpu backend: 4 chunks in groups of rows, vector decays"]
     # above dispatch.VECTOR_ATTENTION_CHUNK tokens the attention form runs chunks of it: the same function
     q, k, v, lams = vector_inputs(dispatch.VECTOR_ATTENTION_CHUNK + 6, "spread", torch.float64)
     run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True, training=True)
+    assert str(run) == "attention form, cpu backend: 2 chunks in groups of rows, vector decays"
+    run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True, training=True, backend="torch")
     assert str(run) == "attention form, torch backend: 2 chunks, vector decays"
     assert rel_err(lion_attention(q, k, v, torch.log(lams)), naive_vector(q, k, v, lams)) < 1e-10

@@ -64,8 +64,8 @@ CHUNK_BACKWARD_FALLBACK = "forward"
 TRITON_CHUNK = 64
 
 # Vector decays' attention form is one chunk of their chunked form up to this many tokens, chunks of it above
-# (the same function; FLA's GLA chunk size): a chunk costs log2(C) levels of [C, Dk] operands.
-VECTOR_ATTENTION_CHUNK = 64
+# (the same function): the CPU training step's fastest chunk at 224 px (docs/benchmarks.md, "Vector decays").
+VECTOR_ATTENTION_CHUNK = 32
 
 _INSTALL_HINT = 'pip install "lion-vit[gpu]" (flash-linear-attention)'
 _warned = set()
@@ -170,11 +170,11 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                         chunk_size=TRITON_CHUNK if form != "rnn" else None, vector=True)
         if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else FLA's chunks
             chunk_size = VECTOR_ATTENTION_CHUNK
-        if form != "rnn" and chunk_size is not None and chunk_size < length:
-            # inference on a CPU: in groups of rows, each group's chunks at once (lion_vit.ops.cpu)
-            rows = auto_backend and backend == "torch" and device.type == "cpu" and not training and \
-                not torch.compiler.is_compiling()
-            return Plan(form, "cpu" if rows else "torch", chunks=chunk_count(length, chunk_size),
+        # eagerly on a CPU: in groups of rows, each group's chunks at once, leaves read from the decays
+        # (lion_vit.ops.cpu; a compiler traces the portable forms)
+        rows = auto_backend and backend == "torch" and device.type == "cpu" and not torch.compiler.is_compiling()
+        if form != "rnn" and (rows or (chunk_size is not None and chunk_size < length)):
+            return Plan(form, "cpu" if rows else "torch", chunks=chunk_count(length, chunk_size or length),
                         chunk_size=chunk_size, vector=True)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":

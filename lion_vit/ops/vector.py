@@ -4,21 +4,23 @@ The mask is then one per key channel c, and the scores sum over the channels:
 
     Y_i = sum_j sum_c q_i^c k_j^c M^c_ij v_j,   M^c_ij = prod of lam^c over the path from j to i (as section 1)
 
-which is no longer a product of matrices. Each direction is a causal gated linear attention, FLA's way
-(docs/design.md, "Vector decays"): with gates g, G their cumulative sum along the sequence,
+which is no longer a product of matrices. With a the log decays and, inside a chunk of tokens, H their
+cumulative sum and G = H - a (FLA's gated linear attention in each direction, docs/design.md "Vector decays"):
 
-    o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v1_j      (v1 = [v, 1]: the normaliser rides along)
+    M_ij = exp(G_i - G_j)  for j <= i,    M_ij = exp(H_j - H_i)  for j > i,
 
-the forward direction with g_p = a_{p-1} (the diagonal included), the backward direction the same on the
-mirrored sequence (without the diagonal). Chunk by chunk of C tokens: inside a chunk the pairs by halves
-(`_within`: two matrix products per level, as FLA's kernels split a chunk into sub-chunks), between chunks a
-state [Dk, Dv + 1] decayed per channel. Every exponent is a sum of log decays <= 0, so nothing overflows.
-One routine serves the three forms: the attention form is one chunk (chunks of 64 above 64 tokens), the rnn
-form chunks of one token (a state and nothing L-sized besides autograd's), the chunk form chunks of chunk_size.
+and v1 = [v, 1] carries the normaliser along. Chunk by chunk of C tokens: inside a chunk the pairs of both
+directions by halves (`_pairs`: in each block, (right half, left half) pairs factor through the left half's
+last token, with both exponents <= 0: two matrix products per level and direction), below `leaf` tokens one
+masked product per block (exact while its exponents stay in range: `leaf_tokens`); between chunks a state
+[Dk, Dv + 1] per direction, decayed per channel. One routine serves the three forms: the attention form is one
+chunk (chunks of 64 above 64 tokens), the rnn form chunks of one token (states, and nothing L-sized besides
+autograd's), the chunk form chunks of chunk_size.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,109 +30,157 @@ from .scans import over_scans
 
 
 def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
-                chunk_size: Optional[int] = None, chunks_at_once: bool = False) -> Tuple[Tensor, Tensor]:
+                chunk_size: Optional[int] = None, chunks_at_once: bool = False,
+                leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
     order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form).
-    chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations
-    on whole-sequence temporaries, where the default loop runs tens per chunk on a chunk's: the CPU backend's
-    way for rows of one head, lion_vit.ops.cpu)."""
+    chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations on
+    whole-sequence temporaries, where the loop runs tens per chunk on a chunk's). leaf_size: tokens per block
+    taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call by call, which
+    a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
     return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size,
-                      chunks_at_once=chunks_at_once)
+                      chunks_at_once=chunks_at_once, leaf_size=leaf_size)
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None,
-              chunks_at_once: bool = False) -> Tuple[Tensor, Tensor]:
+              chunks_at_once: bool = False, leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
     length = q.shape[-2]
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along
     chunk = length if chunk_size is None else min(chunk_size, length)
-    if chunks_at_once and chunk > 1:
-        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        gates = F.pad(a[..., :-1, :], (0, 0, 1, 0))  # g_p = a_{p-1}
-        mirrored_gates = F.pad(a.flip(-2)[..., :-1, :], (0, 0, 1, 0))
-        both = _causal_at_once(q, k, v1, gates, chunk, diagonal=True) + _causal_at_once(
-            q.flip(-2), k.flip(-2), v1.flip(-2), mirrored_gates, chunk, diagonal=False).flip(-2)
-    else:
-        both = _causal(q, k, v, a, chunk, mirrored=False) + _causal(q, k, v, a, chunk, mirrored=True)
+    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v1, a, chunk, leaf_size)
     return both[..., :-1], both[..., -1:]
 
 
-def _causal_at_once(q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk: int, diagonal: bool) -> Tensor:
-    """_causal's sums along the sequence as given (g the gates g_p = a_{p-1}, v with its ones column), every
-    chunk's own pairs in one batch ([..., chunks, C, D]), then the states entering each chunk, chunk after chunk."""
+def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
+    """(G, H) of log decays a along the tokens (dim -2): H their cumulative sum, G = H - a."""
+    total = a.cumsum(-2)
+    return total - a, total
+
+
+def _at_once(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+    """Both directions' sums, every chunk's own pairs in one batch ([..., chunks, C, D]; equal chunks of at most
+    `chunk` tokens), then the states entering each chunk from either side, chunk after chunk."""
     length = q.shape[-2]
     count = -(-length // chunk)
-    if count * chunk > length:  # zero keys and values; zero gates keep G, so every exponent stays <= 0
-        q, k, v, g = (F.pad(t, (0, 0, 0, count * chunk - length)) for t in (q, k, v, g))
-    q, k, v, g = (t.unflatten(-2, (count, chunk)) for t in (q, k, v, g))
-    cumulative = g.to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
-    out = _within(q, k, v, cumulative, diagonal)
+    size = -(-length // count)
+    if count * size > length:  # zero keys and values; zero log decays leave G and H as they are
+        q, k, v1, a = (F.pad(t, (0, 0, 0, count * size - length)) for t in (q, k, v1, a))
+    q, k, v1, a = (t.unflatten(-2, (count, size)) for t in (q, k, v1, a))
+    out, (g, h) = _pairs(q, k, v1, a, leaf_size)
     if count > 1:
-        last = cumulative[..., -1:, :]  # [..., chunks, 1, Dk]
-        own = (k * (last - cumulative).exp().to(q.dtype)).transpose(-1, -2) @ v  # each chunk's keys, at its end
-        decay = last.exp().to(q.dtype).transpose(-1, -2)  # [..., chunks, Dk, 1]: a whole chunk's decay
-        states = [torch.zeros_like(own[..., 0, :, :])]  # the state entering each chunk
-        for i in range(1, count):
-            states.append(decay[..., i - 1, :, :] * states[-1] + own[..., i - 1, :, :])
-        out = out + (q * cumulative.exp().to(q.dtype)) @ torch.stack(states, dim=-3)
+        total = h[..., -1:, :]  # [..., chunks, 1, Dk]: a whole chunk's log decay
+        to_end = (k * (total - g).exp().to(q.dtype)).transpose(-1, -2) @ v1  # each chunk's keys, at its end
+        to_start = (k * h.exp().to(q.dtype)).transpose(-1, -2) @ v1  # and at its start, for the chunks before
+        decay = total.exp().to(q.dtype).transpose(-1, -2)  # [..., chunks, Dk, 1]
+        entering = _states(decay.unbind(-3), to_end.unbind(-3))
+        leaving = _states(decay.unbind(-3)[::-1], to_start.unbind(-3)[::-1])[::-1]
+        out = out + (q * g.exp().to(q.dtype)) @ torch.stack(entering, dim=-3) + \
+            (q * (total - h).exp().to(q.dtype)) @ torch.stack(leaving, dim=-3)
     return out.flatten(-3, -2)[..., :length, :]
 
 
-def _causal(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, mirrored: bool) -> Tensor:
-    """o_i = sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j [v_j, 1] [..., L, Dv + 1] in token order, G the cumulative
-    sum of the gates g_p = a_{p-1} (a [B, H, L, Dk] log decays <= 0), chunk by chunk of `chunk` tokens (the last
-    one shorter). mirrored: along the mirrored sequence and without the diagonal (j < i); each chunk is read from
-    the tokens and its output put back in token order, so nothing mirrored is copied whole."""
+def _states(decays: Tuple[Tensor, ...], own: Tuple[Tensor, ...]) -> List[Tensor]:
+    """The state entering each chunk along a sweep: none before the first, then each chunk's state decayed by
+    its whole decay plus its own keys' sum."""
+    states = [torch.zeros_like(own[0])]
+    for decay, keys in zip(decays[:-1], own[:-1]):
+        states.append(decay * states[-1] + keys)
+    return states
+
+
+def _in_loop(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+    """The same sums chunk by chunk (the last one shorter): a sweep forward with each chunk's own pairs and the
+    state from the chunks before, then one back with the state from the chunks after."""
     length = q.shape[-2]
-    state = q.new_zeros(*q.shape[:-2], q.shape[-1], v.shape[-1] + 1)  # [B, H, Dk, Dv + 1]
-    outputs = []
-    for start in range(0, length, chunk):
-        stop = min(start + chunk, length)
-        # this direction's positions start..stop-1 are tokens start..stop-1, or L-1-start down to L-stop mirrored
-        lo, hi = (length - stop, length - start) if mirrored else (start, stop)
-
-        def read(t: Tensor) -> Tensor:
-            return t[..., lo:hi, :].flip(-2) if mirrored else t[..., lo:hi, :]
-
-        qc, kc, vc = read(q), read(k), read(v)
-        vc = torch.cat([vc, torch.ones_like(vc[..., :1])], dim=-1)  # [v, 1]: the normaliser rides along
-        # gates g_p = a_{p-1} in this direction: the decays of tokens lo-1..hi-2 (forward) or hi..lo+1 (mirrored)
-        gates = a[..., lo + 1:hi + 1, :].flip(-2) if mirrored else a[..., max(lo - 1, 0):hi - 1, :]
-        if start == 0:  # position 0 has no token before it
-            gates = F.pad(gates, (0, 0, 1, 0))
-        gc = gates.to(torch.float64 if q.dtype == torch.float64 else torch.float32).cumsum(-2)
-        out = _within(qc, kc, vc, gc, diagonal=not mirrored)
-        if start:  # the state of the chunks before, decayed to this chunk's tokens
-            out = out + (qc * gc.exp().to(q.dtype)) @ state
-        outputs.append(out.flip(-2) if mirrored else out)
-        if stop < length:  # the state at this chunk's last token, decayed per channel
-            last = gc[..., -1:, :]
-            state = last.exp().to(q.dtype).transpose(-1, -2) * state + \
-                (kc * (last - gc).exp().to(q.dtype)).transpose(-1, -2) @ vc
-    return torch.cat(outputs[::-1] if mirrored else outputs, dim=-2)
+    bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    state = None
+    outputs, gates = [], []
+    for lo, hi in bounds:
+        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], v1[..., lo:hi, :]
+        out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
+        total = h[..., -1:, :]
+        if state is not None:  # the chunks before, decayed to this chunk's tokens
+            out = out + (qc * g.exp().to(q.dtype)) @ state
+        if hi < length:
+            own = (kc * (total - g).exp().to(q.dtype)).transpose(-1, -2) @ vc
+            state = own if state is None else total.exp().to(q.dtype).transpose(-1, -2) * state + own
+        outputs.append(out)
+        gates.append((h, total))
+    state = None
+    for i in range(len(bounds) - 1, -1, -1):
+        (lo, hi), (h, total) = bounds[i], gates[i]
+        if state is not None:  # the chunks after
+            outputs[i] = outputs[i] + (q[..., lo:hi, :] * (total - h).exp().to(q.dtype)) @ state
+        if lo:
+            own = (k[..., lo:hi, :] * h.exp().to(q.dtype)).transpose(-1, -2) @ v1[..., lo:hi, :]
+            state = own if state is None else total.exp().to(q.dtype).transpose(-1, -2) * state + own
+    return torch.cat(outputs, dim=-2)
 
 
-def _within(q: Tensor, k: Tensor, v: Tensor, cumulative: Tensor, diagonal: bool) -> Tensor:
-    """sum_{j <= i} (q_i * exp(G_i - G_j)) . k_j v_j inside one chunk (j < i without the diagonal), G the
-    non-increasing `cumulative` gates, by halves: in every block, the pairs (i in its right half, j in its
-    left half) factor through G_r, the left half's last G, as (q_i * exp(G_i - G_r)) . (k_j * exp(G_r - G_j))
-    with both exponents <= 0: two matrix products per level, log2(chunk) levels, and no [C, C, Dk] tensor.
-    The chunk is padded to a power of two (zero keys and values, the last G repeated)."""
+def _pairs(q: Tensor, k: Tensor, v: Tensor, a: Tensor, leaf_size: Optional[int]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+    """sum_j (q_i * M_ij) . k_j v_j over the pairs inside each chunk (dim -2), both directions, and the chunk's
+    (G, H). By halves: in each block, the forward pairs (i in the right half, j in the left) factor through the
+    left half's last token r as (q_i * exp(G_i - G_r)) . (k_j * exp(G_r - G_j)), the backward ones (i left, j
+    right) as (q_i * exp(H_r - H_i)) . (k_j * exp(H_j - H_r)), every exponent <= 0, no [C, C, Dk] tensor; inside
+    blocks of `leaf` tokens, one masked product (`_in_leaves`). A chunk is taken whole as one leaf where
+    leaf_size allows, else padded to a power of two (zero keys, values and log decays)."""
+    g, h = _cumulative(a)
     size = q.shape[-2]
+    if leaf_size is None and leaf_tokens(g, h, q.dtype, [size]) == size:
+        return _in_leaves(q, k, v, g, h, size), (g, h)
     n = 1 << (size - 1).bit_length()
+    padded = (q, k, v, a)
     if n > size:
-        q, k, v = (F.pad(t, (0, 0, 0, n - size)) for t in (q, k, v))
-        cumulative = torch.cat([cumulative, cumulative[..., -1:, :].expand(*cumulative.shape[:-2], n - size, -1)], -2)
-    out = (q * k).sum(-1, keepdim=True) * v if diagonal else torch.zeros_like(v)
-    half = 1
+        padded = tuple(F.pad(t, (0, 0, 0, n - size)) for t in padded)
+    q, k, v, gates = padded
+    gp, hp = _cumulative(gates) if n > size else (g, h)
+    half = min(leaf_size, n) if leaf_size else leaf_tokens(gp, hp, q.dtype, [1 << i for i in range(n.bit_length())])
+    out = _in_leaves(q, k, v, gp, hp, half)
     while half < n:
         def halves(t: Tensor) -> Tensor:  # [..., blocks, 2 halves, half, D]
             return t.reshape(*t.shape[:-2], n // (2 * half), 2, half, t.shape[-1])
 
-        qs, ks, vs, gs = halves(q), halves(k), halves(v), halves(cumulative)
-        ref = gs[..., 0, -1:, :]
-        right = qs[..., 1, :, :] * (gs[..., 1, :, :] - ref).exp().to(q.dtype)
-        left = ks[..., 0, :, :] * (ref - gs[..., 0, :, :]).exp().to(q.dtype)
-        part = (right @ left.transpose(-1, -2)) @ vs[..., 0, :, :]  # to the right halves, from the left ones
-        out = out + torch.stack([torch.zeros_like(part), part], dim=-3).reshape(out.shape)
+        qs, ks, vs, gs, hs = halves(q), halves(k), halves(v), halves(gp), halves(hp)
+        g_ref, h_ref = gs[..., 0, -1:, :], hs[..., 0, -1:, :]
+        forward = (qs[..., 1, :, :] * (gs[..., 1, :, :] - g_ref).exp().to(q.dtype)) @ \
+            (ks[..., 0, :, :] * (g_ref - gs[..., 0, :, :]).exp().to(q.dtype)).transpose(-1, -2)
+        backward = (qs[..., 0, :, :] * (h_ref - hs[..., 0, :, :]).exp().to(q.dtype)) @ \
+            (ks[..., 1, :, :] * (hs[..., 1, :, :] - h_ref).exp().to(q.dtype)).transpose(-1, -2)
+        parts = [backward @ vs[..., 1, :, :], forward @ vs[..., 0, :, :]]  # to the left halves, to the right ones
+        out = out + torch.stack(parts, dim=-3).reshape(out.shape)
         half *= 2
-    return out[..., :size, :]
+    return out[..., :size, :], (g, h)
+
+
+def _in_leaves(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h: Tensor, leaf: int) -> Tensor:
+    """The pairs inside blocks of `leaf` tokens (dividing the length), both directions, each block in one masked
+    product through its middle token m: (q_i * exp(G_i - G_m)) . (k_j * exp(G_m - G_j)) for j <= i and
+    (q_i * exp(H_m - H_i)) . (k_j * exp(H_j - H_m)) for j > i. Exact while |G - G_m| and |H - H_m| stay in range
+    (leaf_tokens); leaf 1: the diagonal alone."""
+    if leaf == 1:
+        return (q * k).sum(-1, keepdim=True) * v
+    qs, ks, vs, gs, hs = (t.unflatten(-2, (t.shape[-2] // leaf, leaf)) for t in (q, k, v, g, h))
+    g_ref, h_ref = gs[..., leaf // 2:leaf // 2 + 1, :], hs[..., leaf // 2:leaf // 2 + 1, :]
+    forward = (qs * (gs - g_ref).exp().to(q.dtype)) @ (ks * (g_ref - gs).exp().to(q.dtype)).transpose(-1, -2)
+    backward = (qs * (h_ref - hs).exp().to(q.dtype)) @ (ks * (hs - h_ref).exp().to(q.dtype)).transpose(-1, -2)
+    return ((forward.tril() + backward.triu(1)) @ vs).flatten(-3, -2)
+
+
+def leaf_tokens(g: Tensor, h: Tensor, dtype: torch.dtype, sizes: List[int]) -> int:
+    """The largest of `sizes` (each dividing the tokens, dim -2) such that in every block of that many tokens
+    |G - G_m| and |H - H_m| stay within a quarter of log(dtype's largest value), m the block's middle token: then
+    no factor of `_in_leaves` and no product of two, the masked pairs' included, leaves the dtype's range, and a
+    pair's rounding stays within that many epsilons (exp's relative error grows with its argument). 1 if none."""
+    bound = math.log(torch.finfo(dtype).max) / 4
+    for leaf in sorted(sizes, reverse=True):
+        if leaf == 1:
+            break
+        spread = 0.0
+        for t in (g, h):  # G and H do not increase: the block's ends are the extremes
+            blocks = t.unflatten(-2, (t.shape[-2] // leaf, leaf))
+            middle = blocks[..., leaf // 2, :]
+            spread = max(spread, (blocks[..., 0, :] - middle).max().item(), (middle - blocks[..., -1, :]).max().item())
+        if spread <= bound:
+            return leaf
+    return 1

@@ -22,10 +22,11 @@ def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], or
 
 def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
                 chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """The portable vector-decay form the same way, its chunks at once within a group: a group's temporaries
-    are whole sequences of a few rows, and its operations a few per chunk size, not tens per chunk."""
+    """The portable vector-decay form the same way, its chunks at once within a group (a group's temporaries
+    are whole sequences of a few rows, and its operations a few per chunk size, not tens per chunk), each
+    group's leaves as large as its decays allow (vector.leaf_tokens)."""
     return _in_row_groups(vector.vector_form, q, k, v, log_decays, orders, chunk_size=chunk_size,
-                          chunks_at_once=True)
+                          chunks_at_once=True, leaf_size=None)
 
 
 def _in_row_groups(form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
