@@ -95,7 +95,7 @@ def _in_loop(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size:
     length = q.shape[-2]
     bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
     state = None
-    outputs, gates = [], []
+    outputs = []
     for lo, hi in bounds:
         qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], v1[..., lo:hi, :]
         out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
@@ -106,10 +106,11 @@ def _in_loop(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size:
             own = (kc * (total - g).exp().to(q.dtype)).transpose(-1, -2) @ vc
             state = own if state is None else total.exp().to(q.dtype).transpose(-1, -2) * state + own
         outputs.append(out)
-        gates.append((h, total))
     state = None
     for i in range(len(bounds) - 1, -1, -1):
-        (lo, hi), (h, total) = bounds[i], gates[i]
+        lo, hi = bounds[i]
+        _, h = _cumulative(a[..., lo:hi, :])  # recomputed: kept, they would be two more [L, Dk] in the rnn form
+        total = h[..., -1:, :]
         if state is not None:  # the chunks after
             outputs[i] = outputs[i] + (q[..., lo:hi, :] * (total - h).exp().to(q.dtype)) @ state
         if lo:
