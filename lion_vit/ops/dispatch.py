@@ -15,7 +15,8 @@ exact way to get it:
   backend the fused attention form's, elsewhere the portable one's;
 - LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
 - vector decays (one per key channel, vector.py) run FLA's vector-gate kernels on the triton backend, the
-  portable vector forms elsewhere (in chunks, without autograd on a CPU in groups of rows: backend "cpu");
+  portable vector forms elsewhere: eagerly on a CPU (training too) in groups of rows with masked products as
+  large as the decays allow (backend "cpu"), else with the traceable fixed ones;
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
