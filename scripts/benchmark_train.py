@@ -140,7 +140,8 @@ def main() -> None:
     base = min(baseline_times)
     rows = []
     for label, (name, _, _) in zip(labels, args.models):
-        row = dict(model=name, form=plans[label].form if label in plans else None, batch_size=args.batch_size,
+        row = dict(model=name, form=plans[label].form if label in plans else None,
+                   chunk_size=plans[label].chunk_size if label in plans else None, batch_size=args.batch_size,
                    img_size=args.img_size, device=args.device, dtype=args.dtype,
                    malloc=args.malloc if args.device == "cpu" else None, status=failed.get(label, "ok"))
         if label in times:
@@ -153,7 +154,7 @@ def main() -> None:
     write_table(rows, args.out, "train")
     _plot([(label, row["x_baseline"]) for label, row in zip(labels, rows) if label in times], baseline,
           args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, {args.device} {args.dtype}")
-    print(markdown_table(rows, ["model", "form", "status", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired",
+    print(markdown_table(rows, ["model", "form", "chunk_size", "status", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired",
                                 "peak_mem_mb"]))
     if args.profile:
         for name in setups:

@@ -156,12 +156,13 @@ def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monke
         runpy.run_path(str(ROOT / "scripts" / "benchmark_train.py"), run_name="__main__")
 
     monkeypatch.setattr(lion_vit.models, "create_model_at_size", create)
-    run("lion_d_tiny:chunk", "lion_d_tiny:attention", "lion_s_tiny")
+    run("lion_gla_tiny:chunk:2", "lion_d_tiny:attention", "lion_s_tiny")
     rows = read_rows(tmp_path / "train.csv")
-    # (lion_s_tiny takes --attn-form auto, which is the attention form on a CPU: the form column says what ran)
-    assert [(r["model"], r["form"], r["status"]) for r in rows] == [
-        ("lion_d_tiny", "chunk", "ok"), ("lion_d_tiny", "attention", "out of memory"),
-        ("lion_s_tiny", "attention", "ok")]
+    # (lion_s_tiny takes --attn-form auto, which is the attention form on a CPU: the form and chunk_size columns
+    # say what ran)
+    assert [(r["model"], r["form"], r["chunk_size"], r["status"]) for r in rows] == [
+        ("lion_gla_tiny", "chunk", "2", "ok"), ("lion_d_tiny", "attention", "", "out of memory"),
+        ("lion_s_tiny", "attention", "", "ok")]
     assert rows[1]["step_s"] == "" and float(rows[0]["x_baseline"]) == 1.0 and float(rows[2]["x_baseline"]) > 0
     with pytest.raises(SystemExit, match="the baseline deit_tiny_patch16_224 runs out of memory at --batch-size 2"):
         run("deit_tiny_patch16_224", "lion_d_tiny:chunk")
