@@ -694,8 +694,8 @@ def mixed_vector_decays(length: int, dtype: torch.dtype, seed: int = 52):
 @pytest.mark.parametrize("decay", ["spread", "near0", "near1", "mixed"])
 def test_vector_leaves_match_naive(decay, dtype):
     """The vector forms' masked products inside blocks (leaves): every leaf size, and the largest the decays allow
-    (leaf_size=None, the cpu backend's), in a loop over chunks and at once, at 70 tokens: outputs and gradients of
-    q, k, v and the log decays against per-channel running products."""
+    (leaf_size=None, the cpu backend's), in a loop over chunks (the rnn form's of one token too) and at once, at 70
+    tokens: outputs and gradients of q, k, v and the log decays against per-channel running products."""
     from lion_vit.ops import vector
     tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
     if decay == "mixed":
@@ -705,7 +705,7 @@ def test_vector_leaves_match_naive(decay, dtype):
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(53))
     expected, ref_grads = _naive_vector_grads(q, k, v, lams, None, upstream)
     for chunk, at_once, leaf in [(None, False, None), (16, False, None), (16, True, None), (None, True, 4),
-                                 (32, False, 2), (70, True, 1)]:
+                                 (32, False, 2), (70, True, 1), (1, False, 1)]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
         numerator, normaliser = vector.vector_form(*leaves, chunk_size=chunk, chunks_at_once=at_once, leaf_size=leaf)
         out = numerator / normaliser

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .recurrent import STEP_BLOCK  # (the scalar rnn form's block: here, tokens written into the sum at once)
 from .scans import over_scans
 
 
@@ -46,10 +47,14 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
               chunks_at_once: bool = False, leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
     length = q.shape[-2]
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # the normaliser rides along
     chunk = length if chunk_size is None else min(chunk_size, length)
-    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v1, a, chunk, leaf_size)
-    return both[..., :-1], both[..., -1:]
+    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
+    return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    """[v, 1]: the normaliser rides along as one more value column."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
 def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
@@ -58,10 +63,11 @@ def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
     return total - a, total
 
 
-def _at_once(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
-    """Both directions' sums, every chunk's own pairs in one batch ([..., chunks, C, D]; equal chunks of at most
-    `chunk` tokens), then the states entering each chunk from either side, chunk after chunk."""
+def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+    """Both directions' sums [..., L, Dv + 1], every chunk's own pairs in one batch ([..., chunks, C, D]; equal
+    chunks of at most `chunk` tokens), then the states entering each chunk from either side, chunk after chunk."""
     length = q.shape[-2]
+    v1 = _with_ones(v)
     count = -(-length // chunk)
     size = -(-length // count)
     if count * size > length:  # zero keys and values; zero log decays leave G and H as they are
@@ -89,34 +95,52 @@ def _states(decays: Tuple[Tensor, ...], own: Tuple[Tensor, ...]) -> List[Tensor]
     return states
 
 
-def _in_loop(q: Tensor, k: Tensor, v1: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
-    """The same sums chunk by chunk (the last one shorter): a sweep forward with each chunk's own pairs and the
-    state from the chunks before, then one back with the state from the chunks after."""
+def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+    """The same sums chunk by chunk (the last one shorter), into one [..., L, Dv + 1] sum: a sweep forward with
+    each chunk's own pairs and the state from the chunks before, then one back with the state from the chunks
+    after, their outputs written STEP_BLOCK tokens at a time."""
     length = q.shape[-2]
     bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
-    state = None
-    outputs = []
+    total = q.new_zeros(*q.shape[:-2], length, v.shape[-1] + 1)
+    pending: List[Tensor] = []  # outputs of consecutive chunks not written yet
+
+    def write(lo: int, hi: int, add: bool) -> None:  # the pending outputs, tokens lo..hi-1, into the sum
+        block = torch.cat(pending[::-1] if add else pending, dim=-2)
+        if add:
+            total[..., lo:hi, :] += block
+        else:
+            total[..., lo:hi, :] = block
+        pending.clear()
+
+    state, first = None, 0
     for lo, hi in bounds:
-        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], v1[..., lo:hi, :]
+        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], _with_ones(v[..., lo:hi, :])
         out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
-        total = h[..., -1:, :]
+        total_decay = h[..., -1:, :]
         if state is not None:  # the chunks before, decayed to this chunk's tokens
             out = out + (qc * g.exp().to(q.dtype)) @ state
         if hi < length:
-            own = (kc * (total - g).exp().to(q.dtype)).transpose(-1, -2) @ vc
-            state = own if state is None else total.exp().to(q.dtype).transpose(-1, -2) * state + own
-        outputs.append(out)
-    state = None
-    for i in range(len(bounds) - 1, -1, -1):
-        lo, hi = bounds[i]
+            own = (kc * (total_decay - g).exp().to(q.dtype)).transpose(-1, -2) @ vc
+            state = own if state is None else total_decay.exp().to(q.dtype).transpose(-1, -2) * state + own
+        pending.append(out)
+        if hi - first >= STEP_BLOCK or hi == length:
+            write(first, hi, add=False)
+            first = hi
+    state, last = None, length  # last: where the tokens of the pending outputs end
+    for lo, hi in bounds[::-1]:
         _, h = _cumulative(a[..., lo:hi, :])  # recomputed: kept, they would be two more [L, Dk] in the rnn form
-        total = h[..., -1:, :]
-        if state is not None:  # the chunks after
-            outputs[i] = outputs[i] + (q[..., lo:hi, :] * (total - h).exp().to(q.dtype)) @ state
+        total_decay = h[..., -1:, :]
+        if state is None:  # the last chunk: none after it
+            last = lo
+        else:  # the chunks after, decayed to this chunk's tokens
+            pending.append((q[..., lo:hi, :] * (total_decay - h).exp().to(q.dtype)) @ state)
+            if last - lo >= STEP_BLOCK or not lo:
+                write(lo, last, add=True)
+                last = lo
         if lo:
-            own = (k[..., lo:hi, :] * h.exp().to(q.dtype)).transpose(-1, -2) @ v1[..., lo:hi, :]
-            state = own if state is None else total.exp().to(q.dtype).transpose(-1, -2) * state + own
-    return torch.cat(outputs, dim=-2)
+            own = (k[..., lo:hi, :] * h.exp().to(q.dtype)).transpose(-1, -2) @ _with_ones(v[..., lo:hi, :])
+            state = own if state is None else total_decay.exp().to(q.dtype).transpose(-1, -2) * state + own
+    return total
 
 
 def _pairs(q: Tensor, k: Tensor, v: Tensor, a: Tensor, leaf_size: Optional[int]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
