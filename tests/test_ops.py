@@ -730,6 +730,15 @@ def test_vector_leaves_are_as_large_as_the_decays_allow():
     assert leaf(mixed, torch.float32) == 16 and leaf(mixed, torch.float64) == 64
 
 
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4)], ids=_form_id)
+def test_vector_decays_of_an_empty_batch(form):
+    """No images: every form returns no rows, in inference and training (the cpu backend reads no decays)."""
+    q = torch.rand(0, 2, 13, 4, requires_grad=True)
+    out = lion_attention(q, q, q, -torch.rand(1, 0, 2, 13, 4), form=form[0], chunk_size=form[1])
+    out.sum().backward()
+    assert out.shape == (0, 2, 13, 4) and q.grad.shape == q.shape
+
+
 def _naive_vector_grads(q, k, v, lams, orders, upstream):
     leaves = [t.double().clone().requires_grad_() for t in (q, k, v, lams)]
     expected = naive_vector(*leaves, orders)

@@ -36,9 +36,9 @@ def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Opt
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
     order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form).
     chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations on
-    whole-sequence temporaries, where the loop runs tens per chunk on a chunk's). leaf_size: tokens per block
-    taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call by call, which
-    a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
+    whole-sequence temporaries, where the loop runs tens per chunk on a chunk's). leaf_size: a power of two of
+    tokens per block taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call
+    by call, which a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
     return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size,
                       chunks_at_once=chunks_at_once, leaf_size=leaf_size)
 
@@ -143,7 +143,8 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
     return total
 
 
-def _pairs(q: Tensor, k: Tensor, v: Tensor, a: Tensor, leaf_size: Optional[int]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+def _pairs(q: Tensor, k: Tensor, v: Tensor, a: Tensor,
+           leaf_size: Optional[int]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
     """sum_j (q_i * M_ij) . k_j v_j over the pairs inside each chunk (dim -2), both directions, and the chunk's
     (G, H). By halves: in each block, the forward pairs (i in the right half, j in the left) factor through the
     left half's last token r as (q_i * exp(G_i - G_r)) . (k_j * exp(G_r - G_j)), the backward ones (i left, j
@@ -199,7 +200,7 @@ def leaf_tokens(g: Tensor, h: Tensor, dtype: torch.dtype, sizes: List[int]) -> i
     pair's rounding stays within that many epsilons (exp's relative error grows with its argument). 1 if none."""
     bound = math.log(torch.finfo(dtype).max) / 4
     for leaf in sorted(sizes, reverse=True):
-        if leaf == 1:
+        if leaf == 1 or not g.numel():  # (no rows: nothing to read, nothing to gain)
             break
         spread = 0.0
         for t in (g, h):  # G and H do not increase: the block's ends are the extremes
