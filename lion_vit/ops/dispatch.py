@@ -169,7 +169,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         if backend == "triton":  # FLA's vector-gate kernels: chunked (attention and chunk forms) or recurrent
             return Plan(form, "triton", chunks=chunk_count(length, TRITON_CHUNK) if form != "rnn" else 1,
                         chunk_size=TRITON_CHUNK if form != "rnn" else None, vector=True)
-        if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else FLA's chunks
+        if form == "attention" and length > VECTOR_ATTENTION_CHUNK:  # one chunk where it fits, else chunks of it
             chunk_size = VECTOR_ATTENTION_CHUNK
         # eagerly on a CPU: in groups of rows, each group's chunks at once, leaves read from the decays
         # (lion_vit.ops.cpu; a compiler traces the portable forms)
