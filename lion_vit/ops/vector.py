@@ -14,8 +14,8 @@ directions by halves (`_pairs`: in each block, (right half, left half) pairs fac
 last token, with both exponents <= 0: two matrix products per level and direction), below `leaf` tokens one
 masked product per block (exact while its exponents stay in range: `leaf_tokens`); between chunks a state
 [Dk, Dv + 1] per direction, decayed per channel. One routine serves the three forms: the attention form is one
-chunk (chunks of 64 above 64 tokens), the rnn form chunks of one token (states, and nothing L-sized besides
-autograd's), the chunk form chunks of chunk_size.
+chunk (chunks of dispatch.VECTOR_ATTENTION_CHUNK above that many tokens), the rnn form chunks of one token
+(states, and nothing L-sized besides autograd's), the chunk form chunks of chunk_size.
 """
 from __future__ import annotations
 
@@ -76,23 +76,47 @@ def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
     out, (g, h) = _pairs(q, k, v1, a, leaf_size)
     if count > 1:
         total = h[..., -1:, :]  # [..., chunks, 1, Dk]: a whole chunk's log decay
-        to_end = (k * (total - g).exp().to(q.dtype)).transpose(-1, -2) @ v1  # each chunk's keys, at its end
-        to_start = (k * h.exp().to(q.dtype)).transpose(-1, -2) @ v1  # and at its start, for the chunks before
-        decay = total.exp().to(q.dtype).transpose(-1, -2)  # [..., chunks, Dk, 1]
-        entering = _states(decay.unbind(-3), to_end.unbind(-3))
-        leaving = _states(decay.unbind(-3)[::-1], to_start.unbind(-3)[::-1])[::-1]
-        out = out + (q * g.exp().to(q.dtype)) @ torch.stack(entering, dim=-3) + \
-            (q * (total - h).exp().to(q.dtype)) @ torch.stack(leaving, dim=-3)
+        totals = total.unbind(-3)
+        entering = _states(totals, _keys_at_end(k, v1, g, total).unbind(-3))
+        leaving = _states(totals[::-1], _keys_at_start(k, v1, h).unbind(-3)[::-1])[::-1]
+        out = out + _from_before(q, g, torch.stack(entering, dim=-3)) + \
+            _from_after(q, h, total, torch.stack(leaving, dim=-3))
     return out.flatten(-3, -2)[..., :length, :]
 
 
-def _states(decays: Tuple[Tensor, ...], own: Tuple[Tensor, ...]) -> List[Tensor]:
-    """The state entering each chunk along a sweep: none before the first, then each chunk's state decayed by
-    its whole decay plus its own keys' sum."""
+def _states(totals: Tuple[Tensor, ...], own: Tuple[Tensor, ...]) -> List[Tensor]:
+    """The state entering each chunk along a sweep: none before the first, then `_carried` chunk by chunk."""
     states = [torch.zeros_like(own[0])]
-    for decay, keys in zip(decays[:-1], own[:-1]):
-        states.append(decay * states[-1] + keys)
+    for total, keys in zip(totals[:-1], own[:-1]):
+        states.append(_carried(states[-1], total, keys))
     return states
+
+
+# Between chunks, in either form (G, H a chunk's own; total its whole log decay, H's last row):
+def _keys_at_end(k: Tensor, v1: Tensor, g: Tensor, total: Tensor) -> Tensor:
+    """A chunk's keys summed against [v, 1], decayed to its last token: the state it adds for the chunks after."""
+    return (k * (total - g).exp().to(k.dtype)).transpose(-1, -2) @ v1
+
+
+def _keys_at_start(k: Tensor, v1: Tensor, h: Tensor) -> Tensor:
+    """The same decayed to its first token: the state it adds for the chunks before."""
+    return (k * h.exp().to(k.dtype)).transpose(-1, -2) @ v1
+
+
+def _carried(state: Optional[Tensor], total: Tensor, own: Tensor) -> Tensor:
+    """The state past a chunk: the state entering it (None: none) decayed per channel by its whole decay, plus
+    its own keys' sum."""
+    return own if state is None else total.exp().to(own.dtype).transpose(-1, -2) * state + own
+
+
+def _from_before(q: Tensor, g: Tensor, state: Tensor) -> Tensor:
+    """A chunk's queries against the state of the chunks before it."""
+    return (q * g.exp().to(q.dtype)) @ state
+
+
+def _from_after(q: Tensor, h: Tensor, total: Tensor, state: Tensor) -> Tensor:
+    """A chunk's queries against the state of the chunks after it."""
+    return (q * (total - h).exp().to(q.dtype)) @ state
 
 
 def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
@@ -117,11 +141,10 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
         qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], _with_ones(v[..., lo:hi, :])
         out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
         total_decay = h[..., -1:, :]
-        if state is not None:  # the chunks before, decayed to this chunk's tokens
-            out = out + (qc * g.exp().to(q.dtype)) @ state
+        if state is not None:  # the chunks before
+            out = out + _from_before(qc, g, state)
         if hi < length:
-            own = (kc * (total_decay - g).exp().to(q.dtype)).transpose(-1, -2) @ vc
-            state = own if state is None else total_decay.exp().to(q.dtype).transpose(-1, -2) * state + own
+            state = _carried(state, total_decay, _keys_at_end(kc, vc, g, total_decay))
         pending.append(out)
         if hi - first >= STEP_BLOCK or hi == length:
             write(first, hi, add=False)
@@ -132,14 +155,13 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
         total_decay = h[..., -1:, :]
         if state is None:  # the last chunk: none after it
             last = lo
-        else:  # the chunks after, decayed to this chunk's tokens
-            pending.append((q[..., lo:hi, :] * (total_decay - h).exp().to(q.dtype)) @ state)
+        else:  # the chunks after
+            pending.append(_from_after(q[..., lo:hi, :], h, total_decay, state))
             if last - lo >= STEP_BLOCK or not lo:
                 write(lo, last, add=True)
                 last = lo
         if lo:
-            own = (k[..., lo:hi, :] * h.exp().to(q.dtype)).transpose(-1, -2) @ _with_ones(v[..., lo:hi, :])
-            state = own if state is None else total_decay.exp().to(q.dtype).transpose(-1, -2) * state + own
+            state = _carried(state, total_decay, _keys_at_start(k[..., lo:hi, :], _with_ones(v[..., lo:hi, :]), h))
     return total
 
 

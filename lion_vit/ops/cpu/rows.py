@@ -37,7 +37,7 @@ def _in_row_groups(form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[T
     if log_decays is not None:  # [S, B|1, H|1, ...] -> [S, B * H, 1, ...]
         log_decays = log_decays.expand(len(log_decays), batch, heads, *log_decays.shape[3:]).flatten(1, 2)[:, :, None]
     # (split, not slices: its backward is one concatenation where each slice's writes a zero-filled copy)
-    groups = [t.split(per_group) for t in rows] + \
-        [[None] * len(rows[0].split(per_group)) if log_decays is None else log_decays.split(per_group, dim=1)]
+    groups = [t.split(per_group) for t in rows]
+    groups.append([None] * len(groups[0]) if log_decays is None else log_decays.split(per_group, dim=1))
     parts = [form(q_rows, k_rows, v_rows, a_rows, orders, **kwargs) for q_rows, k_rows, v_rows, a_rows in zip(*groups)]
     return tuple(torch.cat(group, dim=0).unflatten(0, (batch, heads))[:, :, 0] for group in zip(*parts))
