@@ -681,6 +681,42 @@ def test_vector_chunk_form_in_row_groups_matches_naive(decay, dtype, rows, reque
             assert out.dtype == dtype and rel_err(out, expected) < tol, (scans, chunk)
 
 
+@pytest.mark.parametrize("group_rows", [1, 3, 8, 12], ids=["one_row", "heads_of_an_image", "two_images", "whole_batch"])
+@pytest.mark.parametrize("decay", ["selective", "vector"])
+def test_cpu_backend_runs_whole_calls_on_groups_of_rows(decay, group_rows, monkeypatch):
+    """The cpu backend maps the features, runs the form and divides, group of rows by group: one row, heads of an
+    image (3 of 4: groups that do not divide the heads), two images of three, the whole batch. q, k, v are views
+    of one token-major projection, as a layer hands them over, q and k raw (feature_map): output against the
+    float64 oracle, and for vector decays (which the backend trains) the gradients of q, k, v and the decays."""
+    from lion_vit.ops import dispatch
+    from lion_vit.ops.cpu import rows
+    from lion_vit.ops.reference import lion_attention_reference
+    batch, heads, length, dim = 3, 4, 13, 4
+    monkeypatch.setattr(rows, "GROUP_BYTES", group_rows * length * (dim + 1) * 8)  # float64: group_rows rows
+    g = torch.Generator().manual_seed(56)
+    projection = torch.randn(batch, length, 3, heads, dim, generator=g, dtype=torch.float64)
+    shape = (1, batch, heads, length) + ((dim,) if decay == "vector" else ())
+    log_decays = torch.log(torch.rand(shape, generator=g, dtype=torch.float64) * 0.9 + 0.05)
+    upstream = torch.randn(batch, heads, length, dim, generator=g, dtype=torch.float64)
+
+    def call(op, projection, log_decays):
+        q, k, v = projection.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views
+        return op(q, k, v, log_decays, feature_map="silu_norm", form="chunk", chunk_size=5)
+
+    leaves = [t.clone().requires_grad_(decay == "vector") for t in (projection, log_decays)]
+    assert str(dispatch.plan("chunk", 5, length, dim, dim, vector=decay == "vector",
+                             training=decay == "vector")).startswith("chunk form, cpu backend"), decay
+    out = call(lion_attention, *leaves)
+    expected = call(lion_attention_reference, projection, log_decays)
+    assert rel_err(out, expected) < 1e-10
+    if decay == "vector":
+        ref_leaves = [t.clone().requires_grad_() for t in (projection, log_decays)]
+        ref_grads = torch.autograd.grad((call(lion_attention_reference, *ref_leaves) * upstream).sum(), ref_leaves)
+        for name, got, want in zip(("projection", "log decays"), torch.autograd.grad((out * upstream).sum(), leaves),
+                                   ref_grads):
+            assert rel_err(got, want) < 1e-9, name
+
+
 def mixed_vector_decays(length: int, dtype: torch.dtype, seed: int = 52):
     """q, k, v as vector_inputs and decays near 1 with every tenth token's near 0: long blocks of tokens stay in
     exp's range, the blocks around a steep token do not."""

@@ -226,16 +226,23 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     if run.vector:
         if run.backend == "triton":
             return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
-        return partial(_divided, cpu_backend.vector_form if run.backend == "cpu" else vector_form,
-                       chunk_size=1 if run.form == "rnn" else run.chunk_size)
+        return _portable(cpu_backend.vector_form if run.backend == "cpu" else vector_form,
+                         1 if run.form == "rnn" else run.chunk_size, in_rows=run.backend == "cpu")
     if run.backend == "triton":
         kernels = triton_backend.attention_form if run.whole else \
             {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
         if run.backward_by_forward:
             return partial(kernels, backward_by_forward=True)
         return partial(kernels, grouped=True) if run.grouped else kernels
-    return partial(_divided, cpu_backend.chunk_form if run.backend == "cpu" else
-                   TORCH_FORMS["attention" if run.whole else run.form], chunk_size=run.chunk_size)
+    return _portable(TORCH_FORMS["attention" if run.whole else run.form], run.chunk_size,
+                     in_rows=run.backend == "cpu")
+
+
+def _portable(form: Form, chunk_size: Optional[int], in_rows: bool) -> Callable[..., Tensor]:
+    """A portable form divided by its normaliser (`_divided`), on the whole batch or (in_rows, the cpu backend)
+    group of rows by group."""
+    call = partial(_divided, form, chunk_size=chunk_size)
+    return partial(cpu_backend.in_row_groups, call) if in_rows else call
 
 
 def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
