@@ -17,7 +17,7 @@ from .decays import DECAYS, Decay
 from .gates import KEY_GATES, KeyGate
 from .ops import (POSITIVE_FEATURE_MAPS, Plan, check_backend, check_form, check_scaling, get_feature_map,
                   lion_attention, mask_dtype, plan, snake_orders)
-from .ops.features import mapped
+from .ops.features import QUERIES_ONLY
 
 
 def fx_tracing() -> bool:
@@ -208,9 +208,10 @@ class LionAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
         feature_map = self.feature_map_name
         log_decays = self.log_decay(x)
-        if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): mapped here
-            q, k = mapped(q, k, feature_map)
-            k, feature_map = _gated(k, self.key_gate(x, log_decays), self.key_gate.replaces_keys), None
+        if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): keys made here, queries
+            replaces = self.key_gate.replaces_keys  # mapped by the op
+            k = _gated(k if replaces else get_feature_map(feature_map)[1](k), self.key_gate(x, log_decays), replaces)
+            feature_map += QUERIES_ONLY
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,
                            backend=self.attn_backend, feature_map=feature_map, scaling=self.scaling)

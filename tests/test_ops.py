@@ -717,6 +717,22 @@ def test_cpu_backend_runs_whole_calls_on_groups_of_rows(decay, group_rows, monke
             assert rel_err(got, want) < 1e-9, name
 
 
+def test_queries_only_feature_map_leaves_the_keys_as_given():
+    """A feature map name with QUERIES_ONLY maps the queries alone: the keys are features a layer has made (a key
+    gate's), on every backend that maps as it reads (here the cpu backend, per group of rows, and the torch one)."""
+    from lion_vit.ops.features import QUERIES_ONLY, identity, shifted_silu
+    assert get_feature_map("silu" + QUERIES_ONLY) == (shifted_silu, identity)
+    with pytest.raises(ValueError, match="unknown feature_map"):
+        get_feature_map("nope" + QUERIES_ONLY)
+    q, k, v, lam = make_inputs(2, 2, 13, 4, "selective", torch.float64, seed=57)
+    expected = naive_lion(shifted_silu(q), k, v, lam)
+    for backend in ("auto", "torch"):
+        with torch.no_grad():
+            out = lion_attention(q, k, v, torch.log(lam)[None], form="chunk", chunk_size=5, backend=backend,
+                                 feature_map="silu" + QUERIES_ONLY)
+        assert rel_err(out, expected) < 1e-10, backend
+
+
 def mixed_vector_decays(length: int, dtype: torch.dtype, seed: int = 52):
     """q, k, v as vector_inputs and decays near 1 with every tenth token's near 0: long blocks of tokens stay in
     exp's range, the blocks around a steep token do not."""

@@ -55,11 +55,19 @@ FEATURE_MAPS: Dict[str, Tuple[FeatureMap, FeatureMap]] = {
 POSITIVE_FEATURE_MAPS = frozenset({"silu_norm", "silu", "elu"})  # q . k > 0: what scaling "sum" divides by
 
 
+# A feature map name with this suffix maps the queries as the name does and takes the keys as given: keys a
+# layer has made features itself (a key gate's, lion_vit.gates), while the op maps the queries (row by row on
+# the cpu backend, never a whole copy).
+QUERIES_ONLY = ":queries"
+
+
 def get_feature_map(name: str) -> Tuple[FeatureMap, FeatureMap]:
-    """(query map, key map) for a feature map name."""
-    if name not in FEATURE_MAPS:
+    """(query map, key map) for a feature map name (with QUERIES_ONLY: the key map is the identity)."""
+    base = name[:-len(QUERIES_ONLY)] if name.endswith(QUERIES_ONLY) else name
+    if base not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; choose one of {sorted(FEATURE_MAPS)}")
-    return FEATURE_MAPS[name]
+    query_map, key_map = FEATURE_MAPS[base]
+    return (query_map, identity) if base != name else (query_map, key_map)
 
 
 def query_scale(length: int) -> float:
