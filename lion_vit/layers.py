@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .decays import DECAYS, Decay
@@ -41,9 +42,9 @@ def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0, vector: boo
 
 
 def _gated(k: Tensor, gate: Tensor, replaces: bool = False) -> Tensor:
-    """Key features [B, H, L, D] times their gate [B|1, H, L, 1 | D] (or, replaces, the gate as the keys), in the
-    keys' dtype."""
-    return gate.to(k.dtype).expand_as(k).contiguous() if replaces else k * gate.to(k.dtype)
+    """Key features [B, H, L, D] times their gate [B|1, H, L, 1 | D] in the keys' dtype (or, replaces, the gate as
+    the keys, in k's shape and dtype)."""
+    return gate.to(k.dtype).expand_as(k) if replaces else k * gate.to(k.dtype)
 
 
 def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: int, device: torch.device) -> Tensor:
@@ -204,13 +205,20 @@ class LionAttention(nn.Module):
         grid = self.grid_size
         if fx_tracing():  # the traced grid is symbols, part of the graph: not kept on the module
             self.grid_size = None
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D]
-        q, k = self.q_norm(q), self.k_norm(k)  # [B, H, L, D], mapped to features by the op
+        if self.key_gate.replaces_keys:  # the projected keys are never read: the queries' and values' rows of qkv
+            weight, bias = self.qkv.weight.chunk(3), [None] * 3 if self.qkv.bias is None else self.qkv.bias.chunk(3)
+            q, v = (F.linear(x, weight[i], bias[i]).unflatten(-1, (self.num_heads, -1)).transpose(1, 2) for i in (0, 2))
+            k = None
+        else:
+            q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+            k = self.k_norm(k)
+        q = self.q_norm(q)  # q, k, v: [B, H, L, D]; q (and k) mapped to features by the op
         feature_map = self.feature_map_name
         log_decays = self.log_decay(x)
         if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): keys made here, queries
-            replaces = self.key_gate.replaces_keys  # mapped by the op
-            k = _gated(k if replaces else get_feature_map(feature_map)[1](k), self.key_gate(x, log_decays), replaces)
+            # mapped by the op
+            k = _gated(q, self.key_gate(x, log_decays), replaces=True) if k is None else \
+                _gated(get_feature_map(feature_map)[1](k), self.key_gate(x, log_decays))
             feature_map += QUERIES_ONLY
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,

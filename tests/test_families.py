@@ -152,3 +152,19 @@ def test_keys_made_of_decays_need_decays_every_scan_shares():
     attn = next(timm.create_model("lion_hgrn2_natural_tiny").lion_attentions())
     log_decays = attn.log_decay(torch.randn(2, 5, attn.qkv.in_features))
     assert log_decays.shape == (2, 2, 3, 5, 64) and torch.equal(log_decays[0], log_decays[1])
+
+
+def test_keys_made_of_decays_leave_the_projected_keys_unread():
+    """HGRN-2's layer projects queries and values alone: the keys' rows of qkv change nothing, in training and
+    inference (and take no gradient)."""
+    attn = family_layer("lion_hgrn2", "spread")
+    x = torch.randn(2, 13, attn.qkv.in_features, dtype=torch.float64, requires_grad=True)
+    before = attn(x)
+    before.sum().backward()
+    dim = attn.qkv.in_features
+    assert attn.qkv.weight.grad[dim:2 * dim].abs().max() == 0 and attn.qkv.weight.grad[:dim].abs().max() > 0
+    with torch.no_grad():
+        attn.qkv.weight[dim:2 * dim].normal_()
+        attn.qkv.bias[dim:2 * dim].normal_()
+        assert torch.equal(attn(x), before)
+        assert rel_err(attn.eval()(x), before) < 1e-12
