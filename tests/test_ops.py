@@ -757,7 +757,7 @@ def test_vector_leaves_match_naive(decay, dtype):
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(53))
     expected, ref_grads = _naive_vector_grads(q, k, v, lams, None, upstream)
     for chunk, at_once, leaf in [(None, False, None), (16, False, None), (16, True, None), (None, True, 4),
-                                 (32, False, 2), (70, True, 1), (1, False, 1)]:
+                                 (32, False, 2), (70, True, 1), (1, False, 1), (5, True, 2)]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
         numerator, normaliser = vector.vector_form(*leaves, chunk_size=chunk, chunks_at_once=at_once, leaf_size=leaf)
         out = numerator / normaliser

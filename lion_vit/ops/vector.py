@@ -65,7 +65,7 @@ def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
 
 def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
     """Both directions' sums [..., L, Dv + 1], every chunk's own pairs in one batch ([..., chunks, C, D]; equal
-    chunks of at most `chunk` tokens), then the states entering each chunk from either side, chunk after chunk."""
+    chunks of at most `chunk` tokens), then the states entering each chunk from either side (`_states`)."""
     length = q.shape[-2]
     v1 = _with_ones(v)
     count = -(-length // chunk)
@@ -76,20 +76,31 @@ def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
     out, (g, h) = _pairs(q, k, v1, a, leaf_size)
     if count > 1:
         total = h[..., -1:, :]  # [..., chunks, 1, Dk]: a whole chunk's log decay
-        totals = total.unbind(-3)
-        entering = _states(totals, _keys_at_end(k, v1, g, total).unbind(-3))
-        leaving = _states(totals[::-1], _keys_at_start(k, v1, h).unbind(-3)[::-1])[::-1]
-        out = out + _from_before(q, g, torch.stack(entering, dim=-3)) + \
-            _from_after(q, h, total, torch.stack(leaving, dim=-3))
+        entering = _states(total, _keys_at_end(k, v1, g, total))
+        leaving = _states(total.flip(-3), _keys_at_start(k, v1, h).flip(-3)).flip(-3)
+        out.add_(_from_before(q, g, entering))  # (in place: no second [..., L, Dv + 1] sum alive)
+        out.add_(_from_after(q, h, total, leaving))
     return out.flatten(-3, -2)[..., :length, :]
 
 
-def _states(totals: Tuple[Tensor, ...], own: Tuple[Tensor, ...]) -> List[Tensor]:
-    """The state entering each chunk along a sweep: none before the first, then `_carried` chunk by chunk."""
-    states = [torch.zeros_like(own[0])]
-    for total, keys in zip(totals[:-1], own[:-1]):
-        states.append(_carried(states[-1], total, keys))
-    return states
+def _states(totals: Tensor, own: Tensor) -> Tensor:
+    """The states [..., chunks, Dk, Dv + 1] entering each chunk along a sweep, from each chunk's whole log decay
+    [..., chunks, 1, Dk] and own keys' sum [..., chunks, Dk, Dv + 1]: none before the first, then `_carried` chunk
+    by chunk. Without autograd each is written into one tensor as it comes: a list of small states, alive until
+    stacked, fragments the heap (the peak RSS of a 1248 px forward then varies by several MB from run to run)."""
+    recorded = torch.is_grad_enabled() and (totals.requires_grad or own.requires_grad)
+    count = own.shape[-3]
+    states: List[Tensor] = []
+    into = None if recorded else torch.empty_like(own)
+    state = torch.zeros_like(own[..., 0, :, :])
+    for c, (total, keys) in enumerate(zip(totals.unbind(-3), own.unbind(-3))):  # (unbind: its backward is one stack)
+        if into is None:
+            states.append(state)
+        else:
+            into[..., c, :, :] = state
+        if c + 1 < count:
+            state = _carried(state, total, keys)
+    return torch.stack(states, dim=-3) if into is None else into
 
 
 # Between chunks, in either form (G, H a chunk's own; total its whole log decay, H's last row):
