@@ -216,9 +216,8 @@ class LionAttention(nn.Module):
         feature_map = self.feature_map_name
         log_decays = self.log_decay(x)
         if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): keys made here, queries
-            # mapped by the op
-            k = _gated(q, self.key_gate(x, log_decays), replaces=True) if k is None else \
-                _gated(get_feature_map(feature_map)[1](k), self.key_gate(x, log_decays))
+            gate = self.key_gate(x, log_decays)  # mapped by the op
+            k = _gated(q, gate, replaces=True) if k is None else _gated(get_feature_map(feature_map)[1](k), gate)
             feature_map += QUERIES_ONLY
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None
         y = lion_attention(q, k, v, log_decays, orders, form=self.attn_form, chunk_size=self.chunk_size,

@@ -4,8 +4,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Optional
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 from .. import vector
 
