@@ -767,6 +767,54 @@ def test_vector_leaves_match_naive(decay, dtype):
             assert rel_err(got, want, min_scale=1e-3 if dtype == torch.float64 else 1.0) < tol[1], (chunk, leaf, name)
 
 
+def _grad_functions(out):
+    """The names of the autograd nodes behind out."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("decay", ["spread", "near0", "near1", "mixed"])
+def test_cpu_backend_trains_vector_decays_through_its_own_backward(decay, dtype):
+    """Training on the cpu backend, vector decays run chunks with a hand-written backward (ops/cpu/chunks.py): in
+    chunks of the plan's size where their decays keep the exponents in range, halves of it where not (mixed, near
+    0), at 70 tokens, one scan and two: outputs and the gradients of q, k, v and the log decays against the float64
+    oracle; twice the same gradients; second-order gradients (create_graph) as the oracle's."""
+    tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
+    for scans, orders in ((1, None), (2, torch.stack([torch.arange(70), torch.arange(70).flip(0)]))):
+        if decay == "mixed":
+            q, k, v, lams = mixed_vector_decays(70, dtype)
+            lams = lams.expand(scans, *lams.shape[1:])
+        else:
+            q, k, v, lams = vector_inputs(70, decay, dtype, scans)
+        upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(58))
+        expected, ref_grads = _naive_vector_grads(q, k, v, lams, orders, upstream)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
+        assert lion_attention(*(t.detach() for t in leaves), orders).grad_fn is None
+        out = lion_attention(*leaves, orders)
+        assert "_ChunksBackward" in _grad_functions(out), "the hand-written backward did not run"
+        assert rel_err(out, expected) < tol[0], scans
+        grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad((out * upstream.to(dtype)).sum(),
+                                                                                 leaves)))
+        for name, got, want in zip("qkva", grads, ref_grads):
+            assert rel_err(got, want, min_scale=1e-3 if dtype == torch.float64 else 1.0) < tol[1], (scans, name)
+    if dtype == torch.float64:  # second order, two scans
+        weights = [torch.randn(t.shape, dtype=dtype, generator=torch.Generator().manual_seed(59)) for t in leaves]
+        inputs = [t.detach() for t in leaves]
+        got = _second_order(lambda *t: lion_attention(*t, orders), [t.clone().requires_grad_() for t in inputs],
+                            upstream, weights)
+        expected = _second_order(lambda *t: naive_vector(*t[:3], t[3].exp(), orders),
+                                 [t.clone().requires_grad_() for t in inputs], upstream, weights)
+        for name, a, b in zip("qkva", got, expected):
+            assert rel_err(a, b) < 1e-8, f"second-order grad of {name}"
+
+
 def test_vector_leaves_are_as_large_as_the_decays_allow():
     """leaf_tokens: the whole chunk for decays near 1, pairs of tokens for decays near 0 in float32, blocks with
     one steep token in each half for mixed decays, larger ones in float64 (its exp reaches further)."""

@@ -20,7 +20,7 @@ chunk (chunks of dispatch.VECTOR_ATTENTION_CHUNK above that many tokens), the rn
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,13 @@ from .scans import over_scans
 
 
 def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
-                chunk_size: Optional[int] = None, chunks_at_once: bool = False,
+                chunk_size: Optional[int] = None, chunks_at_once: Union[bool, Callable[..., Tensor]] = False,
                 leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
     """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
     order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form).
     chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations on
-    whole-sequence temporaries, where the loop runs tens per chunk on a chunk's). leaf_size: a power of two of
+    whole-sequence temporaries, where the loop runs tens per chunk on a chunk's), or a function of `_at_once`'s
+    arguments that computes the same (the cpu backend's, with a hand-written backward). leaf_size: a power of two of
     tokens per block taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call
     by call, which a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
     return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size,
@@ -44,11 +45,13 @@ def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Opt
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None,
-              chunks_at_once: bool = False, leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
+              chunks_at_once: Union[bool, Callable[..., Tensor]] = False,
+              leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
     length = q.shape[-2]
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
     chunk = length if chunk_size is None else min(chunk_size, length)
-    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
+    at_once = chunks_at_once if callable(chunks_at_once) else _at_once
+    both = (at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
     return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
 
 

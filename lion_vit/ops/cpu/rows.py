@@ -8,15 +8,16 @@ import torch
 from torch import Tensor
 
 from .. import vector
+from . import chunks
 
 # Bytes of [L, Dv + 1] values per group (a tuning hook: tests shrink it to one row per group). The
 # measurements behind it: docs/benchmarks.md, "The portable core".
 GROUP_BYTES = 2 << 20
 
 # vector.vector_form with each group's chunks at once (a group's temporaries are whole sequences of a few rows,
-# and its operations a few per chunk size, not tens per chunk) and leaves as large as the group's decays allow
-# (vector.leaf_tokens, read eagerly from the values)
-vector_form = partial(vector.vector_form, chunks_at_once=True, leaf_size=None)
+# and its operations a few per chunk size, not tens per chunk), in training with a hand-written backward
+# (chunks.py), and leaves as large as the group's decays allow (vector.leaf_tokens, read eagerly from the values)
+vector_form = partial(vector.vector_form, chunks_at_once=chunks.at_once, leaf_size=None)
 
 
 def in_row_groups(call: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],

@@ -1,0 +1,134 @@
+"""Vector decays' chunks at once with a hand-written backward: the cpu backend's training path.
+
+The same function as vector._at_once (docs/design.md, "Vector decays"), in chunks whose decays keep the exponents
+in exp's range (`fits`; halves of the plan's chunk where they do not), each with one reference token m (its
+middle) for everything: inside a chunk q~ = q exp(G - G_m), k~ = k exp(G_m - G) (forward pairs) and
+q^ = q exp(H_m - H), k^ = k exp(H - H_m) (backward pairs), and the states between chunks read and made of the
+same factors, scaled per key channel by one vector a chunk. Autograd's backward of the portable form makes tens
+of elementwise passes over [L, Dk] tensors per direction; this one a few. The decays' gradient comes from the
+factors' (FLA's identity, docs/design.md): dG = q~ dq~ - k~ dk~, dH = k^ dk^ - q^ dq^, then
+da = (reverse cumulative sum of dG + dH) - dG. A second derivative (create_graph) differentiates the portable
+form again, recomputed from the inputs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import vector
+
+
+def fits(a: Tensor, size: int) -> bool:
+    """Whether in every chunk of `size` tokens of log decays a [..., count * size, Dk] the decays of its first half
+    and of its second (each with the middle token m) sum to at most a quarter of log(dtype's largest value) in
+    absolute value: then |G - G_m| and |H - H_m| do (the bound of vector.leaf_tokens), and no factor nor product
+    of two leaves the dtype's range."""
+    bound = math.log(torch.finfo(a.dtype).max) / 4
+    if not a.numel():  # (no rows: nothing to read)
+        return True
+    chunks, m = a.unflatten(-2, (-1, size)), size // 2
+    return -min(chunks[..., :m + 1, :].sum(-2).min().item(), chunks[..., m:, :].sum(-2).min().item()) <= bound
+
+
+def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+    """vector._at_once's sums [..., L, Dv + 1]: where autograd records the call on float32 or float64 inputs,
+    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does);
+    vector._at_once itself otherwise."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a)) and q.dtype == a.dtype and
+            q.dtype in (torch.float32, torch.float64)):
+        return vector._at_once(q, k, v, a, chunk, leaf_size)
+    length = q.shape[-2]
+    count = -(-length // chunk)
+    while True:
+        size = -(-length // count)
+        if size == 1 or fits(F.pad(a, (0, 0, 0, count * size - length)), size):
+            return _Chunks.apply(q, k, v, a, size)
+        count *= 2
+
+
+def _sweep(own: Tensor, decay: Tensor, reverse: bool) -> Tensor:
+    """The sums entering each chunk (dim -3) along a sweep, into one tensor: none before the first, then
+    x[c] = decay[p] * x[p] + own[p], p the chunk before c (reverse: after it)."""
+    out = torch.empty_like(own)
+    count = own.shape[-3]
+    order = range(count - 1, -1, -1) if reverse else range(count)
+    out[..., order[0], :, :].zero_()
+    for p, c in zip(order, order[1:]):
+        torch.addcmul(own[..., p, :, :], decay[..., p, :, :], out[..., p, :, :], out=out[..., c, :, :])
+    return out
+
+
+class _Chunks(torch.autograd.Function):
+    """(q, k, v, a [..., L, D], chunk size) -> both directions' sums against [v, 1], [..., L, Dv + 1]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, size: int) -> Tensor:
+        length = q.shape[-2]
+        pad = -length % size
+        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        qs, ks, vs, gates = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (-1, size)) for t in (q, k, v1, a))
+        h = gates.cumsum(-2)
+        g = h - gates
+        m = size // 2
+        g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :]  # [..., chunks, 1, Dk]
+        fq = (g - g_m).exp_()
+        bq = (h_m - h).exp_()
+        del h, g, gates
+        qf, kf, qb, kb = qs * fq, ks / fq, qs * bq, ks / bq
+        pairs = (qf @ kf.mT).tril_().add_((qb @ kb.mT).triu_(1))
+        out = pairs @ vs
+        # per chunk and key channel [..., chunks, Dk, 1]: the chunk's whole decay, and the states' scales (a state
+        # is read by q~ at G_m, q^ at T - H_m, and made of k~ at T - G_m, k^ at H_m)
+        scales = [t.exp().mT for t in (total, g_m, total - h_m, total - g_m, h_m)]
+        states = [torch.zeros(())] * 2
+        if out.shape[-3] > 1:
+            decay, read_f, read_b, made_f, made_b = scales
+            states = [read_f * _sweep(made_f * (kf.mT @ vs), decay, reverse=False),
+                      read_b * _sweep(made_b * (kb.mT @ vs), decay, reverse=True)]
+            out.add_(qf @ states[0]).add_(qb @ states[1])
+        ctx.size, ctx.length = size, length
+        ctx.save_for_backward(q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, *states, *scales)
+        return out.flatten(-3, -2)[..., :length, :]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, state_f, state_b, *scales = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the portable form's graph, which has second derivatives
+            return _differentiated_again(ctx, grad, q, k, v, a)
+        size, length = ctx.size, ctx.length
+        dout = F.pad(grad, (0, 0, 0, -length % size)).unflatten(-2, (-1, size))
+        dpairs = dout @ vs.mT
+        dpf, dpb = dpairs.tril(), dpairs.triu_(1)
+        dv = pairs.mT @ dout
+        dqf, dqb = dpf @ kf, dpb @ kb
+        dkf, dkb = dpf.mT @ qf, dpb.mT @ qb
+        if dout.shape[-3] > 1:
+            decay, read_f, read_b, made_f, made_b = scales
+            dqf.add_(dout @ state_f.mT)
+            dqb.add_(dout @ state_b.mT)
+            # the gradients of the chunks' own sums: the later (earlier) chunks' readers, swept back
+            own_f = made_f * _sweep(read_f * (qf.mT @ dout), decay, reverse=True)
+            own_b = made_b * _sweep(read_b * (qb.mT @ dout), decay, reverse=False)
+            dkf.add_(vs @ own_f.mT)
+            dkb.add_(vs @ own_b.mT)
+            dv.add_(kf @ own_f).add_(kb @ own_b)
+        dg = qf * dqf - kf * dkf
+        dh = kb * dkb - qb * dqb
+        dq = dqf * fq + dqb * bq
+        dk = dkf / fq + dkb / bq
+        dg, dh, dq, dk = (t.flatten(-3, -2)[..., :length, :] for t in (dg, dh, dq, dk))
+        da = (dg + dh).flip(-2).cumsum(-2).flip(-2) - dg
+        return dq, dk, dv.flatten(-3, -2)[..., :length, :-1], da, None
+
+
+def _differentiated_again(ctx, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor):
+    """The first derivatives as a graph (for a second one): the portable form's, recomputed."""
+    wanted = [t for t, needed in zip((q, k, v, a), ctx.needs_input_grad) if needed]
+    with torch.enable_grad():
+        both = vector._at_once(q, k, v, a, ctx.size, None)
+        grads = iter(torch.autograd.grad(both, wanted, grad, create_graph=True))
+    return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]) + (None,)
