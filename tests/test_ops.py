@@ -785,8 +785,14 @@ def test_cpu_backend_trains_vector_decays_through_its_own_backward(decay, dtype)
     chunks of the plan's size where their decays keep the exponents in range, halves of it where not (mixed, near
     0), at 70 tokens, one scan and two: outputs and the gradients of q, k, v and the log decays against the float64
     oracle; twice the same gradients; second-order gradients (create_graph) as the oracle's."""
+    from lion_vit.ops import dispatch
     tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
     for scans, orders in ((1, None), (2, torch.stack([torch.arange(70), torch.arange(70).flip(0)]))):
+        run = dispatch.plan("attention", None, 70, 4, 3, num_scans=scans, dtype=dtype, training=True, vector=True)
+        assert str(run) == "attention form, cpu backend: 3 chunks in groups of rows, hand-written backward, vector " \
+            "decays", str(run)
+        assert not dispatch.plan("attention", None, 70, 4, 3, dtype=torch.bfloat16, training=True,
+                                 vector=True).hand_backward
         if decay == "mixed":
             q, k, v, lams = mixed_vector_decays(70, dtype)
             lams = lams.expand(scans, *lams.shape[1:])
@@ -867,7 +873,7 @@ def test_vector_decays_plan_the_portable_forms_and_other_scalings():
     # above dispatch.VECTOR_ATTENTION_CHUNK tokens the attention form runs chunks of it: the same function
     q, k, v, lams = vector_inputs(dispatch.VECTOR_ATTENTION_CHUNK + 6, "spread", torch.float64)
     run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True, training=True)
-    assert str(run) == "attention form, cpu backend: 2 chunks in groups of rows, vector decays"
+    assert str(run) == "attention form, cpu backend: 2 chunks in groups of rows, hand-written backward, vector decays"
     run = dispatch.plan("attention", None, q.shape[-2], 4, 3, vector=True, training=True, backend="torch")
     assert str(run) == "attention form, torch backend: 2 chunks, vector decays"
     assert rel_err(lion_attention(q, k, v, torch.log(lams)), naive_vector(q, k, v, lams)) < 1e-10

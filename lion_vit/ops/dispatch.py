@@ -16,7 +16,8 @@ exact way to get it:
 - LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
 - vector decays (one per key channel, vector.py) run FLA's vector-gate kernels on the triton backend, the
   portable vector forms elsewhere: eagerly on a CPU (training too) in groups of rows with masked products as
-  large as the decays allow (backend "cpu"), else with the traceable fixed ones;
+  large as the decays allow (backend "cpu"; training in float32 or float64 with a hand-written backward,
+  Plan.hand_backward), else with the traceable fixed ones;
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
   Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
@@ -82,7 +83,8 @@ class Plan:
     triton backend its kernels' tile, TRITON_CHUNK); grouped: the triton backend runs the batch in groups
     of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
     backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
-    vector: the decays are vectors, one per key channel (vector.py; triton/vector.py).
+    vector: the decays are vectors, one per key channel (vector.py; triton/vector.py); hand_backward: the cpu
+    backend trains them through chunks with a hand-written backward (cpu/chunks.py).
     """
 
     form: str
@@ -93,6 +95,7 @@ class Plan:
     grouped: bool = False
     backward_by_forward: bool = False
     vector: bool = False
+    hand_backward: bool = False
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -100,7 +103,8 @@ class Plan:
         elif (self.form == "chunk" or self.vector) and not self.whole:
             what = ("one chunk" if self.chunks == 1 else f"{self.chunks} chunks") + \
                 {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "") + \
-                (", backward by their forward pass" if self.backward_by_forward else "")
+                (", backward by their forward pass" if self.backward_by_forward else "") + \
+                (", hand-written backward" if self.hand_backward else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
             if self.backend == "triton":
@@ -176,7 +180,8 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         rows = auto_backend and backend == "torch" and device.type == "cpu" and not torch.compiler.is_compiling()
         if form != "rnn" and (rows or (chunk_size is not None and chunk_size < length)):
             return Plan(form, "cpu" if rows else "torch", chunks=chunk_count(length, chunk_size or length),
-                        chunk_size=chunk_size, vector=True)
+                        chunk_size=chunk_size, vector=True,
+                        hand_backward=rows and training and dtype in (torch.float32, torch.float64))
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
@@ -226,7 +231,8 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
     if run.vector:
         if run.backend == "triton":
             return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
-        return _portable(cpu_backend.vector_form if run.backend == "cpu" else vector_form,
+        cpu_form = cpu_backend.trained_vector_form if run.hand_backward else cpu_backend.vector_form
+        return _portable(cpu_form if run.backend == "cpu" else vector_form,
                          1 if run.form == "rnn" else run.chunk_size, in_rows=run.backend == "cpu")
     if run.backend == "triton":
         kernels = triton_backend.attention_form if run.whole else \

@@ -35,12 +35,8 @@ def fits(a: Tensor, size: int) -> bool:
 
 
 def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
-    """vector._at_once's sums [..., L, Dv + 1]: where autograd records the call on float32 or float64 inputs,
-    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does);
-    vector._at_once itself otherwise."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a)) and q.dtype == a.dtype and
-            q.dtype in (torch.float32, torch.float64)):
-        return vector._at_once(q, k, v, a, chunk, leaf_size)
+    """vector._at_once's sums [..., L, Dv + 1] for float32 or float64 q, k, v and log decays a of q's dtype,
+    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does)."""
     length = q.shape[-2]
     count = -(-length // chunk)
     while True:

@@ -15,9 +15,11 @@ from . import chunks
 GROUP_BYTES = 2 << 20
 
 # vector.vector_form with each group's chunks at once (a group's temporaries are whole sequences of a few rows,
-# and its operations a few per chunk size, not tens per chunk), in training with a hand-written backward
-# (chunks.py), and leaves as large as the group's decays allow (vector.leaf_tokens, read eagerly from the values)
-vector_form = partial(vector.vector_form, chunks_at_once=chunks.at_once, leaf_size=None)
+# and its operations a few per chunk size, not tens per chunk) and leaves as large as the group's decays allow
+# (vector.leaf_tokens, read eagerly from the values); in training the same chunks with a hand-written backward
+# (chunks.py), where autograd's backward of the portable form makes tens of passes over [L, Dk] tensors
+vector_form = partial(vector.vector_form, chunks_at_once=True, leaf_size=None)
+trained_vector_form = partial(vector.vector_form, chunks_at_once=chunks.at_once, leaf_size=None)
 
 
 def in_row_groups(call: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
