@@ -83,8 +83,8 @@ class _Chunks(torch.autograd.Function):
         states = [torch.zeros(())] * 2
         if out.shape[-3] > 1:
             decay, read_f, read_b, made_f, made_b = scales
-            states = [read_f * _sweep(made_f * (kf.mT @ vs), decay, reverse=False),
-                      read_b * _sweep(made_b * (kb.mT @ vs), decay, reverse=True)]
+            states = [_sweep((kf.mT @ vs).mul_(made_f), decay, reverse=False).mul_(read_f),
+                      _sweep((kb.mT @ vs).mul_(made_b), decay, reverse=True).mul_(read_b)]
             out.add_(qf @ states[0]).add_(qb @ states[1])
         ctx.size, ctx.length = size, length
         ctx.save_for_backward(q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, *states, *scales)
@@ -107,15 +107,15 @@ class _Chunks(torch.autograd.Function):
             dqf.add_(dout @ state_f.mT)
             dqb.add_(dout @ state_b.mT)
             # the gradients of the chunks' own sums: the later (earlier) chunks' readers, swept back
-            own_f = made_f * _sweep(read_f * (qf.mT @ dout), decay, reverse=True)
-            own_b = made_b * _sweep(read_b * (qb.mT @ dout), decay, reverse=False)
+            own_f = _sweep((qf.mT @ dout).mul_(read_f), decay, reverse=True).mul_(made_f)
+            own_b = _sweep((qb.mT @ dout).mul_(read_b), decay, reverse=False).mul_(made_b)
             dkf.add_(vs @ own_f.mT)
             dkb.add_(vs @ own_b.mT)
             dv.add_(kf @ own_f).add_(kb @ own_b)
-        dg = qf * dqf - kf * dkf
-        dh = kb * dkb - qb * dqb
-        dq = dqf * fq + dqb * bq
-        dk = dkf / fq + dkb / bq
+        dg = (qf * dqf).sub_(kf * dkf)
+        dh = (kb * dkb).sub_(qb * dqb)
+        dq = dqf.mul_(fq).addcmul_(dqb, bq)
+        dk = dkf.div_(fq).add_(dkb.div_(bq))
         dg, dh, dq, dk = (t.flatten(-3, -2)[..., :length, :] for t in (dg, dh, dq, dk))
         da = (dg + dh).flip(-2).cumsum(-2).flip(-2) - dg
         return dq, dk, dv.flatten(-3, -2)[..., :length, :-1], da, None
