@@ -793,6 +793,7 @@ def test_cpu_backend_trains_vector_decays_through_its_own_backward(decay, dtype)
             "decays", str(run)
         assert not dispatch.plan("attention", None, 70, 4, 3, dtype=torch.bfloat16, training=True,
                                  vector=True).hand_backward
+        assert not dispatch.plan("chunk", 1, 70, 4, 3, training=True, vector=True).hand_backward  # (a loop)
         if decay == "mixed":
             q, k, v, lams = mixed_vector_decays(70, dtype)
             lams = lams.expand(scans, *lams.shape[1:])

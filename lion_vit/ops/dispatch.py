@@ -181,7 +181,8 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         if form != "rnn" and (rows or (chunk_size is not None and chunk_size < length)):
             return Plan(form, "cpu" if rows else "torch", chunks=chunk_count(length, chunk_size or length),
                         chunk_size=chunk_size, vector=True,
-                        hand_backward=rows and training and dtype in (torch.float32, torch.float64))
+                        hand_backward=rows and training and dtype in (torch.float32, torch.float64) and
+                        min(chunk_size or length, length) > 1)  # (chunks of one token: vector._in_loop)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \

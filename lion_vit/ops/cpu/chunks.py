@@ -36,7 +36,8 @@ def fits(a: Tensor, size: int) -> bool:
 
 def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
     """vector._at_once's sums [..., L, Dv + 1] for float32 or float64 q, k, v and log decays a of q's dtype,
-    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does)."""
+    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does).
+    leaf_size: _at_once's, unread (a chunk is one leaf here)."""
     length = q.shape[-2]
     count = -(-length // chunk)
     while True:
@@ -59,7 +60,8 @@ def _sweep(own: Tensor, decay: Tensor, reverse: bool) -> Tensor:
 
 
 class _Chunks(torch.autograd.Function):
-    """(q, k, v, a [..., L, D], chunk size) -> both directions' sums against [v, 1], [..., L, Dv + 1]."""
+    """(q, k, v, a [..., L, D], chunk size) -> both directions' sums against [v, 1], [..., L, Dv + 1]. It keeps
+    its inputs for a second derivative (`_differentiated_again`), and the factors, pairs and states for the first."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, size: int) -> Tensor:
