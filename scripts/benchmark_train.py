@@ -12,6 +12,8 @@ machine noise hits them all alike.
 Prints each model's step time as a ratio to the baseline (the first model): the ratio of best steps,
 and the median of the per-round ratios (paired: robust to a machine whose speed drifts), and writes
 <out>/train.{csv,json,png}. A model that runs out of GPU memory is recorded as such and left out.
+Peak memory: on CUDA that of the warm-up step; on a CPU, with --memory, the peak RSS growth of a step in a
+fresh process per model (slower: the models are built and stepped again).
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from benchmarking import (HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
-                                output_folder, paired_ratio, positive_int, run_spec, write_table)
+from benchmarking import (STATUS_OK, HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
+                                output_folder, paired_ratio, positive_int, run_spec, train_memory_in_subprocess,
+                                write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
 from lion_vit.ops import FORM_CHOICES, dispatch
@@ -66,6 +69,9 @@ def main() -> None:
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
                              "or glibc's 'default' (large tensors page-faulted in again every step)")
+    parser.add_argument("--memory", action="store_true",
+                        help="CPU: also the peak RSS growth of a training step, each model in a fresh process "
+                             "(benchmarking.measure_train_memory; CUDA measures peak memory always)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile one more step per model and print its most expensive ops "
                              "(where the time goes: shared linear/MLP matmuls vs attention)")
@@ -133,6 +139,15 @@ def main() -> None:
     for _ in range(args.steps):
         for name in setups:
             times[name].append(step(name))
+    if args.memory and device.type == "cpu":  # after the timing: a fresh process each, one at a time
+        for label, (name, form, chunk_size) in zip(labels, args.models):
+            if label in setups:
+                result = train_memory_in_subprocess(dict(
+                    model_name=name, form=form or args.attn_form, chunk_size=chunk_size, img_size=args.img_size,
+                    batch_size=args.batch_size, attn_backend=args.attn_backend), timeout_s=3600)
+                peaks[label] = result["peak_mem_mb"] if result["status"] == STATUS_OK else None
+                print(f"{label}: peak RSS growth of a step "
+                      + (f"{peaks[label]:.0f} MB" if peaks[label] is not None else result["status"]), flush=True)
 
     # best of the timed steps: on a shared machine noise only ever adds time; and the median of the
     # per-round ratios, which a machine whose speed drifts between rounds moves less
@@ -147,7 +162,8 @@ def main() -> None:
         if label in times:
             best, paired = min(times[label]), paired_ratio(times[label], baseline_times)
             row.update(step_s=best, step_median_s=statistics.median(times[label]), imgs_per_s=args.batch_size / best,
-                       x_baseline=best / base, x_baseline_paired=paired, peak_mem_mb=peaks[label])
+                       x_baseline=best / base, x_baseline_paired=paired, peak_mem_mb=peaks[label],
+                       mem_x_baseline=peaks[label] / peaks[baseline] if peaks[label] and peaks[baseline] else None)
             print(f"{label:26s} step {best:.3f}s  {args.batch_size / best:8.1f} img/s  x{best / base:.2f}  "
                   f"(paired x{paired:.2f})", flush=True)
         rows.append(row)
@@ -155,7 +171,7 @@ def main() -> None:
     _plot([(label, row["x_baseline"]) for label, row in zip(labels, rows) if label in times], baseline,
           args.out / "train.png", f"train step, {args.img_size}px, batch {args.batch_size}, {args.device} {args.dtype}")
     print(markdown_table(rows, ["model", "form", "chunk_size", "status", "step_s", "imgs_per_s", "x_baseline", "x_baseline_paired",
-                                "peak_mem_mb"]))
+                                "peak_mem_mb", "mem_x_baseline"]))
     if args.profile:
         for name in setups:
             _print_profile(name, lambda: step(name))

@@ -302,6 +302,33 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
             **({"chunks": chunks} if chunks else {})}
 
 
+def measure_train_memory(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
+                         batch_size: int, attn_backend: str = "auto") -> Dict[str, Any]:
+    """CPU, in this process: the growth of peak RSS during a training step (forward, cross-entropy, backward,
+    AdamW) over the RSS before it, the second step (the first also makes the optimizer's state)."""
+    from lion_vit.models import create_model_at_size
+    lion = dict(attn_form=form or "auto", chunk_size=chunk_size, attn_backend=attn_backend) \
+        if model_name.startswith("lion_") else {}
+    model = create_model_at_size(model_name, img_size, **lion).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = torch.randn(batch_size, 3, img_size, img_size), torch.randint(0, 1000, (batch_size,))
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    base = _status_kb("VmRSS") * 1024 if _reset_peak_rss() else None
+    step()
+    return {"peak_mem_mb": None if base is None else (_status_kb("VmHWM") * 1024 - base) / 2**20}
+
+
+def train_memory_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    """measure_train_memory(**config) in a fresh interpreter with a fixed mmap threshold (as inference's memory)."""
+    return _subprocess(config, timeout_s, {"MALLOC_MMAP_THRESHOLD_": "65536"}, "measure_train_memory")
+
+
 def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     """CPU: peak memory from one forward in a fresh interpreter with a fixed mmap threshold, time
     from another with the default allocator (the fixed threshold slows large allocations)."""
@@ -312,10 +339,11 @@ def measure_in_subprocess(config: Dict[str, Any], timeout_s: float) -> Dict[str,
     return dict(timing, peak_mem_mb=memory["peak_mem_mb"]) if timing["status"] == STATUS_OK else timing
 
 
-def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, str]) -> Dict[str, Any]:
-    """Run measure_inference in a fresh interpreter; OOM / timeout become statuses."""
-    code = ("import json, sys; from benchmarking import measure_inference; "
-            "print('RESULT', json.dumps(measure_inference(**json.loads(sys.argv[1]))))")
+def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, str],
+                function: str = "measure_inference") -> Dict[str, Any]:
+    """Run one of this module's measurements in a fresh interpreter; OOM / timeout become statuses."""
+    code = (f"import json, sys; from benchmarking import {function}; "
+            f"print('RESULT', json.dumps({function}(**json.loads(sys.argv[1]))))")
     here = Path(__file__).resolve().parent  # scripts/, and the clone above it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]), **extra_env)
     # compiling: an Inductor cache of its own, so nothing compiled by an earlier configuration or run is reused

@@ -120,9 +120,13 @@ def test_a_timed_cpu_configuration_takes_memory_and_time_from_two_fresh_processe
 
 def test_train_script_ratios_and_profile(tmp_path):
     out = run_script("benchmark_train.py", "--models", "deit_tiny_patch16_224", "lion_d_tiny", "--batch-size", "2",
-                     "--img-size", "32", "--steps", "1", "--profile", "--out", str(tmp_path))
+                     "--img-size", "32", "--steps", "1", "--profile", "--memory", "--out", str(tmp_path))
     rows = read_rows(tmp_path / "train.csv")
     assert [r["model"] for r in rows] == ["deit_tiny_patch16_224", "lion_d_tiny"]
+    # --memory: each model's step in a fresh process, its peak RSS growth and the ratio to the baseline's
+    assert all(float(r["peak_mem_mb"]) > 0 for r in rows) and float(rows[0]["mem_x_baseline"]) == 1.0
+    peaks = [float(r["peak_mem_mb"]) for r in rows]
+    assert float(rows[1]["mem_x_baseline"]) == pytest.approx(peaks[1] / peaks[0])
     assert float(rows[0]["x_baseline"]) == 1.0
     assert float(rows[1]["x_baseline"]) == pytest.approx(float(rows[1]["step_s"]) / float(rows[0]["step_s"]))
     # one round: the paired ratio is that round's ratio, the same steps as the best-of ratio
