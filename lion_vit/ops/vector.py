@@ -80,30 +80,35 @@ def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
     if count > 1:
         total = h[..., -1:, :]  # [..., chunks, 1, Dk]: a whole chunk's log decay
         entering = _states(total, _keys_at_end(k, v1, g, total))
-        leaving = _states(total.flip(-3), _keys_at_start(k, v1, h).flip(-3)).flip(-3)
+        leaving = _states(total, _keys_at_start(k, v1, h), reverse=True)
         out.add_(_from_before(q, g, entering))  # (in place: no second [..., L, Dv + 1] sum alive)
         out.add_(_from_after(q, h, total, leaving))
     return out.flatten(-3, -2)[..., :length, :]
 
 
-def _states(totals: Tensor, own: Tensor) -> Tensor:
+def _states(totals: Tensor, own: Tensor, reverse: bool = False) -> Tensor:
     """The states [..., chunks, Dk, Dv + 1] entering each chunk along a sweep, from each chunk's whole log decay
     [..., chunks, 1, Dk] and own keys' sum [..., chunks, Dk, Dv + 1]: none before the first, then `_carried` chunk
-    by chunk. Without autograd each is written into one tensor as it comes: a list of small states, alive until
-    stacked, fragments the heap (the peak RSS of a 1248 px forward then varies by several MB from run to run)."""
+    by chunk, from the first chunk on (reverse: from the last, the states entering from the chunks after). Without
+    autograd each is written into one tensor as it comes: a list of small states, alive until stacked, fragments
+    the heap (the peak RSS of a 1248 px forward then varies by several MB from run to run)."""
     recorded = torch.is_grad_enabled() and (totals.requires_grad or own.requires_grad)
     count = own.shape[-3]
     states: List[Tensor] = []
     into = None if recorded else torch.empty_like(own)
     state = torch.zeros_like(own[..., 0, :, :])
-    for c, (total, keys) in enumerate(zip(totals.unbind(-3), own.unbind(-3))):  # (unbind: its backward is one stack)
+    # (unbind: its backward is one stack)
+    steps = list(enumerate(zip(totals.unbind(-3), own.unbind(-3))))
+    for step, (c, (total, keys)) in enumerate(steps[::-1] if reverse else steps):
         if into is None:
             states.append(state)
         else:
             into[..., c, :, :] = state
-        if c + 1 < count:
+        if step + 1 < count:
             state = _carried(state, total, keys)
-    return torch.stack(states, dim=-3) if into is None else into
+    if into is not None:
+        return into
+    return torch.stack(states[::-1] if reverse else states, dim=-3)
 
 
 # Between chunks, in either form (G, H a chunk's own; total its whole log decay, H's last row):
