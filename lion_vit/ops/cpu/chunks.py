@@ -1,7 +1,7 @@
 """Vector decays' chunks at once with a hand-written backward: the cpu backend's training path.
 
 The same function as vector._at_once (docs/design.md, "Vector decays"), in chunks whose decays keep the exponents
-in exp's range (`fits`; halves of the plan's chunk where they do not), each with one reference token m (its
+in exp's range (vector.leaf_tokens; halves of the plan's chunk where not), each with one reference token m (its
 middle) for everything: inside a chunk q~ = q exp(G - G_m), k~ = k exp(G_m - G) (forward pairs) and
 q^ = q exp(H_m - H), k^ = k exp(H - H_m) (backward pairs), and the states between chunks read and made of the
 same factors, scaled per key channel by one vector a chunk. Autograd's backward of the portable form makes tens
@@ -12,7 +12,6 @@ form again, recomputed from the inputs.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -22,41 +21,18 @@ from torch import Tensor
 from .. import vector
 
 
-def fits(a: Tensor, size: int) -> bool:
-    """Whether in every chunk of `size` tokens of log decays a [..., count * size, Dk] the decays of its first half
-    and of its second (each with the middle token m) sum to at most a quarter of log(dtype's largest value) in
-    absolute value: then |G - G_m| and |H - H_m| do (the bound of vector.leaf_tokens), and no factor nor product
-    of two leaves the dtype's range."""
-    bound = math.log(torch.finfo(a.dtype).max) / 4
-    if not a.numel():  # (no rows: nothing to read)
-        return True
-    chunks, m = a.unflatten(-2, (-1, size)), size // 2
-    return -min(chunks[..., :m + 1, :].sum(-2).min().item(), chunks[..., m:, :].sum(-2).min().item()) <= bound
-
-
 def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
     """vector._at_once's sums [..., L, Dv + 1] for float32 or float64 q, k, v and log decays a of q's dtype,
-    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks fit (one token always does).
-    leaf_size: _at_once's, unread (a chunk is one leaf here)."""
+    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks are one leaf each
+    (vector.leaf_tokens: their exponents stay in exp's range; one token always is). leaf_size: _at_once's, unread."""
     length = q.shape[-2]
     count = -(-length // chunk)
     while True:
         size = -(-length // count)
-        if size == 1 or fits(F.pad(a, (0, 0, 0, count * size - length)), size):
+        g, h = vector._cumulative(F.pad(a, (0, 0, 0, count * size - length)))
+        if size == 1 or vector.leaf_tokens(g, h, a.dtype, [size]) == size:
             return _Chunks.apply(q, k, v, a, size)
         count *= 2
-
-
-def _sweep(own: Tensor, decay: Tensor, reverse: bool) -> Tensor:
-    """The sums entering each chunk (dim -3) along a sweep, into one tensor: none before the first, then
-    x[c] = decay[p] * x[p] + own[p], p the chunk before c (reverse: after it)."""
-    out = torch.empty_like(own)
-    count = own.shape[-3]
-    order = range(count - 1, -1, -1) if reverse else range(count)
-    out[..., order[0], :, :].zero_()
-    for p, c in zip(order, order[1:]):
-        torch.addcmul(own[..., p, :, :], decay[..., p, :, :], out[..., p, :, :], out=out[..., c, :, :])
-    return out
 
 
 class _Chunks(torch.autograd.Function):
@@ -66,11 +42,10 @@ class _Chunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, size: int) -> Tensor:
         length = q.shape[-2]
-        pad = -length % size
-        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        qs, ks, vs, gates = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (-1, size)) for t in (q, k, v1, a))
-        h = gates.cumsum(-2)
-        g = h - gates
+        pad = -length % size  # (zero keys, values and log decays)
+        qs, ks, vs, gates = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (-1, size))
+                             for t in (q, k, vector._with_ones(v), a))
+        g, h = vector._cumulative(gates)
         m = size // 2
         g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :]  # [..., chunks, 1, Dk]
         fq = (g - g_m).exp_()
@@ -79,22 +54,22 @@ class _Chunks(torch.autograd.Function):
         qf, kf, qb, kb = qs * fq, ks / fq, qs * bq, ks / bq
         pairs = (qf @ kf.mT).tril_().add_((qb @ kb.mT).triu_(1))
         out = pairs @ vs
-        # per chunk and key channel [..., chunks, Dk, 1]: the chunk's whole decay, and the states' scales (a state
-        # is read by q~ at G_m, q^ at T - H_m, and made of k~ at T - G_m, k^ at H_m)
-        scales = [t.exp().mT for t in (total, g_m, total - h_m, total - g_m, h_m)]
+        # the states' scales per chunk and key channel [..., chunks, Dk, 1]: a state is read by q~ at G_m, q^ at
+        # T - H_m, and made of k~ at T - G_m, k^ at H_m (T: `total`, the chunk's whole log decay)
+        scales = [t.exp().mT for t in (g_m, total - h_m, total - g_m, h_m)]
         states = [torch.zeros(())] * 2
         if out.shape[-3] > 1:
-            decay, read_f, read_b, made_f, made_b = scales
-            states = [_sweep((kf.mT @ vs).mul_(made_f), decay, reverse=False).mul_(read_f),
-                      _sweep((kb.mT @ vs).mul_(made_b), decay, reverse=True).mul_(read_b)]
+            read_f, read_b, made_f, made_b = scales
+            states = [vector._states(total, (kf.mT @ vs).mul_(made_f)).mul_(read_f),
+                      vector._states(total, (kb.mT @ vs).mul_(made_b), reverse=True).mul_(read_b)]
             out.add_(qf @ states[0]).add_(qb @ states[1])
         ctx.size, ctx.length = size, length
-        ctx.save_for_backward(q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, *states, *scales)
+        ctx.save_for_backward(q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, total, *states, *scales)
         return out.flatten(-3, -2)[..., :length, :]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, state_f, state_b, *scales = ctx.saved_tensors
+        q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, total, state_f, state_b, *scales = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the portable form's graph, which has second derivatives
             return _differentiated_again(ctx, grad, q, k, v, a)
         size, length = ctx.size, ctx.length
@@ -105,12 +80,12 @@ class _Chunks(torch.autograd.Function):
         dqf, dqb = dpf @ kf, dpb @ kb
         dkf, dkb = dpf.mT @ qf, dpb.mT @ qb
         if dout.shape[-3] > 1:
-            decay, read_f, read_b, made_f, made_b = scales
+            read_f, read_b, made_f, made_b = scales
             dqf.add_(dout @ state_f.mT)
             dqb.add_(dout @ state_b.mT)
             # the gradients of the chunks' own sums: the later (earlier) chunks' readers, swept back
-            own_f = _sweep((qf.mT @ dout).mul_(read_f), decay, reverse=True).mul_(made_f)
-            own_b = _sweep((qb.mT @ dout).mul_(read_b), decay, reverse=False).mul_(made_b)
+            own_f = vector._states(total, (qf.mT @ dout).mul_(read_f), reverse=True).mul_(made_f)
+            own_b = vector._states(total, (qb.mT @ dout).mul_(read_b)).mul_(made_b)
             dkf.add_(vs @ own_f.mT)
             dkb.add_(vs @ own_b.mT)
             dv.add_(kf @ own_f).add_(kb @ own_b)
