@@ -306,10 +306,7 @@ def measure_train_memory(model_name: str, form: Optional[str], chunk_size: Optio
                          batch_size: int, attn_backend: str = "auto") -> Dict[str, Any]:
     """CPU, in this process: the growth of peak RSS during a training step (forward, cross-entropy, backward,
     AdamW) over the RSS before it, the second step (the first also makes the optimizer's state)."""
-    from lion_vit.models import create_model_at_size
-    lion = dict(attn_form=form or "auto", chunk_size=chunk_size, attn_backend=attn_backend) \
-        if model_name.startswith("lion_") else {}
-    model = create_model_at_size(model_name, img_size, **lion).train()
+    model = build(model_name, form, chunk_size, img_size, torch.device("cpu"), torch.float32, attn_backend).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = torch.randn(batch_size, 3, img_size, img_size), torch.randint(0, 1000, (batch_size,))
 
