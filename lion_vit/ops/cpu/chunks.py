@@ -47,7 +47,8 @@ class _Chunks(torch.autograd.Function):
                              for t in (q, k, vector._with_ones(v), a))
         g, h = vector._cumulative(gates)
         m = size // 2
-        g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :]  # [..., chunks, 1, Dk]
+        # [..., chunks, 1, Dk]; total a copy: kept for the backward, a view would keep all of H alive
+        g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :].clone()
         fq = (g - g_m).exp_()
         bq = (h_m - h).exp_()
         del h, g, gates
