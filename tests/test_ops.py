@@ -787,13 +787,13 @@ def test_cpu_backend_trains_vector_decays_through_its_own_backward(decay, dtype)
     oracle; twice the same gradients; second-order gradients (create_graph) as the oracle's."""
     from lion_vit.ops import dispatch
     tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
+    assert not dispatch.plan("attention", None, 70, 4, 3, dtype=torch.bfloat16, training=True,
+                             vector=True).hand_backward
+    assert not dispatch.plan("chunk", 1, 70, 4, 3, training=True, vector=True).hand_backward  # (a loop)
     for scans, orders in ((1, None), (2, torch.stack([torch.arange(70), torch.arange(70).flip(0)]))):
         run = dispatch.plan("attention", None, 70, 4, 3, num_scans=scans, dtype=dtype, training=True, vector=True)
         assert str(run) == "attention form, cpu backend: 3 chunks in groups of rows, hand-written backward, vector " \
             "decays", str(run)
-        assert not dispatch.plan("attention", None, 70, 4, 3, dtype=torch.bfloat16, training=True,
-                                 vector=True).hand_backward
-        assert not dispatch.plan("chunk", 1, 70, 4, 3, training=True, vector=True).hand_backward  # (a loop)
         if decay == "mixed":
             q, k, v, lams = mixed_vector_decays(70, dtype)
             lams = lams.expand(scans, *lams.shape[1:])
