@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["Decay", "NoDecay", "PerHeadDecay", "SelectiveDecay", "RetNetDecay", "Mamba2Decay", "XLSTMForgetDecay",
-           "GLADecay", "HGRN2Decay", "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
+           "GLADecay", "HGRN2Decay", "RWKV6Decay", "DECAYS", "register_decay", "initial_decays", "in_mask_precision"]
 
 
 def in_mask_precision(t: Tensor) -> Tensor:
@@ -204,9 +204,39 @@ class HGRN2Decay(Decay):
         return log_decay[None].expand(self.num_scans, *log_decay.shape)
 
 
+class RWKV6Decay(Decay):
+    """RWKV-6's data-dependent decay, one per token, head and key channel: log lam = -exp(w + tanh(x A) B), a
+    learned base w per channel plus RWKV-6's rank-64 decay projection, with RWKV-6's init: A zero, B uniform in
+    [-0.01, 0.01] (every token starts at its channel's base), w_n = -6 + 5 (n / (D - 1))^(0.7 + 1.3 r) over the
+    layer's D channels (lam from about 0.998 to 0.69), r its depth ratio, here 1/2 (a layer does not know its
+    depth). As the paper's Table 1 writes RWKV-6, in GLA's form: without its token shift and bonus term
+    (docs/models.md)."""
+
+    vector = True
+    RANK, DEPTH_RATIO = 64, 0.5
+
+    def __init__(self, dim, num_heads, num_scans=1, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_scans)
+        self.base = nn.Parameter(torch.zeros(num_scans, dim, device=device, dtype=dtype))
+        self.down = nn.Linear(dim, self.RANK, bias=False, device=device, dtype=dtype)
+        self.up = nn.Linear(self.RANK, num_scans * dim, bias=False, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        nn.init.zeros_(self.down.weight)
+        nn.init.uniform_(self.up.weight, -0.01, 0.01)
+        spread = torch.linspace(0, 1, self.dim, dtype=torch.float64) ** (0.7 + 1.3 * self.DEPTH_RATIO)
+        self.base.copy_(-6 + 5 * spread)
+
+    def forward(self, x):  # [B, L, S * H * Dk] -> [S, B, H, L, Dk]
+        w = in_mask_precision(self.up(torch.tanh(self.down(x)))).unflatten(-1, (self.num_scans, -1))
+        log_decay = -(w + in_mask_precision(self.base)).exp()
+        return log_decay.unflatten(-1, (self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+
+
 DECAYS: Dict[str, Type[Decay]] = {"lit": NoDecay, "fixed": PerHeadDecay, "selective": SelectiveDecay,
                                   "retnet": RetNetDecay, "mamba2": Mamba2Decay, "xlstm": XLSTMForgetDecay,
-                                  "gla": GLADecay, "hgrn2": HGRN2Decay}
+                                  "gla": GLADecay, "hgrn2": HGRN2Decay, "rwkv6": RWKV6Decay}
 
 
 def register_decay(name: str, kind: Type[Decay]) -> None:

@@ -333,6 +333,7 @@ _TABLE_1 = {
     "lion_xlstm": dict(decay="xlstm", key_gate="input", feature_map="scaled", scaling="max"),
     "lion_gla": dict(decay="gla", feature_map="scaled", scaling="none"),
     "lion_hgrn2": dict(decay="hgrn2", key_gate="one_minus_decay", feature_map="swish", scaling="none"),
+    "lion_rwkv6": dict(decay="rwkv6", feature_map="scaled", scaling="none"),
 }
 FAMILIES: Dict[str, Dict[str, Any]] = {**_TABLE_1, **{f"{prefix}_natural": dict(settings, num_scans=2)
                                                        for prefix, settings in _TABLE_1.items()}}

@@ -1,4 +1,4 @@
-"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM, GLA, HGRN-2 as LION layers) against a float64 reference written
+"""The paper's Table 1 families (RetNet, Mamba-2, xLSTM, GLA, HGRN-2, RWKV-6 as LION layers) against a float64 reference written
 straight from the table's formulas and the families' papers' parametrisations: each layer's output and the
 gradients of its input and every parameter, in every form, one scan and two, at an odd length, with decays
 near 0 and near 1. The reference reads the layer's weights, not its code: its features, decays, gate and
@@ -39,6 +39,8 @@ def family_layer(family: str, decays: str) -> torch.nn.Module:
             decay.up.bias.add_(-shift * 100.0 if shift > 0 else 10.0 * -shift)
         elif family.startswith("lion_hgrn2"):  # lam = b + (1 - b) sigmoid(z), per key channel
             decay.proj.bias.add_(-shift * 12.0)
+        elif family.startswith("lion_rwkv6"):  # log lam = -exp(w + z), per key channel
+            decay.base.add_(shift * 6.0 if shift > 0 else -10.0 * -shift)
     return attn
 
 
@@ -64,6 +66,9 @@ def reference(attn, x: torch.Tensor, family: str) -> torch.Tensor:
     elif family.startswith("lion_gla"):  # GLA's gate, per key channel: sigmoid(x_t W_1 W_2 + b)^(1/16) [S, B, H, L, Dk]
         z = x @ decay.down.weight.T @ decay.up.weight.T + decay.up.bias
         lam = (torch.sigmoid(z) ** (1 / 16)).unflatten(-1, (scans, heads, width)).permute(2, 0, 3, 1, 4)
+    elif family.startswith("lion_rwkv6"):  # RWKV-6's decay, per key channel: exp(-exp(w + tanh(x_t A) B))
+        z = torch.tanh(x @ decay.down.weight.T) @ decay.up.weight.T + decay.base.flatten()
+        lam = torch.exp(-torch.exp(z)).unflatten(-1, (scans, heads, width)).permute(2, 0, 3, 1, 4)
     else:  # HGRN-2's forget gate above its lower bound, one for both scans; its keys are 1 - lam
         bound = torch.sigmoid(decay.lower_bound_logit)
         lam = bound + (1 - bound) * torch.sigmoid(x @ decay.proj.weight.T + decay.proj.bias)
@@ -131,6 +136,19 @@ def test_mamba2_and_xlstm_initial_decays_follow_their_papers():
     xlstm = next(timm.create_model("lion_xlstm_small").lion_attentions())
     assert torch.allclose(xlstm.decay.proj.bias, torch.linspace(3, 6, 6))
     assert not xlstm.decay.proj.weight.any() and not xlstm.key_gate.proj.weight.any()
+
+
+def test_rwkv6_initial_decays_follow_its_paper():
+    """RWKV-6: the decay projection's first matrix zero, its second within 0.01, the bases rising over the layer's
+    channels from -6 to -1 (lam from exp(-exp(-6)) to exp(-exp(-1))), the same for each scan."""
+    decay = next(timm.create_model("lion_rwkv6_natural_small").lion_attentions()).decay
+    assert not decay.down.weight.any() and decay.up.weight.abs().max() <= 0.01
+    base = decay.base
+    assert base.shape == (2, 384) and torch.equal(base[0], base[1])
+    assert base[0, 0] == -6 and abs(base[0, -1] + 1) < 1e-6 and (base[0].diff() > 0).all()
+    lam = decay(torch.randn(2, 5, 384)).exp()
+    assert lam.shape == (2, 2, 6, 5, 64)
+    assert torch.allclose(lam, torch.exp(-base.exp()).unflatten(-1, (6, 64))[:, None, :, None])
 
 
 def test_gla_plans_its_vector_decays_in_every_form():
