@@ -40,19 +40,29 @@ def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Opt
     arguments that computes the same (the cpu backend's, with a hand-written backward). leaf_size: a power of two of
     tokens per block taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call
     by call, which a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
-    return over_scans(_one_scan, q, k, v, log_decays, orders, decay_token_dim=-2, chunk_size=chunk_size,
+    return over_scans(_one_scan, q, k, v, log_decays, orders, reads_orders=True, chunk_size=chunk_size,
                       chunks_at_once=chunks_at_once, leaf_size=leaf_size)
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None,
-              chunks_at_once: Union[bool, Callable[..., Tensor]] = False,
-              leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
+              chunks_at_once: Union[bool, Callable[..., Tensor]] = False, leaf_size: Optional[int] = 1,
+              order: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """One scan along `order` (None: token order) of inputs in token order; its sums in token order. A function
+    given as chunks_at_once reads along the order itself (`chunks_at_once(q, k, v, a, chunk, leaf_size, order)`)."""
     length = q.shape[-2]
-    a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
     chunk = length if chunk_size is None else min(chunk_size, length)
-    at_once = chunks_at_once if callable(chunks_at_once) else _at_once
-    both = (at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
-    return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
+    dtype = q.dtype if q.dtype == torch.float64 else torch.float32
+    if callable(chunks_at_once) and chunk > 1:
+        a = log_decay.to(dtype).expand(*q.shape[:2], length, q.shape[-1])
+        both = chunks_at_once(q, k, v, a, chunk, leaf_size, order)
+        return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
+    if order is not None:  # (the decays before they are expanded: [B|1, H|1, L, Dk])
+        q, k, v, log_decay = (t.index_select(-2, order) for t in (q, k, v, log_decay))
+    a = log_decay.to(dtype).expand(*q.shape[:2], length, q.shape[-1])
+    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
+    if order is not None:
+        both = both.index_select(-2, torch.argsort(order))
+    return both[..., :-1], both[..., -1:]
 
 
 def _with_ones(v: Tensor) -> Tensor:

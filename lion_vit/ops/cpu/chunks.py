@@ -21,37 +21,50 @@ from torch import Tensor
 from .. import vector
 
 
-def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
+def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int],
+            order: Optional[Tensor] = None) -> Tensor:
     """vector._at_once's sums [..., L, Dv + 1] for float32 or float64 q, k, v and log decays a of q's dtype,
     through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks are one leaf each
-    (vector.leaf_tokens: their exponents stay in exp's range; one token always is). leaf_size: _at_once's, unread."""
+    (vector.leaf_tokens: their exponents stay in exp's range; one token always is). order: the scan's [L] (None:
+    token order), along which `_Chunks` reads the inputs, given and returned in token order. leaf_size:
+    _at_once's, unread."""
     length = q.shape[-2]
     count = -(-length // chunk)
-    while True:
-        size = -(-length // count)
-        g, h = vector._cumulative(F.pad(a, (0, 0, 0, count * size - length)))
-        if size == 1 or vector.leaf_tokens(g, h, a.dtype, [size]) == size:
-            return _Chunks.apply(q, k, v, a, size)
-        count *= 2
+    with torch.no_grad():  # (the chunks' cumulative log decays: read here, handed to _Chunks)
+        gates = a if order is None else a.index_select(-2, order)
+        while True:
+            size = -(-length // count)
+            g, h = vector._cumulative(_in_chunks(gates, None, size))
+            if size == 1 or vector.leaf_tokens(g, h, a.dtype, [size]) == size:
+                break
+            count *= 2
+    return _Chunks.apply(q, k, v, a, order, size, g, h)
+
+
+def _in_chunks(t: Tensor, order: Optional[Tensor], size: int) -> Tensor:
+    """t [..., L, D] read along order (None: as it is), zero-padded to whole chunks: [..., chunks, size, D]."""
+    if order is not None:
+        t = t.index_select(-2, order)
+    pad = -t.shape[-2] % size
+    return (F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(-2, (-1, size))
 
 
 class _Chunks(torch.autograd.Function):
-    """(q, k, v, a [..., L, D], chunk size) -> both directions' sums against [v, 1], [..., L, Dv + 1]. It keeps
-    its inputs for a second derivative (`_differentiated_again`), and the factors, pairs and states for the first."""
+    """(q, k, v, a [..., L, D] in token order, the scan's order [L] or None, chunk size, the chunks' cumulative log
+    decays G and H [..., chunks, size, Dk] along the order) -> both directions' sums against [v, 1], [..., L, Dv + 1]
+    in token order. It keeps its inputs for a second derivative (`_differentiated_again`), and the factors, pairs
+    and states for the first."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, size: int) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, order: Optional[Tensor], size: int, g: Tensor,
+                h: Tensor) -> Tensor:
         length = q.shape[-2]
-        pad = -length % size  # (zero keys, values and log decays)
-        qs, ks, vs, gates = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (-1, size))
-                             for t in (q, k, vector._with_ones(v), a))
-        g, h = vector._cumulative(gates)
+        qs, ks, vs = (_in_chunks(t, order, size) for t in (q, k, vector._with_ones(v)))
         m = size // 2
         # [..., chunks, 1, Dk]; total a copy: kept for the backward, a view would keep all of H alive
         g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :].clone()
         fq = (g - g_m).exp_()
         bq = (h_m - h).exp_()
-        del h, g, gates
         qf, kf, qb, kb = qs * fq, ks / fq, qs * bq, ks / bq
         pairs = (qf @ kf.mT).tril_().add_((qb @ kb.mT).triu_(1))
         out = pairs @ vs
@@ -65,16 +78,18 @@ class _Chunks(torch.autograd.Function):
                       vector._states(total, (kb.mT @ vs).mul_(made_b), reverse=True).mul_(read_b)]
             out.add_(qf @ states[0]).add_(qb @ states[1])
         ctx.size, ctx.length = size, length
-        ctx.save_for_backward(q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, total, *states, *scales)
-        return out.flatten(-3, -2)[..., :length, :]
+        inverse = None if order is None else torch.argsort(order)  # token -> scan position
+        ctx.save_for_backward(q, k, v, a, order, inverse, qf, kf, qb, kb, fq, bq, vs, pairs, total, *states, *scales)
+        return _in_token_order(out.flatten(-3, -2)[..., :length, :], inverse)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, a, qf, kf, qb, kb, fq, bq, vs, pairs, total, state_f, state_b, *scales = ctx.saved_tensors
+        q, k, v, a, order, inverse, qf, kf, qb, kb, fq, bq, vs, pairs, total, state_f, state_b, *scales = \
+            ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the portable form's graph, which has second derivatives
-            return _differentiated_again(ctx, grad, q, k, v, a)
+            return _differentiated_again(ctx, grad, q, k, v, a, order, inverse)
         size, length = ctx.size, ctx.length
-        dout = F.pad(grad, (0, 0, 0, -length % size)).unflatten(-2, (-1, size))
+        dout = _in_chunks(grad, order, size)
         dpairs = dout @ vs.mT
         dpf, dpb = dpairs.tril(), dpairs.triu_(1)
         dv = pairs.mT @ dout
@@ -96,13 +111,21 @@ class _Chunks(torch.autograd.Function):
         dk = dkf.div_(fq).add_(dkb.div_(bq))
         dg, dh, dq, dk = (t.flatten(-3, -2)[..., :length, :] for t in (dg, dh, dq, dk))
         da = (dg + dh).flip(-2).cumsum(-2).flip(-2) - dg
-        return dq, dk, dv.flatten(-3, -2)[..., :length, :-1], da, None
+        grads = (dq, dk, dv.flatten(-3, -2)[..., :length, :-1], da)
+        return tuple(_in_token_order(t, inverse) for t in grads) + (None,) * 4
 
 
-def _differentiated_again(ctx, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor):
+def _in_token_order(t: Tensor, inverse: Optional[Tensor]) -> Tensor:
+    """t [..., L, D] along a scan's order put back in token order (inverse: the order's, None: already)."""
+    return t if inverse is None else t.index_select(-2, inverse)
+
+
+def _differentiated_again(ctx, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, a: Tensor, order: Optional[Tensor],
+                          inverse: Optional[Tensor]):
     """The first derivatives as a graph (for a second one): the portable form's, recomputed."""
     wanted = [t for t, needed in zip((q, k, v, a), ctx.needs_input_grad) if needed]
     with torch.enable_grad():
-        both = vector._at_once(q, k, v, a, ctx.size, None)
+        scan = (q, k, v, a) if order is None else (t.index_select(-2, order) for t in (q, k, v, a))
+        both = _in_token_order(vector._at_once(*scan, ctx.size, None), inverse)
         grads = iter(torch.autograd.grad(both, wanted, grad, create_graph=True))
-    return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]) + (None,)
+    return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]) + (None,) * 4
