@@ -35,12 +35,11 @@ def snake_orders(height: int, width: int, num_prefix_tokens: int = 0) -> Tensor:
 
 
 def over_scans(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
-               log_decays: Optional[Tensor], orders: Optional[Tensor], decay_token_dim: int = -1,
-               reads_orders: bool = False, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+               log_decays: Optional[Tensor], orders: Optional[Tensor], reads_orders: bool = False,
+               **kwargs: Any) -> Tuple[Tensor, Tensor]:
     """sum_s of a one-scan form's (numerator, normaliser) along scan s: q, k, v and per-token decays read
     in the scan's order, the results put back in token order. log_decays: None or [S, ...] in token
-    order, their tokens along decay_token_dim (-2 for vector decays); orders: [S, L], or None for one scan
-    in token order. reads_orders: one_scan takes the scan's order (order=) beside its inputs in token order,
+    order, their tokens along the last dim; orders: [S, L], or None for one scan in token order. reads_orders: one_scan takes the scan's order (order=) beside its inputs in token order,
     and returns its results in token order (it reads along the order itself)."""
     if orders is None:
         return one_scan(q, k, v, None if log_decays is None else log_decays[0], **kwargs)
@@ -51,8 +50,8 @@ def over_scans(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Ten
             parts = one_scan(q, k, v, a, order=order, **kwargs)
             total = parts if total is None else [t + part for t, part in zip(total, parts)]
             continue
-        if a is not None and a.shape[decay_token_dim] != 1:
-            a = a.index_select(decay_token_dim, order)
+        if a is not None and a.shape[-1] != 1:
+            a = a.index_select(-1, order)
         parts = one_scan(*(t.index_select(-2, order) for t in (q, k, v)), a, **kwargs)
         parts = [t.index_select(-2, torch.argsort(order)) for t in parts]
         total = parts if total is None else [t + part for t, part in zip(total, parts)]

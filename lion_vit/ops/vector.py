@@ -51,18 +51,17 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
     given as chunks_at_once reads along the order itself (`chunks_at_once(q, k, v, a, chunk, leaf_size, order)`)."""
     length = q.shape[-2]
     chunk = length if chunk_size is None else min(chunk_size, length)
-    dtype = q.dtype if q.dtype == torch.float64 else torch.float32
-    if callable(chunks_at_once) and chunk > 1:
-        a = log_decay.to(dtype).expand(*q.shape[:2], length, q.shape[-1])
-        both = chunks_at_once(q, k, v, a, chunk, leaf_size, order)
-        return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
-    if order is not None:  # (the decays before they are expanded: [B|1, H|1, L, Dk])
+    reads_itself = callable(chunks_at_once) and chunk > 1
+    if order is not None and not reads_itself:  # (the decays before they are expanded: [B|1, H|1, L, Dk])
         q, k, v, log_decay = (t.index_select(-2, order) for t in (q, k, v, log_decay))
-    a = log_decay.to(dtype).expand(*q.shape[:2], length, q.shape[-1])
-    both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
-    if order is not None:
-        both = both.index_select(-2, torch.argsort(order))
-    return both[..., :-1], both[..., -1:]
+    a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
+    if reads_itself:
+        both = chunks_at_once(q, k, v, a, chunk, leaf_size, order)
+    else:
+        both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
+        if order is not None:
+            both = both.index_select(-2, torch.argsort(order))
+    return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
 
 
 def _with_ones(v: Tensor) -> Tensor:
