@@ -599,6 +599,33 @@ def test_scalings_match_the_reference(form, scaling, scans):
         assert rel_err(got, want) < 1e-9, f"grad of {name}"
 
 
+@pytest.mark.parametrize("decay", [None, "selective", "vector"])
+def test_forms_make_no_normaliser_where_none_is_read(decay):
+    """normalised=False (what scaling "none" asks of a form): every portable form returns the same numerator and
+    None for the normaliser, one scan and two, with and without autograd."""
+    from lion_vit.ops import vector
+    from lion_vit.ops import TORCH_FORMS
+    from lion_vit.ops.cpu import trained_vector_form
+    orders = snake_orders(3, 4, 1)
+    if decay == "vector":
+        q, k, v, lams = vector_inputs(13, "spread", torch.float64, scans=2)
+        log_decays = torch.log(lams)
+        forms = {"vector": vector.vector_form, "vector chunks": functools.partial(vector.vector_form, chunk_size=5),
+                 "cpu chunks": functools.partial(trained_vector_form, chunk_size=5)}
+    else:
+        q, k, v, log_decays = scaling_inputs(2, 13, 6, torch.float64)
+        log_decays = None if decay is None else log_decays
+        forms = {"attention": TORCH_FORMS["attention"], "rnn": TORCH_FORMS["rnn"],
+                 "chunk": functools.partial(TORCH_FORMS["chunk"], chunk_size=5)}
+    for name, form in forms.items():
+        for scans in (None, orders):
+            leaves = [t.clone().requires_grad_(name == "cpu chunks") for t in (q, k, v)]
+            numerator, normaliser = form(*leaves, log_decays, scans)
+            assert normaliser is not None and normaliser.shape[-1] == 1, name
+            alone, none = form(*leaves, log_decays, scans, normalised=False)
+            assert none is None and rel_err(alone, numerator) < 1e-12, name
+
+
 def test_two_scans_without_decays_add_up_unless_divided():
     """Without decays S scans are S equal terms: the row sum divides them away, "none" keeps S times one."""
     q, k, v, _ = scaling_inputs(1, 13, 6, torch.float64)
@@ -640,20 +667,21 @@ def vector_inputs(length: int, decay: str, dtype: torch.dtype, scans: int = 1, s
     return [t.to(dtype) for t in (q, k, v)] + [lams]
 
 
+@pytest.mark.parametrize("scaling", ["sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("decay", ["spread", "near0", "near1"])
 @pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4), ("chunk", 5)], ids=_form_id)
-def test_vector_decays_match_naive(form, decay, dtype):
+def test_vector_decays_match_naive(form, decay, dtype, scaling):
     """Vector decays (one per token, head and key channel: GLA, HGRN-2) in every form, one scan at an odd
-    length and two snake scans: outputs, and the gradients of q, k, v and the log decays, against per-channel
-    running products."""
+    length and two snake scans, divided by the normaliser or not (the forms then make none): outputs, and the
+    gradients of q, k, v and the log decays, against per-channel running products."""
     tol = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-5, 1e-4)}[dtype]
     for scans, orders in ((1, None), (2, snake_orders(3, 4, 1))):
         q, k, v, lams = vector_inputs(13, decay, dtype, scans)
         upstream = torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(51))
-        expected, ref_grads = _naive_vector_grads(q, k, v, lams, orders, upstream)
+        expected, ref_grads = _naive_vector_grads(q, k, v, lams, orders, upstream, scaling)
         leaves = [t.clone().requires_grad_() for t in (q, k, v, torch.log(lams).to(dtype))]
-        out = lion_attention(*leaves, orders, form=form[0], chunk_size=form[1])
+        out = lion_attention(*leaves, orders, form=form[0], chunk_size=form[1], scaling=scaling)
         assert out.dtype == dtype and rel_err(out, expected) < tol[0], scans
         grads = torch.autograd.grad((out * upstream.to(dtype)).sum(), leaves)
         for name, got, want in zip("qkva", grads, ref_grads):
@@ -846,9 +874,9 @@ def test_vector_decays_of_an_empty_batch(form):
     assert out.shape == (0, 2, 13, 4) and q.grad.shape == q.shape
 
 
-def _naive_vector_grads(q, k, v, lams, orders, upstream):
+def _naive_vector_grads(q, k, v, lams, orders, upstream, scaling="sum"):
     leaves = [t.double().clone().requires_grad_() for t in (q, k, v, lams)]
-    expected = naive_vector(*leaves, orders)
+    expected = naive_vector(*leaves, orders, scaling=scaling)
     grads = list(torch.autograd.grad((expected * upstream).sum(), leaves))
     grads[3] = grads[3] * lams  # d/d(log lam)
     return expected.detach(), grads

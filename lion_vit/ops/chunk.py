@@ -28,17 +28,19 @@ from .scans import over_scans
 
 
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-               orders: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] chunk by chunk (see the module docstring).
+               orders: Optional[Tensor] = None, chunk_size: Optional[int] = None,
+               normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] (None where not normalised) chunk by chunk (see the
+    module docstring).
 
     q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decays: None or [S, B|1, H|1, L|1] in token order;
     orders: [S, L], or None for one scan in token order; chunk_size: None for one chunk.
     """
-    return over_scans(_one_scan, q, k, v, log_decays, orders, chunk_size=chunk_size)
+    return over_scans(_one_scan, q, k, v, log_decays, orders, chunk_size=chunk_size, normalised=normalised)
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
-              chunk_size: Optional[int]) -> Tuple[Tensor, Tensor]:
+              chunk_size: Optional[int], normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """The chunk form along one scan in token order.
 
     When C does not divide L the last chunk is padded with zero keys, values and log decays: a padded
@@ -50,7 +52,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
     size = -(-length // num_chunks)
     pad = num_chunks * size - length
     # [v, 1]: the normaliser rides along as a column (padded rows of ones meet zero keys: they add nothing)
-    v1c = F.pad(v, (0, 1, 0, pad), value=1.0).unflatten(-2, (num_chunks, size))
+    v1c = F.pad(v, (0, int(normalised), 0, pad), value=1.0).unflatten(-2, (num_chunks, size))
     qc, kc = (F.pad(t, (0, 0, 0, pad)).unflatten(-2, (num_chunks, size)) for t in (q, k))  # [B, H, N, C, D]
     if log_decay is None:
         out = (qc @ kc.transpose(-1, -2)) @ v1c
@@ -63,7 +65,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
     for reverse in (False, True) if num_chunks > 1 else ():
         out = out + _across_chunks(qc, kc, v1c, None if log_decay is None else a, reverse)
     out = out.flatten(-3, -2)[..., :length, :]
-    return out[..., :-1], out[..., -1:]
+    return (out[..., :-1], out[..., -1:]) if normalised else (out, None)
 
 
 def _across_chunks(qc: Tensor, kc: Tensor, v1c: Tensor, a: Optional[Tensor], reverse: bool) -> Tensor:

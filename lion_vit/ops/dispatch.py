@@ -221,7 +221,8 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
 
 
 Form = Callable[..., Tuple[Tensor, Tensor]]
-# (q, k, v, log_decays [S, B|1, H|1, L|1] or None, orders [S, L] or None, chunk_size=) -> (numerator, normaliser)
+# (q, k, v, log_decays [S, B|1, H|1, L|1] or None, orders [S, L] or None, chunk_size=, normalised=)
+#   -> (numerator, normaliser or None where not normalised)
 TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chunk_form}
 
 
@@ -261,7 +262,8 @@ def _divided(form: Form, q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[T
     if scaling == "sum":
         q = q * query_scale(q.shape[-2])  # rebound: the unscaled features are not kept while the form runs
     # head-major v, as the forms' matmuls read best (a layer hands over a view of its projection)
-    numerator, normaliser = form(q, k, v.contiguous(), log_decays, orders, chunk_size=chunk_size)
+    numerator, normaliser = form(q, k, v.contiguous(), log_decays, orders, chunk_size=chunk_size,
+                                 normalised=scaling != "none")  # (scaling "none" reads no normaliser)
     return scaled(numerator, normaliser, scaling).to(v.dtype)
 
 

@@ -20,29 +20,33 @@ from .scans import over_scans
 
 
 def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
-                   orders: Optional[Tensor] = None, chunk_size: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] by the two recurrences, along each scan.
+                   orders: Optional[Tensor] = None, chunk_size: Optional[int] = None,
+                   normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] (None where not normalised) by the two recurrences,
+    along each scan.
 
     q, k: [B, H, L, Dk]; v: [B, H, L, Dv]; log_decays: None or [S, B|1, H|1, L|1] in token order;
     orders: [S, L], or None for one scan in token order.
     """
     del chunk_size  # one token at a time
-    return over_scans(_one_scan, q, k, v, log_decays, orders)
+    return over_scans(_one_scan, q, k, v, log_decays, orders, normalised=normalised)
 
 
 # Steps whose inputs (both directions) are gathered at once: O(block d) memory for them, not O(L d).
 STEP_BLOCK = 64
 
 
-def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
+              normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     length = q.shape[-2]
     decays = None  # [2, B|1, H|1, L|1]: step t scales the state by lam_{t-1}, and by lam_{L-t} in the mirror
     if log_decay is not None:
         lam = torch.exp(log_decay).to(q.dtype)
         decays = torch.stack([lam, lam.flip(-1)])
         decays = F.pad(decays[..., :-1], (1, 0)) if lam.shape[-1] > 1 else decays
-    state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], v.shape[-1] + 1)  # [2, B, H, Dk, Dv+1]
-    total = q.new_zeros(*q.shape[:-2], length, v.shape[-1] + 1)  # both directions' outputs summed, in token order
+    width = v.shape[-1] + normalised  # [v, 1]: the normaliser's column
+    state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], width)  # [2, B, H, Dk, Dv+1]
+    total = q.new_zeros(*q.shape[:-2], length, width)  # both directions' outputs summed, in token order
     for start in range(0, length, STEP_BLOCK):
         stop = min(start + STEP_BLOCK, length)
 
@@ -51,7 +55,8 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> T
             return torch.stack([t[..., start:stop, :], t[..., length - stop:length - start, :].flip(-2)])
 
         values = steps(v)
-        values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)  # [v, 1]: the normaliser's column
+        if normalised:
+            values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
         block = zip(steps(q).unsqueeze(-2).unbind(-3), steps(k).unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
         outputs = []
         for t, (q_t, k_t, v_t) in enumerate(block, start):
@@ -63,5 +68,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor]) -> T
         total[..., start:stop, :] += outputs[0]
         total[..., length - stop:length - start, :] += outputs[1].flip(-2)  # the mirror's steps, in token order
     diagonal = (q.unsqueeze(-2) @ k.unsqueeze(-1)).squeeze(-1)  # q_t . k_t, counted in both directions
+    if not normalised:
+        return total.addcmul_(diagonal, v, value=-1), None
     numerator, normaliser = total[..., :-1], total[..., -1:]  # views: the sum is the only L-sized buffer
     return numerator.addcmul_(diagonal, v, value=-1), normaliser.sub_(diagonal)

@@ -8,6 +8,8 @@ Only "sum" is invariant to a positive factor on q, so only it takes query_scale 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 SCALINGS = ("sum", "none", "max")
@@ -19,8 +21,8 @@ def check_scaling(scaling: str) -> None:
         raise ValueError(f"unknown scaling {scaling!r}; choose one of {list(SCALINGS)}")
 
 
-def scaled(numerator: Tensor, normaliser: Tensor, scaling: str) -> Tensor:
-    """Y from a form's numerator [..., L, Dv] and normaliser [..., L, 1]."""
+def scaled(numerator: Tensor, normaliser: Optional[Tensor], scaling: str) -> Tensor:
+    """Y from a form's numerator [..., L, Dv] and normaliser [..., L, 1] (None: scaling "none" reads none)."""
     if scaling == "none":
         return numerator
     if scaling == "max":

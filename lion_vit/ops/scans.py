@@ -7,7 +7,7 @@ scan. Orders depend only on (h, w), so any resolution, rectangular included, get
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -48,11 +48,18 @@ def over_scans(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Ten
         a = None if log_decays is None else log_decays[s]
         if reads_orders:
             parts = one_scan(q, k, v, a, order=order, **kwargs)
-            total = parts if total is None else [t + part for t, part in zip(total, parts)]
+            total = _summed(total, parts)
             continue
         if a is not None and a.shape[-1] != 1:
             a = a.index_select(-1, order)
         parts = one_scan(*(t.index_select(-2, order) for t in (q, k, v)), a, **kwargs)
-        parts = [t.index_select(-2, torch.argsort(order)) for t in parts]
-        total = parts if total is None else [t + part for t, part in zip(total, parts)]
+        parts = [None if t is None else t.index_select(-2, torch.argsort(order)) for t in parts]
+        total = _summed(total, parts)
     return total[0], total[1]
+
+
+def _summed(total: Optional[List[Optional[Tensor]]], parts) -> List[Optional[Tensor]]:
+    """The scans' results so far plus one more scan's (None: a result the forms were not asked for)."""
+    if total is None:
+        return list(parts)
+    return [None if t is None else t + part for t, part in zip(total, parts)]

@@ -32,23 +32,25 @@ from .scans import over_scans
 
 def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Optional[Tensor] = None,
                 chunk_size: Optional[int] = None, chunks_at_once: Union[bool, Callable[..., Tensor]] = False,
-                leaf_size: Optional[int] = 1) -> Tuple[Tensor, Tensor]:
-    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] for vector log decays [S, B|1, H|1, L, Dk] in token
-    order; orders [S, L] or None; chunk_size: tokens per chunk (None: one chunk, the attention form).
+                leaf_size: Optional[int] = 1, normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """Numerator [B, H, L, Dv] and normaliser [B, H, L, 1] (None where not normalised: scaling "none" reads none)
+    for vector log decays [S, B|1, H|1, L, Dk] in token order; orders [S, L] or None; chunk_size: tokens per chunk
+    (None: one chunk, the attention form).
     chunks_at_once: every chunk's own pairs in one batch, only the states chunk after chunk (a few operations on
     whole-sequence temporaries, where the loop runs tens per chunk on a chunk's), or a function of `_at_once`'s
     arguments that computes the same (the cpu backend's, with a hand-written backward). leaf_size: a power of two of
     tokens per block taken in one masked product (1: the diagonal alone; None: `leaf_tokens` of the decays, call
     by call, which a compiler cannot trace). Both are the CPU backend's (lion_vit.ops.cpu)."""
     return over_scans(_one_scan, q, k, v, log_decays, orders, reads_orders=True, chunk_size=chunk_size,
-                      chunks_at_once=chunks_at_once, leaf_size=leaf_size)
+                      chunks_at_once=chunks_at_once, leaf_size=leaf_size, normalised=normalised)
 
 
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Optional[int] = None,
               chunks_at_once: Union[bool, Callable[..., Tensor]] = False, leaf_size: Optional[int] = 1,
-              order: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+              normalised: bool = True, order: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """One scan along `order` (None: token order) of inputs in token order; its sums in token order. A function
-    given as chunks_at_once reads along the order itself (`chunks_at_once(q, k, v, a, chunk, leaf_size, order)`)."""
+    given as chunks_at_once reads along the order itself
+    (`chunks_at_once(q, k, v, a, chunk, leaf_size, order, normalised)`)."""
     length = q.shape[-2]
     chunk = length if chunk_size is None else min(chunk_size, length)
     reads_itself = callable(chunks_at_once) and chunk > 1
@@ -56,17 +58,19 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
         q, k, v, log_decay = (t.index_select(-2, order) for t in (q, k, v, log_decay))
     a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
     if reads_itself:
-        both = chunks_at_once(q, k, v, a, chunk, leaf_size, order)
+        both = chunks_at_once(q, k, v, a, chunk, leaf_size, order, normalised)
     else:
-        both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size)
+        both = (_at_once if chunks_at_once and chunk > 1 else _in_loop)(q, k, v, a, chunk, leaf_size, normalised)
         if order is not None:
             both = both.index_select(-2, torch.argsort(order))
+    if not normalised:
+        return both, None
     return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
 
 
-def _with_ones(v: Tensor) -> Tensor:
-    """[v, 1]: the normaliser rides along as one more value column."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+def _with_ones(v: Tensor, normalised: bool = True) -> Tensor:
+    """[v, 1]: the normaliser rides along as one more value column (not normalised: v as it is)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if normalised else v
 
 
 def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
@@ -75,11 +79,13 @@ def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
     return total - a, total
 
 
-def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
-    """Both directions' sums [..., L, Dv + 1], every chunk's own pairs in one batch ([..., chunks, C, D]; equal
-    chunks of at most `chunk` tokens), then the states entering each chunk from either side (`_states`)."""
+def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int],
+             normalised: bool = True) -> Tensor:
+    """Both directions' sums [..., L, Dv + 1] (Dv not normalised), every chunk's own pairs in one batch
+    ([..., chunks, C, D]; equal chunks of at most `chunk` tokens), then the states entering each chunk from either
+    side (`_states`)."""
     length = q.shape[-2]
-    v1 = _with_ones(v)
+    v1 = _with_ones(v, normalised)
     count = -(-length // chunk)
     size = -(-length // count)
     if count * size > length:  # zero keys and values; zero log decays leave G and H as they are
@@ -145,13 +151,14 @@ def _from_after(q: Tensor, h: Tensor, total: Tensor, state: Tensor) -> Tensor:
     return (q * (total - h).exp().to(q.dtype)) @ state
 
 
-def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int]) -> Tensor:
-    """The same sums chunk by chunk (the last one shorter), into one [..., L, Dv + 1] sum: a sweep forward with
-    each chunk's own pairs and the state from the chunks before, then one back with the state from the chunks
-    after, their outputs written STEP_BLOCK tokens at a time."""
+def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int],
+             normalised: bool = True) -> Tensor:
+    """The same sums chunk by chunk (the last one shorter), into one [..., L, Dv + 1] sum (Dv not normalised): a
+    sweep forward with each chunk's own pairs and the state from the chunks before, then one back with the state
+    from the chunks after, their outputs written STEP_BLOCK tokens at a time."""
     length = q.shape[-2]
     bounds = [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
-    total = q.new_zeros(*q.shape[:-2], length, v.shape[-1] + 1)
+    total = q.new_zeros(*q.shape[:-2], length, v.shape[-1] + normalised)
     pending: List[Tensor] = []  # outputs of consecutive chunks not written yet
 
     def write(lo: int, hi: int, add: bool) -> None:  # the pending outputs, tokens lo..hi-1, into the sum
@@ -164,7 +171,7 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
 
     state, first = None, 0
     for lo, hi in bounds:
-        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], _with_ones(v[..., lo:hi, :])
+        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], _with_ones(v[..., lo:hi, :], normalised)
         out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
         total_decay = h[..., -1:, :]
         if state is not None:  # the chunks before
@@ -187,7 +194,8 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
                 write(lo, last, add=True)
                 last = lo
         if lo:
-            state = _carried(state, total_decay, _keys_at_start(k[..., lo:hi, :], _with_ones(v[..., lo:hi, :]), h))
+            values = _with_ones(v[..., lo:hi, :], normalised)
+            state = _carried(state, total_decay, _keys_at_start(k[..., lo:hi, :], values, h))
     return total
 
 

@@ -22,9 +22,9 @@ from .. import vector
 
 
 def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int],
-            order: Optional[Tensor] = None) -> Tensor:
-    """vector._at_once's sums [..., L, Dv + 1] for float32 or float64 q, k, v and log decays a of q's dtype,
-    through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks are one leaf each
+            order: Optional[Tensor] = None, normalised: bool = True) -> Tensor:
+    """vector._at_once's sums [..., L, Dv + 1] (Dv not normalised) for float32 or float64 q, k, v and log decays a
+    of q's dtype, through `_Chunks` in the largest of `chunk` tokens and its halves whose chunks are one leaf each
     (vector.leaf_tokens: their exponents stay in exp's range; one token always is). order: the scan's [L] (None:
     token order), along which `_Chunks` reads the inputs, given and returned in token order. leaf_size:
     _at_once's, unread."""
@@ -38,7 +38,7 @@ def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: O
             if size == 1 or vector.leaf_tokens(g, h, a.dtype, [size]) == size:
                 break
             count *= 2
-    return _Chunks.apply(q, k, v, a, order, size, g, h)
+    return _Chunks.apply(q, k, v, a, order, size, g, h, normalised)
 
 
 def _in_chunks(t: Tensor, order: Optional[Tensor], size: int) -> Tensor:
@@ -51,15 +51,15 @@ def _in_chunks(t: Tensor, order: Optional[Tensor], size: int) -> Tensor:
 
 class _Chunks(torch.autograd.Function):
     """(q, k, v, a [..., L, D] in token order, the scan's order [L] or None, chunk size, the chunks' cumulative log
-    decays G and H [..., chunks, size, Dk] along the order) -> both directions' sums against [v, 1], [..., L, Dv + 1]
-    in token order. It keeps its inputs for a second derivative (`_differentiated_again`), and the factors, pairs
-    and states for the first."""
+    decays G and H [..., chunks, size, Dk] along the order, whether normalised) -> both directions' sums against
+    [v, 1] ([..., L, Dv + 1]; against v, Dv, not normalised) in token order. It keeps its inputs for a second
+    derivative (`_differentiated_again`), and the factors, pairs and states for the first."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, order: Optional[Tensor], size: int, g: Tensor,
-                h: Tensor) -> Tensor:
+                h: Tensor, normalised: bool) -> Tensor:
         length = q.shape[-2]
-        qs, ks, vs = (_in_chunks(t, order, size) for t in (q, k, vector._with_ones(v)))
+        qs, ks, vs = (_in_chunks(t, order, size) for t in (q, k, vector._with_ones(v, normalised)))
         m = size // 2
         # [..., chunks, 1, Dk]; total a copy: kept for the backward, a view would keep all of H alive
         g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :].clone()
@@ -77,7 +77,7 @@ class _Chunks(torch.autograd.Function):
             states = [vector._states(total, (kf.mT @ vs).mul_(made_f)).mul_(read_f),
                       vector._states(total, (kb.mT @ vs).mul_(made_b), reverse=True).mul_(read_b)]
             out.add_(qf @ states[0]).add_(qb @ states[1])
-        ctx.size, ctx.length = size, length
+        ctx.size, ctx.length, ctx.normalised = size, length, normalised
         inverse = None if order is None else torch.argsort(order)  # token -> scan position
         ctx.save_for_backward(q, k, v, a, order, inverse, qf, kf, qb, kb, fq, bq, vs, pairs, total, *states, *scales)
         return _in_token_order(out.flatten(-3, -2)[..., :length, :], inverse)
@@ -111,8 +111,8 @@ class _Chunks(torch.autograd.Function):
         dk = dkf.div_(fq).add_(dkb.div_(bq))
         dg, dh, dq, dk = (t.flatten(-3, -2)[..., :length, :] for t in (dg, dh, dq, dk))
         da = (dg + dh).flip(-2).cumsum(-2).flip(-2) - dg
-        grads = (dq, dk, dv.flatten(-3, -2)[..., :length, :-1], da)
-        return tuple(_in_token_order(t, inverse) for t in grads) + (None,) * 4
+        grads = (dq, dk, dv.flatten(-3, -2)[..., :length, :v.shape[-1]], da)
+        return tuple(_in_token_order(t, inverse) for t in grads) + (None,) * 5
 
 
 def _in_token_order(t: Tensor, inverse: Optional[Tensor]) -> Tensor:
@@ -126,6 +126,6 @@ def _differentiated_again(ctx, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, a:
     wanted = [t for t, needed in zip((q, k, v, a), ctx.needs_input_grad) if needed]
     with torch.enable_grad():
         scan = (q, k, v, a) if order is None else (t.index_select(-2, order) for t in (q, k, v, a))
-        both = _in_token_order(vector._at_once(*scan, ctx.size, None), inverse)
+        both = _in_token_order(vector._at_once(*scan, ctx.size, None, ctx.normalised), inverse)
         grads = iter(torch.autograd.grad(both, wanted, grad, create_graph=True))
-    return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]) + (None,) * 4
+    return tuple(next(grads) if needed else None for needed in ctx.needs_input_grad[:4]) + (None,) * 5
