@@ -183,8 +183,8 @@ def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monk
     if fallback == "torch":  # the plan's chunk size is the one the portable form runs
         from lion_vit.ops.chunk import chunk_form
         sizes = []
-        monkeypatch.setitem(dispatch.TORCH_FORMS, "chunk", lambda *inputs, chunk_size: sizes.append(chunk_size)
-                            or chunk_form(*inputs, chunk_size=chunk_size))
+        monkeypatch.setitem(dispatch.TORCH_FORMS, "chunk", lambda *inputs, chunk_size, **kw: sizes.append(chunk_size)
+                            or chunk_form(*inputs, chunk_size=chunk_size, **kw))
         q, k, v = torch.rand(3, 1, 1, 130, 4).unbind(0)
         dispatch.implementation(expected)(q, k, v, None, None)
         assert sizes == [64]
