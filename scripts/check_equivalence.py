@@ -2,6 +2,7 @@
 """Measure how far the rnn and chunk forms are from the attention form, per model.
 
     python scripts/check_equivalence.py                       # all 15 models, 224 and 320x480, fp32
+    python scripts/check_equivalence.py --models lion_gla_small lion_gla_natural_small   # Table 1 families
     python scripts/check_equivalence.py --models lion_d_small --sizes 448x448 --dtype float64
 
 Decays are set "trained-like" (spread far from their initial values) so the masks are far from
@@ -45,7 +46,9 @@ def parse_size(text: str) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES),
-                        choices=lion_vit.LION_MODEL_NAMES, metavar="MODEL", help="LION models (default: all 15)")
+                        choices=lion_vit.LION_MODEL_NAMES + lion_vit.FAMILY_MODEL_NAMES, metavar="MODEL",
+                        help="LION models, or the paper's Table 1 families (lion_gla_small, ...; "
+                             "docs/models.md) (default: the 15 LION models)")
     # 320x480 (600 tokens): long enough that every model with decays, two-scan ones included, runs chunks
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(224, 224), (320, 480)],
                         help="HxW, multiples of the patch size 16 (default: 224x224 320x480)")

@@ -420,6 +420,15 @@ def test_check_equivalence_script(tmp_path):
     assert "1 chunk " in out and "58 chunks" in out and out.splitlines()[-1].startswith("worst: ")
 
 
+def test_check_equivalence_takes_the_table_1_families(tmp_path):
+    """docs/models.md's families' agreement figures come from the same script, by the families' names."""
+    run_script("check_equivalence.py", "--models", "lion_gla_natural_tiny", "--sizes", "32x48", "--chunks", "5",
+               "--json", str(tmp_path / "eq.json"))
+    rows = json.loads((tmp_path / "eq.json").read_text())
+    assert [(r["model"], r["form"]) for r in rows] == [("lion_gla_natural_tiny", form) for form in ("rnn", "chunk")]
+    assert all(r["rel_err"] < 1e-5 for r in rows), rows
+
+
 def test_round_robin_keeps_each_configurations_best_time(monkeypatch):
     """Rounds go over all configurations in turn; each keeps its best time, and a configuration
     that failed once but succeeded in another round keeps the success."""
