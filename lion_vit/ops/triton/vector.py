@@ -4,7 +4,8 @@ Each scan is two causal gated linear attentions (`chunk_gla`, or `fused_recurren
 the portable vector forms compute them (ops/vector.py): the sequence read along the scan with gates
 g_p = a_{p-1}, and its mirror the same, both counting the diagonal, which is then taken off once per scan.
 Every scan and direction runs in one launch, stacked on the batch axis; v carries a column of ones for the
-normaliser (and a zero column where that makes its width odd: FLA's 16-bit backward wants even widths).
+normaliser where the scaling reads one (and a zero column where its width is odd: FLA's 16-bit backward wants even
+widths).
 The glue is torch ops under autograd around FLA's kernels and their hand-written backwards.
 """
 from __future__ import annotations
@@ -31,8 +32,10 @@ def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Opt
     batch, heads, length, value_dim = v.shape
     scans = len(log_decays)
     orders = torch.arange(length, device=q.device)[None] if orders is None else orders
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])] + ([torch.zeros_like(v[..., :1])] if value_dim % 2 == 0 else []),
-                   dim=-1)
+    normalised = scaling != "none"  # ("none" reads no normaliser: no column of ones)
+    extra = [torch.ones_like(v[..., :1])] * normalised
+    extra += [torch.zeros_like(v[..., :1])] * ((value_dim + normalised) % 2)
+    v1 = torch.cat([v, *extra], dim=-1) if extra else v
     tokens = [t.transpose(1, 2) for t in (q, k, v1)]  # [B, L, H, D]
     a = log_decays.float().expand(scans, batch, heads, length, q.shape[-1]).transpose(2, 3)  # [S, B, L, H, Dk]
     sequences = torch.cat([torch.stack([order, order.flip(0)]) for order in orders.unbind(0)])  # [2S, L]
@@ -47,5 +50,5 @@ def vector_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Tensor, orders: Opt
     total = sum(parts[index].index_select(1, back[index]) for index in range(2 * scans))
     diagonal = scale * (q.float() * k.float()).sum(-1).transpose(1, 2)[..., None] * v1.float().transpose(1, 2)
     total = total - scans * diagonal  # each mirrored sequence counted its diagonal again
-    y = scaled(total[..., :value_dim], total[..., value_dim:value_dim + 1], scaling).to(v.dtype)
+    y = scaled(total[..., :value_dim], total[..., value_dim:value_dim + 1] if normalised else None, scaling).to(v.dtype)
     return _FirstOrderOnly.apply(y).transpose(1, 2)
