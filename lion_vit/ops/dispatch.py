@@ -220,7 +220,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     return Plan("chunk", backend, chunks=chunk_count(length, chunk_size), chunk_size=chunk_size, grouped=grouped)
 
 
-Form = Callable[..., Tuple[Tensor, Tensor]]
+Form = Callable[..., Tuple[Tensor, Optional[Tensor]]]
 # (q, k, v, log_decays [S, B|1, H|1, L|1] or None, orders [S, L] or None, chunk_size=, normalised=)
 #   -> (numerator, normaliser or None where not normalised)
 TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chunk_form}

@@ -7,7 +7,7 @@ scan. Orders depend only on (h, w), so any resolution, rectangular included, get
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -36,11 +36,12 @@ def snake_orders(height: int, width: int, num_prefix_tokens: int = 0) -> Tensor:
 
 def over_scans(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
                log_decays: Optional[Tensor], orders: Optional[Tensor], reads_orders: bool = False,
-               **kwargs: Any) -> Tuple[Tensor, Tensor]:
+               **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
     """sum_s of a one-scan form's (numerator, normaliser) along scan s: q, k, v and per-token decays read
     in the scan's order, the results put back in token order. log_decays: None or [S, ...] in token
-    order, their tokens along the last dim; orders: [S, L], or None for one scan in token order. reads_orders: one_scan takes the scan's order (order=) beside its inputs in token order,
-    and returns its results in token order (it reads along the order itself)."""
+    order, their tokens along the last dim; orders: [S, L], or None for one scan in token order.
+    reads_orders: one_scan takes the scan's order (order=) beside its inputs in token order, and returns its
+    results in token order (it reads along the order itself)."""
     if orders is None:
         return one_scan(q, k, v, None if log_decays is None else log_decays[0], **kwargs)
     total = None
@@ -48,18 +49,11 @@ def over_scans(one_scan: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Ten
         a = None if log_decays is None else log_decays[s]
         if reads_orders:
             parts = one_scan(q, k, v, a, order=order, **kwargs)
-            total = _summed(total, parts)
-            continue
-        if a is not None and a.shape[-1] != 1:
-            a = a.index_select(-1, order)
-        parts = one_scan(*(t.index_select(-2, order) for t in (q, k, v)), a, **kwargs)
-        parts = [None if t is None else t.index_select(-2, torch.argsort(order)) for t in parts]
-        total = _summed(total, parts)
+        else:
+            if a is not None and a.shape[-1] != 1:
+                a = a.index_select(-1, order)
+            parts = one_scan(*(t.index_select(-2, order) for t in (q, k, v)), a, **kwargs)
+            parts = [None if t is None else t.index_select(-2, torch.argsort(order)) for t in parts]
+        # (None: a result the form was not asked for, the normaliser where nothing reads it)
+        total = parts if total is None else [None if t is None else t + part for t, part in zip(total, parts)]
     return total[0], total[1]
-
-
-def _summed(total: Optional[List[Optional[Tensor]]], parts) -> List[Optional[Tensor]]:
-    """The scans' results so far plus one more scan's (None: a result the forms were not asked for)."""
-    if total is None:
-        return list(parts)
-    return [None if t is None else t + part for t, part in zip(total, parts)]
