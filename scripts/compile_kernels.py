@@ -12,8 +12,8 @@ first call would: float16 launches also in bfloat16, the dtype GPUs train in.
     python scripts/compile_kernels.py --arch 90 --quick  # fewer calls (those of tests/test_triton.py)
 
 Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
-cubin its registers per thread and local memory, which is where registers spill) and exits 1 if any
-fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
+cubin its registers per thread, stack frame and local memory, which is where registers spill) and exits 1
+if any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
 kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
 """
 from __future__ import annotations
@@ -150,8 +150,8 @@ def nvidia_tool(name: str) -> Optional[str]:
 
 
 def _registers(compiled) -> str:
-    """", registers R, local L B" from the cubin's resource usage (cuobjdump): L > 0 means that the kernel
-    spills registers to memory; "" where the tool is missing."""
+    """", registers R, stack S B, local L B" from the cubin's resource usage (cuobjdump): S or L > 0 means that
+    the kernel spills registers to memory (ptxas puts spills in the stack frame); "" where the tool is missing."""
     tool = nvidia_tool("cuobjdump")
     if "cubin" not in compiled.asm or tool is None:
         return ""
@@ -159,8 +159,8 @@ def _registers(compiled) -> str:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
-    return f", registers {found[1]}, local {found[2]} B" if found else ""
+    found = re.search(r"REG:(\d+) STACK:(\d+).*LOCAL:(\d+)", usage)
+    return f", registers {found[1]}, stack {found[2]} B, local {found[3]} B" if found else ""
 
 
 def compile_all(launches, archs) -> Tuple[int, int]:
