@@ -38,6 +38,16 @@ def kernels_here(monkeypatch):
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
+def fused_route(form, monkeypatch) -> str:
+    """The form to ask for: "bidirectional" is the attention form on the bidirectional kernel of ours
+    (dispatch.FUSED_ATTENTION), "attention" on FLA's."""
+    if form != "bidirectional":
+        return form
+    from lion_vit.ops import dispatch
+    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", "bidirectional")
+    return "attention"
+
+
 def _check(fn, reference, tensors, tol=TOL, value_shape=None):
     """fn's output and gradients (of every tensor given) against reference's, for one random upstream.
     value_shape: the output's, where it is not the third tensor's (v)."""
@@ -56,11 +66,13 @@ def _check(fn, reference, tensors, tol=TOL, value_shape=None):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", d) for d in ("lit", "fixed", "selective", "near0", "near1")]
-                         + [("attention", d) for d in ("fixed", "selective", "near0", "near1")]
+                         + [(f, d) for f in ("attention", "bidirectional") for d in ("fixed", "selective", "near0",
+                                                                                       "near1")]
                          + [("rnn", d) for d in ("lit", "fixed", "selective")])
-def test_triton_forms_match_the_reference(form, decay):
+def test_triton_forms_match_the_reference(form, decay, monkeypatch):
     """(The recurrent kernel, serial over tokens, is slow under the interpreter: one image; two in the
     feature-map test below.)"""
+    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(2 if form == "chunk" else 1, 2, 70, 16, decay, torch.float32)
     tensors = [q, k, v] + ([] if lam is None else [torch.log(lam).float()])
 
@@ -71,11 +83,13 @@ def test_triton_forms_match_the_reference(form, decay):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
-                                         ("attention", "fixed"), ("attention", "selective")])
-def test_triton_multiscan_matches_the_reference(form, decay):
+                                         ("attention", "fixed"), ("attention", "selective"),
+                                         ("bidirectional", "fixed"), ("bidirectional", "selective")])
+def test_triton_multiscan_matches_the_reference(form, decay, monkeypatch):
     """Two snake scans over a grid with a class token: 11x18 for the chunk form (199 tokens, chunks of 64
     and 7: long enough that it runs the kernels, not one product), 7x10 for the rnn form."""
     height, width = (11, 18) if form == "chunk" else (7, 10)
+    form = fused_route(form, monkeypatch)
     length = height * width + 1
     orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE)
     assert plan(form, None, length, 16, 16, num_scans=2, device=DEVICE, backend="triton").backend == "triton"
@@ -89,13 +103,16 @@ def test_triton_multiscan_matches_the_reference(form, decay):
 
 
 @pytest.mark.parametrize("form, feature_map", [("chunk", "silu_norm"), ("chunk", "silu"), ("chunk", "elu"),
-                                               ("chunk", "unfused"), ("rnn", "silu_norm"), ("attention", "silu_norm")])
+                                               ("chunk", "unfused"), ("rnn", "silu_norm"), ("attention", "silu_norm"),
+                                               ("bidirectional", "silu_norm"), ("bidirectional", "elu"),
+                                               ("bidirectional", "unfused")])
 def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, monkeypatch):
     """Raw q, k (any sign, token-major views of one projection) with a feature map's name: the outputs and the
     gradients of raw q, k, v and the decays are the reference's on the mapped features. A map the fused
     step does not know is applied before it."""
     import torch.nn.functional as F
     from lion_vit.ops.features import FEATURE_MAPS
+    form = fused_route(form, monkeypatch)
     if feature_map == "unfused":
         monkeypatch.setitem(FEATURE_MAPS, "unfused", (F.softplus, lambda x: F.softplus(x) ** 2))
     query_map, key_map = FEATURE_MAPS[feature_map]
@@ -126,12 +143,15 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
     _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
 
 
+@pytest.mark.parametrize("route", ["fla", "bidirectional"])
 @pytest.mark.parametrize("scans, length", [(2, 197), (1, 197), (1, 785)], ids=["natural197", "s197", "s785"])
-def test_fused_attention_form_at_vit_lengths(scans, length):
-    """The fused attention form (FLA's tiled kernel) as a ViT-S/16 runs it: 197 tokens (224 px) whose class token
-    has the decay 1 (prefix_decay_one), odd, across the kernel's 128-token tiles, two snake scans of the 14 x 14
-    grid or one raster scan; 785 tokens (448 px) once. Outputs and gradients of q, k, v and the decays against
-    the float64 reference."""
+def test_fused_attention_form_at_vit_lengths(scans, length, route, monkeypatch):
+    """The fused attention form (FLA's tiled kernel, or the bidirectional one of ours) as a ViT-S/16 runs it:
+    197 tokens (224 px) whose class token has the decay 1 (prefix_decay_one), odd, across the kernels' tiles,
+    two snake scans of the 14 x 14 grid or one raster scan; 785 tokens (448 px) once. Outputs and gradients of
+    q, k, v and the decays against the float64 reference; the plan names the kernel."""
+    from lion_vit.ops import dispatch
+    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", route)
     q, k, v, lam = make_inputs(1, 1, length, 16, "selective", torch.float32, seed=5)
     lam[..., 0] = 1.0  # the class token
     if scans == 2:
@@ -142,8 +162,9 @@ def test_fused_attention_form_at_vit_lengths(scans, length):
     else:
         orders, log_decays, reference = None, torch.log(lam).float()[None], \
             lambda q, k, v, a: lion_reference(q, k, v, a[0])
-    assert plan("attention", None, length, 16, 16, num_scans=scans, device=DEVICE, backend="triton",
-                training=True).backend == "triton"
+    run = plan("attention", None, length, 16, 16, num_scans=scans, device=DEVICE, backend="triton", training=True)
+    assert run.backend == "triton" and run.bidirectional == (route == "bidirectional")
+    assert str(run).endswith(f"({dispatch.FUSED_ATTENTIONS[route]})")
 
     def triton(q, k, v, log_decays):
         return lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton")
@@ -151,13 +172,14 @@ def test_fused_attention_form_at_vit_lengths(scans, length):
     _check(triton, reference, [q, k, v, log_decays])
 
 
-@pytest.mark.parametrize("form", ["attention", "chunk", "rnn"])
+@pytest.mark.parametrize("form", ["attention", "bidirectional", "chunk", "rnn"])
 @pytest.mark.parametrize("scaling", ["none", "max"])
-def test_triton_scalings_match_the_reference(form, scaling, chunks_always):
+def test_triton_scalings_match_the_reference(form, scaling, chunks_always, monkeypatch):
     """The finishing step's other scalings (none; max(|n|, 1)) on features of both signs, mapped by the fused
     step's identity map, two scans, 70 tokens (two tiles of the chunk kernels): outputs and gradients of q, k,
     v and the decays against the float64 reference."""
     length = 70
+    form = fused_route(form, monkeypatch)
     orders = snake_orders(3, 23, num_prefix_tokens=1)
     g = torch.Generator().manual_seed(42)
     q = (torch.rand(1, 2, length, 16, generator=g) - 0.5) * torch.linspace(0.05, 6, length)[:, None]
@@ -172,6 +194,28 @@ def test_triton_scalings_match_the_reference(form, scaling, chunks_always):
                               feature_map="identity", scaling=scaling)
 
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
+
+
+def test_the_bidirectional_kernel_reads_projection_views_of_other_widths(monkeypatch):
+    """The bidirectional kernel on q, k, v as token-major views of one projection, value width 24 beside key
+    width 16, one decay per head over two snake scans: outputs and gradients of q, k, v and the decays against
+    the reference. Inference plans it whole, without groups of images: it keeps no buffers."""
+    form = fused_route("bidirectional", monkeypatch)
+    orders = snake_orders(5, 6, num_prefix_tokens=1)
+    g = torch.Generator().manual_seed(8)
+    projection = torch.rand(2, 31, 2, 56, generator=g) + 0.05  # [B, L, H, q | k | v]
+    log_decays = torch.log(torch.rand(2, 1, 2, 1, generator=g) * 0.9 + 0.05)
+    run = plan(form, None, 31, 16, 24, num_scans=2, device=DEVICE, backend="triton")
+    assert run.bidirectional and run.whole and not run.grouped
+
+    def split(projection):
+        return [part.transpose(1, 2) for part in projection.split([16, 16, 24], -1)]
+
+    def triton(projection, log_decays):
+        return lion_attention(*split(projection), log_decays, orders.to(DEVICE), form=form, backend="triton")
+
+    _check(triton, lambda p, a: lion_reference_multiscan(*split(p), a, orders), [projection, log_decays],
+           value_shape=(2, 2, 31, 24))
 
 
 @pytest.mark.parametrize("form, scans, scaling, value_dim", [("attention", 1, "sum", 16), ("chunk", 2, "sum", 16),
@@ -198,10 +242,11 @@ def test_triton_vector_decays_match_the_reference(form, scans, scaling, value_di
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
-@pytest.mark.parametrize("form", ["attention", "chunk"])
-def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always):
+@pytest.mark.parametrize("form", ["attention", "bidirectional", "chunk"])
+def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always, monkeypatch):
     """Two backward passes of the same call give bitwise equal gradients of q, k, v and the decays: no
     atomics, no order of accumulation that changes from run to run."""
+    form = fused_route(form, monkeypatch)
     orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32, seed=6)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(torch.stack([lam, lam.flip(-1)])))]
@@ -310,12 +355,14 @@ HALF = torch.bfloat16 if interpret.ON_GPU else torch.float16  # (the interpreter
 
 
 @pytest.mark.parametrize("form, head_dim, decay_dtype", [("chunk", 16, torch.float32), ("chunk", 15, HALF),
-                                                         ("rnn", 16, HALF), ("attention", 16, HALF)])
-def test_triton_trains_in_half_precision(form, head_dim, decay_dtype):
+                                                         ("rnn", 16, HALF), ("attention", 16, HALF),
+                                                         ("bidirectional", 15, HALF)])
+def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatch):
     """16-bit q, k, v as autocast makes them, decays in float32 (LION-d's parameter) or 16-bit (LION-s's
     projection): outputs and gradients within half precision's rounding of the same inputs in float64.
     FLA's 16-bit backward refuses odd key or value widths, and the normaliser's column makes the value
     width odd for every even head width."""
+    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(1, 2, 70, head_dim, "selective", torch.float32)
     tensors = [t.to(HALF) for t in (q, k, v)] + [torch.log(lam).to(decay_dtype)]
 
@@ -476,7 +523,7 @@ def loop_sum(x, y, n):
                     "bring one)")
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
     """scripts/compile_kernels.py: the launches that the triton backend's calls make here (recorded, not run)
-    compile for sm_90 as a GPU's first call would, each of our six kernels in float32, float16 and bfloat16;
+    compile for sm_90 as a GPU's first call would, each of our nine kernels in float32, float16 and bfloat16;
     a kernel that the interpreter runs but the compiler refuses fails the check, named with the reason."""
     launches = compile_kernels.recorded_launches(quick=True)
     (tmp_path / "native_only.py").write_text(NATIVE_ONLY_ERROR)
@@ -494,7 +541,7 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     ok = [line for line in lines if line.startswith("ok   sm_90 ")]
     compiled = {tuple(line.split()[2:4]) for line in ok}
     kernels = ["_operands_kernel", "_operands_backward_kernel", "_finish_kernel", "_finish_backward_kernel",
-               "_sums_kernel", "_scan_kernel"]
+               "_sums_kernel", "_scan_kernel", "_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"]
     assert compiled == {(kernel, dtype) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")}
     failed = [line for line in lines if line.startswith("FAIL")]
     assert failed == ["FAIL sm_90 loop_sum float32 "] and "Loop-carried variable total" in result.stdout
@@ -508,8 +555,9 @@ def test_triton_refuses_float64():
 
 
 @pytest.mark.skipif(not interpret.ON_GPU, reason="bfloat16 kernels need a GPU (the interpreter computes through numpy)")
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
-def test_triton_bfloat16_is_within_its_rounding(form):
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+def test_triton_bfloat16_is_within_its_rounding(form, monkeypatch):
+    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(2, 4, 1000, 64, "selective", torch.float32)
     log_decay = torch.log(lam).float()
     out = lion_attention(*(t.to(DEVICE, torch.bfloat16) for t in (q, k, v)), log_decay[None].to(DEVICE),
@@ -518,10 +566,11 @@ def test_triton_bfloat16_is_within_its_rounding(form):
     assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
-def test_triton_backend_refuses_double_backward_in_one_line(form):
-    """FLA's hand-written backwards have no double backward: a second-order gradient is one clear error,
-    while first-order gradients (and backward twice) still work."""
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+def test_triton_backend_refuses_double_backward_in_one_line(form, monkeypatch):
+    """The kernels' hand-written backwards have no double backward: a second-order gradient is one clear
+    error, while first-order gradients (and backward twice) still work."""
+    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(1, 1, 20, 16, "selective", torch.float32)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam)[None])]
     out = lion_attention(*leaves, form=form, backend="triton")
@@ -535,12 +584,13 @@ def test_triton_backend_refuses_double_backward_in_one_line(form):
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.square().sum(), leaves))
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
-def test_float16_normalisers_of_long_sequences_stay_finite(form):
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+def test_float16_normalisers_of_long_sequences_stay_finite(form, monkeypatch):
     """Decays near 1 make the normaliser grow like L (here past float16's 65,504, asserted below); the
     kernels' power-of-two scale on q keeps numerator and normaliser finite (docs/design.md, "float16").
     1,024 tokens is what the interpreter affords (seconds), with queries large enough to overflow float16
-    there; the bound covers 12,544."""
+    there; the bound covers 12,544. (The bidirectional kernel keeps both in float32 registers.)"""
+    form = fused_route(form, monkeypatch)
     q, k, v = float16_overflowing_inputs(1024)
     log_decay = torch.full((1, 1, 1), -1e-5)
     out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)), log_decay[None].to(DEVICE), form=form,

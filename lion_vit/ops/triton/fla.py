@@ -234,7 +234,7 @@ def _chunk_with_forward_backward(q: Tensor, k: Tensor, v: Tensor, g: Optional[Te
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """The identity, whose backward refuses to be differentiated: FLA's hand-written backwards have no
+    """The identity, whose backward refuses to be differentiated: the kernels' hand-written backwards have no
     double backward, and without this a second-order gradient fails deep inside autograd or comes
     back silently missing."""
 
@@ -245,7 +245,7 @@ class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         if torch.is_grad_enabled():  # create_graph=True: a second derivative is wanted
-            raise RuntimeError("the triton backend (flash-linear-attention) has no double backward; for "
+            raise RuntimeError("the triton backend has no double backward; for "
                                "second-order gradients use attn_backend='torch'")
         return grad
 
@@ -317,12 +317,7 @@ def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
              log_decays: Optional[Tensor], orders: Optional[Tensor], feature_map: Optional[str], grouped: bool,
              form: str, scaling: str) -> Tensor:
     """Y [B, L, H, Dv] of _run."""
-    from .operands import FUSED_MAPS
-    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    if dtype == torch.float64:
-        raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
-    if feature_map is not None and feature_map not in FUSED_MAPS:  # a map the kernel does not know
-        (q, k), feature_map = mapped(q, k, feature_map), None
+    q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
     batch, heads, length, value_dim = v.shape
     indices = _scan_indices(orders, length, q.device)
     if not grouped:
@@ -335,6 +330,19 @@ def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor,
         decays = None if log_decays is None else log_decays[:, part] if log_decays.shape[1] > 1 else log_decays
         _on_kernels(kernel, q[part], k[part], v[part], decays, indices, feature_map, dtype, scaling, into=y[part])
     return y
+
+
+def kernel_inputs(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
+                  ) -> Tuple[Tensor, Tensor, Optional[str], torch.dtype]:
+    """q, k and the feature map the kernels apply as they read them (a map they do not know is applied here,
+    and its name is then None), and the kernels' dtype: q's, k's and v's promoted (float64 refused)."""
+    from .operands import FUSED_MAPS
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if dtype == torch.float64:
+        raise ValueError("the triton backend has no float64 kernels; use backend='torch' for float64")
+    if feature_map is not None and feature_map not in FUSED_MAPS:  # a map the kernels do not know
+        (q, k), feature_map = mapped(q, k, feature_map), None
+    return q, k, feature_map, dtype
 
 
 def _inference_op():

@@ -1,0 +1,376 @@
+"""The attention form fused in one bidirectional kernel of ours: both directions, every scan and the normaliser
+in one pass over the key tiles, with no flips, no stacking and no normaliser scan (FLA's route, fla.py, runs a
+causal kernel on each scan forward and mirrored, and the normaliser apart).
+
+Per scan s and token t (token order) the kernel reads p_t, the token's scan position, and the cumulative log
+decays along the scan E_t = a(scan positions < p_t) and I_t = E_t + a_t, from which (masks.py)
+
+    M_ij = exp(E_i - E_j) if p_i > p_j,   exp(I_j - I_i) if p_i < p_j,   1 if i == j.
+
+Forward, one program per query tile: S = q k^T and the mask tile by tile, the numerator and the normaliser (a row
+sum) in float32 registers, Y scaled as it is written (scalings.py). The kernels read raw q and k and apply the
+feature map as they load a tile (operands.py's fused maps; its gradient as they write dq and dk), so nothing
+mapped is written or kept.
+
+Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z_i (zero for "none", and for
+"max" where |z_i| <= 1), dW = dn V^T - delta:
+
+    dq = (dW * M) K,   dk = (dW * M)^T Q,   dv = (S * M)^T dn,   and per scan, with G = dW * S * M_s,
+    dE_t = sum_{p_j < p_t} G_tj - sum_{p_i > p_t} G_it,   dI_t = sum_{p_i < p_t} G_it - sum_{p_j > p_t} G_tj,
+
+one kernel per key tile (dk, dv and the column sums) and one per query tile (dq and the row sums): nothing
+L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
+through which autograd carries their gradients on.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..masks import FLOAT64_CUMSUM_ABOVE
+from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs
+from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _features_grad, _mapped
+
+# launch settings, tuning hooks: (tokens of a program's own tile, tokens per tile of its loop, warps) for the
+# forward kernel and for the two backward ones (tiles: powers of two, at least 16, as tl.dot wants)
+FORWARD = (64, 64, 4)
+BACKWARD = (64, 32, 8)
+
+
+@triton.jit
+def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps):
+    """One scan's E, I (float32) and positions of tokens t."""
+    at = s * ses + b * seb + h * seh + t * sel
+    return (tl.load(E + at, mask=ok, other=0.0), tl.load(I + at, mask=ok, other=0.0),
+            tl.load(P + s * sps + t, mask=ok, other=0))
+
+
+@triton.jit
+def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k):
+    """One scan's mask tile [queries, keys]. Every exponent of a real pair is <= 0 (the sums are monotone
+    along the scan); the minimum keeps those of padding lanes finite too."""
+    exponent = tl.where(p_q[:, None] > p_k[None, :], e_q[:, None] - e_k[None, :], i_k[None, :] - i_q[:, None])
+    return tl.exp(tl.minimum(exponent, 0.0))
+
+
+@triton.jit
+def _tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
+    """Rows t of one image and head of x [B, H, L, D] (last dimension contiguous), zero past L and D."""
+    c = tl.arange(0, BLOCK_D)
+    return tl.load(x + b * sb + h * sh + t[:, None] * sl + c[None, :], mask=ok[:, None] & (c < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _features(raw, ok, D, BLOCK_D: tl.constexpr, MAP: tl.constexpr, NORM: tl.constexpr):
+    """Raw rows [T, BLOCK_D] through a fused feature map (operands.py's MAP, NORM), in their dtype."""
+    if MAP == 0 and not NORM:
+        return raw
+    valid = ok[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
+    f = tl.where(valid, _mapped(raw.to(tl.float32), MAP), 0.0)
+    if NORM:
+        f = f / tl.where(ok, tl.sqrt(tl.sum(f * f, axis=1)), 1.0)[:, None]
+    return f.to(raw.dtype)
+
+
+@triton.jit
+def _raw_grad(raw, g, ok, D, BLOCK_D: tl.constexpr, MAP: tl.constexpr, NORM: tl.constexpr):
+    """The gradient of raw rows from that of their features g (float32)."""
+    valid = ok[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
+    return _features_grad(raw.to(tl.float32), g, valid, ok, MAP, NORM)
+
+
+@triton.jit
+def _store_tile(x, value, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
+    c = tl.arange(0, BLOCK_D)
+    tl.store(x + b * sb + h * sh + t[:, None] * sl + c[None, :], value.to(x.dtype.element_ty),
+             mask=ok[:, None] & (c < D)[None, :])
+
+
+@triton.jit
+def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
+                    ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
+                    MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < L
+    q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
+    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    if SCANS == 2:
+        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, L, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K,
+                           NORM_K)
+        v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
+        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        mask = _scan_mask(e0, i0, p0, ek, ik, pk)
+        if SCANS == 2:
+            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+            mask += _scan_mask(e1, i1, p1, ek, ik, pk)
+        weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
+        normaliser += tl.sum(weights, 1)
+        numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
+    if SCALING == 0:  # sum
+        numerator = numerator / tl.where(row_ok, normaliser, 1.0)[:, None]
+    elif SCALING == 2:  # max(|z|, 1)
+        numerator = numerator / tl.maximum(tl.abs(normaliser), 1.0)[:, None]
+    _store_tile(y, numerator, b, h, rows, row_ok, syb, syh, syl, DV, BLOCK_V)
+    if SCALING != 1:
+        tl.store(z + bh.to(tl.int64) * L + rows, normaliser, mask=row_ok)
+
+
+@triton.jit
+def _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED: tl.constexpr):
+    """A query tile's r and delta (float32; 1 and 0 where the scaling reads no normaliser)."""
+    if NORMALISED:
+        at = bh.to(tl.int64) * L + rows
+        return tl.load(r + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
+    return tl.where(row_ok, 1.0, 0.0), tl.zeros_like(rows).to(tl.float32)
+
+
+@triton.jit
+def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
+                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgb, sgh, sgl,
+                          ses, seb, seh, sel, sps, L, H, DK, DV, swb, swh, swl,
+                          SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
+                          MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < L
+    k_raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
+    k_tile = _features(k_raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K)
+    v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
+    ek0, ik0, pk0 = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+    de0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    di0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if SCANS == 2:
+        ek1, ik1, pk1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        de1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        di1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for start in range(0, L, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
+                           NORM_Q)
+        factor, correction = _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED)
+        dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
+              ).to(v_tile.dtype)
+        e, i, p = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+        m0 = _scan_mask(e, i, p, ek0, ik0, pk0)
+        after0, before0 = p[:, None] > pk0[None, :], p[:, None] < pk0[None, :]
+        mask = m0
+        if SCANS == 2:
+            e, i, p = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+            m1 = _scan_mask(e, i, p, ek1, ik1, pk1)
+            after1, before1 = p[:, None] > pk1[None, :], p[:, None] < pk1[None, :]
+            mask += m1
+        scores = tl.dot(q_tile, tl.trans(k_tile))
+        dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn)
+        dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
+        dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
+        g = dw * scores
+        g0 = g * m0
+        de0 -= tl.sum(tl.where(after0, g0, 0.0), 0)
+        di0 += tl.sum(tl.where(before0, g0, 0.0), 0)
+        if SCANS == 2:
+            g1 = g * m1
+            de1 -= tl.sum(tl.where(after1, g1, 0.0), 0)
+            di1 += tl.sum(tl.where(before1, g1, 0.0), 0)
+    _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, MAP_K, NORM_K), b, h, cols, col_ok, sgb, sgh, sgl,
+                DK, BLOCK_K)
+    _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
+    at = bh.to(tl.int64) * L + cols  # (dE, dI: contiguous [S, B * H, L])
+    tl.store(dE + at, de0, mask=col_ok)
+    tl.store(dI + at, di0, mask=col_ok)
+    if SCANS == 2:
+        plane = tl.num_programs(1).to(tl.int64) * L
+        tl.store(dE + plane + at, de1, mask=col_ok)
+        tl.store(dI + plane + at, di1, mask=col_ok)
+
+
+@triton.jit
+def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
+                             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgb, sgh, sgl,
+                             ses, seb, seh, sel, sps, L, H, DK, DV,
+                             SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
+                             NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dq (strides sg*) of a query tile; adds its row sums to the column sums in dE, dI."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < L
+    q_raw = _tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K)
+    q_tile = _features(q_raw, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
+    factor, correction = _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED)
+    dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
+          ).to(dy.dtype.element_ty)
+    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    de0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    di0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SCANS == 2:
+        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+        de1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        di1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for start in range(0, L, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < L
+        k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K,
+                           NORM_K)
+        v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
+        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        m0 = _scan_mask(e0, i0, p0, ek, ik, pk)
+        after0, before0 = p0[:, None] > pk[None, :], p0[:, None] < pk[None, :]
+        mask = m0
+        if SCANS == 2:
+            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+            m1 = _scan_mask(e1, i1, p1, ek, ik, pk)
+            after1, before1 = p1[:, None] > pk[None, :], p1[:, None] < pk[None, :]
+            mask += m1
+        scores = tl.dot(q_tile, tl.trans(k_tile))
+        dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
+        dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
+        g = dw * scores
+        g0 = g * m0
+        de0 += tl.sum(tl.where(after0, g0, 0.0), 1)
+        di0 -= tl.sum(tl.where(before0, g0, 0.0), 1)
+        if SCANS == 2:
+            g1 = g * m1
+            de1 += tl.sum(tl.where(after1, g1, 0.0), 1)
+            di1 -= tl.sum(tl.where(before1, g1, 0.0), 1)
+    _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), b, h, rows, row_ok, sgb, sgh, sgl,
+                DK, BLOCK_K)
+    at = bh.to(tl.int64) * L + rows
+    tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de0, mask=row_ok)
+    tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di0, mask=row_ok)
+    if SCANS == 2:
+        at += tl.num_programs(1).to(tl.int64) * L
+        tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de1, mask=row_ok)
+        tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di1, mask=row_ok)
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> Tuple[int, int, int]:
+    """(batch, head, token) strides of x [B, H, L, D]."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+class _Bidirectional(torch.autograd.Function):
+    """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) of q, k [B, H, L, Dk] (raw, mapped by the kernels through a
+    FUSED_MAPS name, or features: None) and v, from each scan's E, I [S, B, H, L] float32 (broadcast views are
+    read as they are) and positions [S, L]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+                feature_map: Optional[str], scaling: str) -> Tensor:
+        batch, heads, length, key_dim = q.shape
+        value_dim = v.shape[-1]
+        y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
+        z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
+        own, loop, warps = FORWARD
+        _forward_kernel[(triton.cdiv(length, own), batch * heads)](
+            q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
+            *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
+            SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
+            BLOCK_V=_block(value_dim), num_warps=warps)
+        ctx.save_for_backward(q, k, v, exclusive, inclusive, positions, y, z)
+        ctx.feature_map, ctx.scaling = feature_map, scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        q, k, v, exclusive, inclusive, positions, y, z = ctx.saved_tensors
+        dy = _rows_contiguous(dy)
+        batch, heads, length, key_dim = q.shape
+        value_dim = v.shape[-1]
+        normalised = ctx.scaling != "none"
+        r = correction = None
+        if normalised:
+            outer = (dy.float() * y.float()).sum(-1)  # dY_i . Y_i
+            if ctx.scaling == "sum":
+                r = 1.0 / z
+                correction = outer * r
+            else:  # max(|z|, 1): z's gradient only where |z| > 1
+                r = 1.0 / z.abs().clamp_min(1.0)
+                correction = torch.where(z.abs() > 1.0, outer / z, 0.0)
+        # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
+        dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
+        scans = len(positions)
+        dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
+        dI = torch.empty_like(dE)
+        own, loop, warps = BACKWARD
+        settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(ctx.feature_map), BLOCK_K=_block(key_dim),
+                        BLOCK_V=_block(value_dim), num_warps=warps)
+        shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
+                  positions.stride(0), length, heads, key_dim, value_dim)
+        _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
+            q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
+            BLOCK_M=loop, BLOCK_N=own, **settings)
+        _backward_queries_kernel[(triton.cdiv(length, own), batch * heads)](
+            q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
+            BLOCK_N=loop, **settings)
+        return dq, dk, dv, dE, dI, None, None, None
+
+
+def _maps(feature_map: Optional[str]) -> dict:
+    """The kernels' feature-map flags for a FUSED_MAPS name (None: q and k are features)."""
+    (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(feature_map, ((IDENTITY, False),) * 2)
+    return dict(MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k)
+
+
+def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int
+               ) -> Tuple[Tensor, Tensor]:
+    """Each scan's E and I (the module docstring) in token order, [S, B, H, L] float32 (broadcast views), from
+    log decays [S, B|1, H|1, L|1] in token order, orders [S, L] (scan position -> token) and positions [S, L]
+    (token -> scan position). Torch ops: autograd differentiates them."""
+    scans, length = order.shape
+    a = log_decays.float()
+    if a.shape[-1] == 1:  # one decay per head: E_t = p_t a
+        exclusive = a * position[:, None, None, :].float()
+    else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
+        wide = a.double() if length > FLOAT64_CUMSUM_ABOVE else a
+        along = wide.gather(-1, order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
+        exclusive = (along.cumsum(-1) - along).gather(-1, position[:, None, None, :].expand_as(along)).float()
+    return (exclusive.expand(scans, batch, heads, length),
+            (exclusive + a).expand(scans, batch, heads, length))
+
+
+@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly: a compiler breaks its graph here)
+def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
+                       orders: Optional[Tensor] = None, chunk_size: Optional[int] = None,
+                       feature_map: Optional[str] = None, scaling: str = "sum") -> Tensor:
+    """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) by the bidirectional kernel: q, k [B, H, L, Dk], v [B, H, L, Dv]
+    (any strides); log_decays [S, B|1, H|1, L|1] in token order (None: all ones); orders [S, L] or None; feature_map:
+    a FEATURE_MAPS name, which the kernels apply as they read q and k (one they do not know: torch ops first), or
+    None; scaling: a scalings.SCALINGS name. chunk_size is the portable form's (unused). One or two scans."""
+    if log_decays is None:  # (LION-lit, where a plan forces the kernel: one scan, every decay 1)
+        log_decays = q.new_zeros(1, 1, 1, 1, dtype=torch.float32)
+    if len(log_decays) > 2:
+        raise ValueError(f"the bidirectional kernel reads one or two scans, got {len(log_decays)}")
+    q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
+    q, k, v = (_rows_contiguous(t.to(dtype)) for t in (q, k, v))
+    batch, heads, length, _ = v.shape
+    indices = _scan_indices(orders, length, q.device)
+    positions = indices.layout.kv_positions[0::2]  # [S, L] token -> scan position (kept with the orders)
+    exclusive, inclusive = cumulative(log_decays, indices.order, positions, batch, heads)
+    y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
+    return _FirstOrderOnly.apply(y)
