@@ -24,9 +24,9 @@ all_parts="tests equivalence inference graphs fused fallback normaliser forms co
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
 # 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
-# fused: its tests, then eight short eager runs of which the old train part's two took 37 s; input_gpu: the
+# fused: its tests, then eleven short eager runs of which the old train part's two took 37 s; input_gpu: the
 # device decoding's tests, then input's runs with data.decode=gpu)
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=7 [fallback]=2 [normaliser]=3 [forms]=6
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=9 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" dry="" parts=()
 while (($#)); do
@@ -112,23 +112,33 @@ for part in "${parts[@]}"; do
             done ;;
         graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
             run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
-        fused)  # the fused attention form (FLA's parallel kernel): its tests natively, then a training step, eager,
-            # --attn-form auto (the default: the fused attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch
-            # 256, 448 px batch 64 and 896 px batch 32 (there beside both forms by name); the portable attention
-            # form (--attn-backend torch) at 224 px in the same part; inference at 224 px, batch 16 and 256
+        fused)  # the fused attention form (FLA's parallel kernel; the bidirectional kernel of ours beside it): its
+            # tests natively, then a training step, eager, --attn-form auto (the default: the fused attention form
+            # below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256, 448 px batch 64 and 896 px batch 32 (there beside both
+            # forms by name); the portable attention form (--attn-backend torch) at 224 px in the same part;
+            # inference at 224 px, batch 16 and 256; the 224 and 448 px steps and inference again on the bidirectional
+            # kernel (--fused-attention bidirectional): dispatch.FUSED_ATTENTION
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
-                tests/test_triton.py -k "attention or fused or same_bits"
+                tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
             run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
+            run train_bidirectional "${train[@]}" --batch-size 256 --steps 10 --fused-attention bidirectional \
+                --models $deit $lion --out "$out/train_bidirectional"
             run train_torch "${train[@]}" --batch-size 256 --steps 10 --attn-backend torch \
                 --models $deit lion_d_small lion_s_natural_small --out "$out/train_torch"
             run train_448 "${train[@]}" --batch-size 64 --img-size 448 --steps 5 --models $deit $lion \
                 --out "$out/train_448"
+            run train_448_bidirectional "${train[@]}" --batch-size 64 --img-size 448 --steps 5 \
+                --fused-attention bidirectional --models $deit $lion --out "$out/train_448_bidirectional"
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --models $deit lion_d_small \
                 lion_d_natural_small lion_d_small:attention lion_d_small:chunk --out "$out/train_896"
             for batch in 16 256; do
-                run "inference_224_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
-                    --batch-size "$batch" --rounds 5 --resolutions 224 --runs $deit lion_d_small:attention \
-                    lion_d_natural_small:attention --out "$out/inference_224_b$batch"
+                for kernel in fla bidirectional; do
+                    name=inference_224_b$batch
+                    [[ $kernel == fla ]] || name+=_$kernel
+                    run "$name" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
+                        --batch-size "$batch" --rounds 5 --resolutions 224 --fused-attention "$kernel" --runs $deit \
+                        lion_d_small:attention lion_d_natural_small:attention --out "$out/$name"
+                done
             done ;;
         fallback)  # where FLA's chunk backward fails: dispatch.CHUNK_BACKWARD_FALLBACK, 896 px batch 32
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \

@@ -57,6 +57,8 @@ def target_lines(folder: Path) -> List[str]:
     for csv_names, limits, what in (
             (("train/train.csv",), EAGER_TRAINING, "train 224 px b256 eager"),
             (("train_448/train.csv",), EAGER_TRAINING, "train 448 px b64 eager"),
+            (("train_bidirectional/train.csv",), EAGER_TRAINING, "train 224 px b256 eager, bidirectional kernel"),
+            (("train_448_bidirectional/train.csv",), EAGER_TRAINING, "train 448 px b64 eager, bidirectional kernel"),
             (("train_compile/train.csv", "train_compile_natural/train.csv"), COMPILED_TRAINING,
              "train 224 px b256 compiled"),
             (("train_896/train.csv",), TRAINING_896, "train 896 px b32")):
@@ -70,10 +72,11 @@ def target_lines(folder: Path) -> List[str]:
             lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
             if "896" not in what:
                 lines.append(line(f"{what}, {model} peak memory x DeiT-S", peaks.get(model), PEAK_MEMORY))
-    for batch in (16, 256):
-        rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}" / "resolution.csv")}
+    for batch, kernel in ((16, ""), (256, ""), (16, "_bidirectional"), (256, "_bidirectional")):
+        rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}{kernel}" / "resolution.csv")}
         for model, limit in INFERENCE_224.items():
-            lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S",
+            lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S"
+                              + (", bidirectional kernel" if kernel else ""),
                               number(rows.get(model), "time_x_baseline"), limit))
     fit = deit_fit(folder)
     for batch in (1, 16):
@@ -207,7 +210,37 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + group_lines(folder)
+    return lines + fused_lines(folder) + group_lines(folder)
+
+
+# dispatch.FUSED_ATTENTION's comparisons: the runs on FLA's kernel and on the bidirectional one, and their column
+FUSED_RUNS = (("train", "224 px b256", "x_baseline"), ("train_448", "448 px b64", "x_baseline"),
+              ("inference_224_b16", "inference 224 px b16", "time_x_baseline"),
+              ("inference_224_b256", "inference 224 px b256", "time_x_baseline"))
+
+
+def fused_lines(folder: Path) -> List[str]:
+    """dispatch.FUSED_ATTENTION: each LION model's time against DeiT-S on the bidirectional kernel over that on
+    FLA's (x < 1: the bidirectional kernel is faster), training at 224 and 448 px and inference at 224 px; the
+    pick is the kernel faster in most of them."""
+    ratios = []  # (what, bidirectional / fla)
+    for run, what, column in FUSED_RUNS:
+        name = "train.csv" if run.startswith("train") else "resolution.csv"
+        fla, ours = ({r["model"]: r for r in read(folder / folder_name / name)}
+                     for folder_name in (run, run + "_bidirectional"))
+        for model in EAGER_TRAINING:  # (LION-lit: torch matmuls on either)
+            a, b = number(fla.get(model), column), number(ours.get(model), column)
+            if model == "lion_lit_small":
+                continue
+            if a and b:
+                ratios.append((f"{what} {model[5:-6]}", b / a))  # (lion_d_natural_small: d_natural)
+    if not ratios:
+        return ["| FUSED_ATTENTION | not measured | - |"]
+    faster = sum(ratio < 1 for _, ratio in ratios)
+    measured = ", ".join(f"{what} x{ratio:.2f}" for what, ratio in ratios)
+    pick = '"bidirectional"' if 2 * faster > len(ratios) else '"fla"'
+    return [f"| FUSED_ATTENTION (bidirectional kernel's time over FLA's) | {measured} | {pick} "
+            f"(faster in {faster} of {len(ratios)}) |"]
 
 
 # The inference groups' settings, and the kernels each is timed on (the normaliser part): the chunk kernels'

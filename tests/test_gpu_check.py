@@ -55,7 +55,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert tests[2][-1] == "tests/test_gpu_decode.py"  # input_gpu's: the device decoding, natively
     assert all((ROOT / arg).is_file() for test in tests for arg in test if arg.startswith("tests/"))
     fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused part's: the fused attention form's tests, natively
-    assert fused_tests == "attention or fused or same_bits" and "tests/test_triton.py" in tests[1]
+    assert fused_tests == "attention or fused or same_bits or bidirectional" and "tests/test_triton.py" in tests[1]
 
     seen = []
     for command in commands:
@@ -103,10 +103,15 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     five = {"lion_lit_small", "lion_d_small", "lion_s_small", "lion_d_natural_small", "lion_s_natural_small"}
     at_224 = [a for a in train if a.img_size == 224]  # the training targets, eager and both sides compiled
     eager, compiled = [a for a in at_224 if not a.compile], [a for a in at_224 if a.compile]
-    default = [a for a in eager if a.attn_backend == "auto"]  # the fused attention form on a GPU
-    assert len(default) == 1 and {m for m, _, _ in default[0].models[1:]} == five
-    assert [a.attn_backend for a in eager if a is not default[0]] == ["torch"]  # the portable form beside it
-    assert any(a.img_size == 448 and a.batch_size == 64 and {m for m, _, _ in a.models[1:]} == five for a in train)
+    default = [a for a in eager if a.attn_backend == "auto"]  # the fused attention form on a GPU, on either kernel
+    assert sorted(a.fused_attention for a in default) == ["bidirectional", "fla"]
+    assert all({m for m, _, _ in a.models[1:]} == five for a in default)
+    assert [a.attn_backend for a in eager if a not in default] == ["torch"]  # the portable form beside them
+    assert sorted(a.fused_attention for a in train if a.img_size == 448 and a.batch_size == 64 and
+                  {m for m, _, _ in a.models[1:]} == five) == ["bidirectional", "fla"]
+    inference = [a for a in by_script["scripts/benchmark_resolution.py"] if a.resolutions == [224]]
+    assert sorted((a.batch_size, a.fused_attention) for a in inference) == [
+        (16, "bidirectional"), (16, "fla"), (256, "bidirectional"), (256, "fla")]
     assert {m for a in compiled for m, _, _ in a.models[1:]} == five  # in parts that fit a call each
     assert all(a.batch_size == 256 for a in at_224)
     assert any(a.img_size == 896 and a.batch_size == 32 and ("lion_d_small", None, None) in a.models for a in train)
@@ -170,6 +175,19 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
     assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
     assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
+    assert row["FUSED_ATTENTION"] == ["not measured", "-"]
+    # the fused attention form's kernel: the one faster in most comparisons (LION-lit's torch matmuls left out)
+    write("train/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.9", "lion_d_small,ok,1.2",
+          "lion_s_small,ok,1.4")
+    write("train_bidirectional/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.8", "lion_d_small,ok,0.96",
+          "lion_s_small,ok,1.54")
+    write("inference_224_b16/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,2.0")
+    write("inference_224_b16_bidirectional/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
+    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
+    assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
+        "224 px b256 d x0.80, 224 px b256 s x1.10, inference 224 px b16 d x0.50",
+        '"bidirectional" (faster in 2 of 3)']
     # the inference groups: one call is the pick only where it is faster at every size within DeiT-S's memory
     columns = "model,form,resolution,status,time_x_baseline,mem_x_baseline"
     write("groups_code/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.8,0.8",
@@ -230,10 +248,11 @@ def test_targets_table_reads_the_measurements(tmp_path):
         assert row[missing][1] == "not measured", missing
     assert row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:] == ["1.2", "NO"]
     assert row["1248 px b1, lion_d_small rnn time x chunk"][1:] == ["5", "NO"]
-    # every target has its line: training (time and memory, three runs of five; 896 px: two), inference at
-    # 224 px (two batches), then per batch (1, 16), size (1248, 1792) and model (two): the rnn's time, the
-    # chunk form's memory at 1248 px, and at batch 16 the attention's share
-    assert len(lines) == 2 + 3 * 5 * 2 + 2 + 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2
+    # every target has its line: training (time and memory, five runs of five: 224 and 448 px eager on each kernel,
+    # 224 px compiled; 896 px: two), inference at 224 px (two batches, two kernels), then per batch (1, 16), size
+    # (1248, 1792) and model (two): the rnn's time, the chunk form's memory at 1248 px, and at batch 16 the
+    # attention's share
+    assert len(lines) == 2 + 5 * 5 * 2 + 2 + 2 * 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2
 
 
 def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_path):
