@@ -24,8 +24,8 @@ all_parts="tests equivalence inference graphs fused fallback normaliser forms co
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
 # 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
-# fused: its tests, then eleven short eager runs of which the old train part's two took 37 s; input_gpu: the
-# device decoding's tests, then input's runs with data.decode=gpu)
+# fused: its tests, the kernels op by op, then eleven short eager runs of which the old train part's two took
+# 37 s; input_gpu: the device decoding's tests, then input's runs with data.decode=gpu)
 declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=9 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" dry="" parts=()
@@ -120,6 +120,9 @@ for part in "${parts[@]}"; do
             # kernel (--fused-attention bidirectional): dispatch.FUSED_ATTENTION
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
                 tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
+            # op by op: the two kernels and the bidirectional kernel's launch settings (its table: the log)
+            run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256
+            run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64
             run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
             run train_bidirectional "${train[@]}" --batch-size 256 --steps 10 --fused-attention bidirectional \
                 --models $deit $lion --out "$out/train_bidirectional"

@@ -57,7 +57,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused part's: the fused attention form's tests, natively
     assert fused_tests == "attention or fused or same_bits or bidirectional" and "tests/test_triton.py" in tests[1]
 
-    seen = []
+    seen, fused_kernels = [], []
     for command in commands:
         if command in tests:
             continue
@@ -70,6 +70,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
             continue
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
+            continue
+        if command[1] == "scripts/benchmark_fused.py":  # the fused kernels op by op: its table goes to the log
+            fused_kernels.append((args.img_size, args.batch_size))
             continue
         if command[1] == "scripts/benchmark_products.py":  # the same: 224 px, batch 256, bf16, on the GPU
             assert args.tokens == [197] and args.batch_size == 256
@@ -85,6 +88,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         assert Path(folder).is_relative_to(out), command  # every result lands in --out
         seen.append((command[1], args))
     by_script = {script: [a for s, a in seen if s == script] for script, _ in seen}
+    assert fused_kernels == [(224, 256), (448, 64)]  # the training targets' shapes
 
     assert len(by_script["scripts/check_equivalence.py"]) == 1
     resolution = [a for a in by_script["scripts/benchmark_resolution.py"] if a.group_share is None

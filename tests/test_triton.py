@@ -503,6 +503,30 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
     assert (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE) == before
 
 
+@pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
+def test_the_fused_kernels_benchmark_compares_each_setting_with_fla(capsys):
+    """scripts/benchmark_fused.py (the GPU comparison of the two fused routes and the bidirectional kernel's launch
+    settings) under the interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the
+    bidirectional kernel in the code's settings and in another of each kernel matches FLA's route within
+    float16's rounding, outputs and gradients, and the code's settings are left as they were."""
+    import runpy
+    from lion_vit.ops import dispatch
+    from lion_vit.ops.triton import bidirectional
+    before = (dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD)
+    main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
+    assert main(["--img-size", "96", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
+                 "--cases", "lion_s", "lion_s_natural"]) == 0
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| lion_s")]
+    code = [",".join(map(str, setting)) for setting in (bidirectional.FORWARD, bidirectional.BACKWARD)]
+    for case in ("lion_s", "lion_s_natural"):
+        ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
+        assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"]]
+        assert all(float(row[-1]) < 3e-3 for row in ours)
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa", "fla"] + ["bidirectional"] * 3 + ["torch"]
+    assert (dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD) == before
+
+
 # A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses
 NATIVE_ONLY_ERROR = """
 import triton

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""The fused attention form's kernels op by op on a GPU: FLA's route (lion_vit.ops.dispatch.FUSED_ATTENTION
+"fla") against the bidirectional kernel of ours in each launch setting given (ops/triton/bidirectional.py:
+FORWARD, BACKWARD), forward, and forward and backward, at one layer's shapes, as ratios to FLA's route; SDPA
+(DeiT-S's attention, the same q, k, v) beside them for scale, and the portable attention form (backend torch).
+
+    python scripts/benchmark_fused.py                              # 224 px, batch 256
+    python scripts/benchmark_fused.py --img-size 448 --batch-size 64 --backward 64,32,8 32,32,4
+
+One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (feature map silu_norm, which
+the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
+LION-s-natural (two snake scans, class token first), decays in (0.5, 1). Settings as own,loop,warps: tokens of a
+program's own tile, tokens per tile of its loop (powers of two, at least 16), warps. Each row's outputs and
+gradients are compared with FLA's route's (diff: the largest relative difference). Times from
+triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
+the times (use a small --img-size and --batch-size).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
+
+from benchmarking import HelpFormatter, markdown_table, positive_int
+
+Setting = Tuple[int, int, int]
+CASES = ("lion_d", "lion_s", "lion_s_natural")
+
+
+def setting(text: str) -> Setting:
+    """argparse type: own,loop,warps."""
+    try:
+        own, loop, warps = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected own,loop,warps, e.g. 64,32,8") from None
+    tiles_ok = all(size >= 16 and not size & (size - 1) for size in (own, loop))
+    if not tiles_ok or warps < 1 or warps & (warps - 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: tiles are powers of two of at least 16 tokens, warps a power "
+                                         "of two")
+    return own, loop, warps
+
+
+@contextlib.contextmanager
+def route(fused: str, forward: Optional[Setting] = None, backward: Optional[Setting] = None) -> Iterator[None]:
+    """dispatch.FUSED_ATTENTION and the bidirectional kernel's settings inside the block (None: the code's)."""
+    from lion_vit.ops import dispatch
+    from lion_vit.ops.triton import bidirectional
+    saved = dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD
+    dispatch.FUSED_ATTENTION = fused
+    bidirectional.FORWARD, bidirectional.BACKWARD = forward or saved[1], backward or saved[2]
+    try:
+        yield
+    finally:
+        dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD = saved
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of 16")
+    parser.add_argument("--batch-size", type=positive_int, default=256)
+    parser.add_argument("--forward", nargs="+", type=setting, default=[(128, 64, 8), (64, 32, 4)],
+                        help="the bidirectional forward kernel's settings to try besides the code's")
+    parser.add_argument("--backward", nargs="+", type=setting, default=[(32, 32, 4), (64, 64, 8), (32, 64, 4)],
+                        help="the bidirectional backward kernels' settings to try besides the code's")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    args = parser.parse_args(argv)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpreted:
+        print("benchmark_fused.py: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
+              "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
+        return 2
+    if args.img_size % 16:
+        parser.error(f"--img-size {args.img_size} is not a multiple of the patch size (16)")
+    if interpreted:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import interpret  # the interpreter's adaptations (tests/interpret.py)
+        interpret.adapt_interpreter()
+    import torch.nn.functional as F
+
+    from lion_vit.ops import lion_attention, snake_orders
+    from lion_vit.ops.triton import bidirectional
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # numpy, under the interpreter, has no bf16
+    side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
+    length = side * side + 1
+    code = bidirectional.FORWARD, bidirectional.BACKWARD
+    kernels = [("fla", None, None), ("bidirectional", *code)]
+    kernels += [("bidirectional", forward, code[1]) for forward in args.forward if forward != code[0]]
+    kernels += [("bidirectional", code[0], backward) for backward in args.backward if backward != code[1]]
+    rows = []
+    for case in args.cases:
+        generator = torch.Generator(device).manual_seed(0)
+        projection = torch.randn(batch, length, 3, heads, width, device=device, generator=generator).to(dtype)
+        scans = 2 if case == "lion_s_natural" else 1
+        decays = torch.rand(scans, batch if case != "lion_d" else 1, heads, length if case != "lion_d" else 1,
+                            device=device, generator=generator) * 0.5 + 0.5
+        orders = snake_orders(side, side, num_prefix_tokens=1).to(device) if scans == 2 else None
+        leaves = [projection.requires_grad_(), torch.log(decays).requires_grad_()]
+        upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
+
+        def attention(backend: str = "triton"):
+            q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
+            return lion_attention(q, k, v, leaves[1], orders, form="attention", backend=backend,
+                                  feature_map="silu_norm")
+
+        def sdpa():
+            q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
+            return F.scaled_dot_product_attention(q, k, v)
+
+        expected, first = None, len(rows)
+        runs = [("sdpa", None, None, sdpa)] + [(*kernel, attention) for kernel in kernels]
+        runs += [("torch", None, None, lambda: attention("torch"))]
+        for name, forward, backward, call in runs:
+            with route(name if name in ("fla", "bidirectional") else "fla", forward, backward):
+                try:
+                    out = call()
+                    results = [out.detach(), *torch.autograd.grad(out, leaves[:1 if name == "sdpa" else 2],
+                                                                  upstream)]
+                except torch.cuda.OutOfMemoryError:
+                    rows.append(dict(case=case, kernel=name, status="out of memory"))
+                    torch.cuda.empty_cache()
+                    continue
+                diff = None
+                if name == "fla":
+                    expected = results
+                elif expected is not None and name != "sdpa":
+                    diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
+                times = (None, None) if interpreted else (
+                    _time(lambda: call()), _time(lambda: torch.autograd.grad(call(), leaves, upstream,
+                                                                             allow_unused=True)))
+            rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward),
+                             status="ok", forward_us=times[0], train_us=times[1], diff=diff))
+        if not interpreted:  # ratios to this case's FLA row
+            fla = next(row for row in rows[first:] if row["kernel"] == "fla")
+            for row in rows[first:]:
+                if row["status"] == "ok" and fla["status"] == "ok":
+                    row["forward_x"] = row["forward_us"] / fla["forward_us"]
+                    row["train_x"] = row["train_us"] / fla["train_us"]
+    print(f"{args.img_size} px ({length} tokens), batch {batch}, {heads} heads of {width}, {dtype}, "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreted: no times'}\n")
+    print(markdown_table(rows, ["case", "kernel", "forward", "backward", "status", "forward_us", "forward_x",
+                                "train_us", "train_x", "diff"]))
+    return 0
+
+
+def _text(value: Optional[Setting]) -> str:
+    return "" if value is None else ",".join(map(str, value))
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def _time(fn) -> float:
+    """Microseconds per call (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100) * 1e3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
