@@ -547,7 +547,7 @@ def loop_sum(x, y, n):
                     "bring one)")
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
     """scripts/compile_kernels.py: the launches that the triton backend's calls make here (recorded, not run)
-    compile for sm_90 as a GPU's first call would, each of our nine kernels in float32, float16 and bfloat16;
+    compile for sm_90 as a GPU's first call would, each of our ten kernels in float32, float16 and bfloat16;
     a kernel that the interpreter runs but the compiler refuses fails the check, named with the reason."""
     launches = compile_kernels.recorded_launches(quick=True)
     (tmp_path / "native_only.py").write_text(NATIVE_ONLY_ERROR)
@@ -565,7 +565,8 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     ok = [line for line in lines if line.startswith("ok   sm_90 ")]
     compiled = {tuple(line.split()[2:4]) for line in ok}
     kernels = ["_operands_kernel", "_operands_backward_kernel", "_finish_kernel", "_finish_backward_kernel",
-               "_sums_kernel", "_scan_kernel", "_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"]
+               "_sums_kernel", "_scan_kernel", "_forward_kernel", "_factors_kernel", "_backward_keys_kernel",
+               "_backward_queries_kernel"]
     assert compiled == {(kernel, dtype) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")}
     failed = [line for line in lines if line.startswith("FAIL")]
     assert failed == ["FAIL sm_90 loop_sum float32 "] and "Loop-carried variable total" in result.stdout

@@ -18,8 +18,8 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
     dq = (dW * M) K,   dk = (dW * M)^T Q,   dv = (S * M)^T dn,   and per scan, with G = dW * S * M_s,
     dE_t = sum_{p_j < p_t} G_tj - sum_{p_i > p_t} G_it,   dI_t = sum_{p_i < p_t} G_it - sum_{p_j > p_t} G_tj,
 
-one kernel per key tile (dk, dv and the column sums) and one per query tile (dq and the row sums): nothing
-L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
+a small kernel for each row's r and delta first, then one kernel per key tile (dk, dv and the column sums) and
+one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
 through which autograd carries their gradients on.
 """
 from __future__ import annotations
@@ -127,6 +127,28 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
     _store_tile(y, numerator, b, h, rows, row_ok, syb, syh, syl, DV, BLOCK_V)
     if SCALING != 1:
         tl.store(z + bh.to(tl.int64) * L + rows, normaliser, mask=row_ok)
+
+
+@triton.jit
+def _factors_kernel(dy, y, z, r, delta, sdb, sdh, sdl, syb, syh, syl, L, H, DV, SCALING: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Each row's r (the scaling's factor on dY) and delta (dY . Y / z where the divisor depends on z), float32
+    [B, H, L], from dY, Y and the normaliser z: what both backward kernels read per query."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < L
+    outer = tl.sum(_tile(dy, b, h, rows, ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32)
+                   * _tile(y, b, h, rows, ok, syb, syh, syl, DV, BLOCK_V).to(tl.float32), 1)
+    at = bh.to(tl.int64) * L + rows
+    normaliser = tl.load(z + at, mask=ok, other=1.0)
+    if SCALING == 0:  # sum
+        factor, correction = 1.0 / normaliser, outer / normaliser
+    else:  # max(|z|, 1): z's gradient only where |z| > 1
+        factor = 1.0 / tl.maximum(tl.abs(normaliser), 1.0)
+        correction = tl.where(tl.abs(normaliser) > 1.0, outer / normaliser, 0.0)
+    tl.store(r + at, factor, mask=ok)
+    tl.store(delta + at, correction, mask=ok)
 
 
 @triton.jit
@@ -305,13 +327,10 @@ class _Bidirectional(torch.autograd.Function):
         normalised = ctx.scaling != "none"
         r = correction = None
         if normalised:
-            outer = (dy.float() * y.float()).sum(-1)  # dY_i . Y_i
-            if ctx.scaling == "sum":
-                r = 1.0 / z
-                correction = outer * r
-            else:  # max(|z|, 1): z's gradient only where |z| > 1
-                r = 1.0 / z.abs().clamp_min(1.0)
-                correction = torch.where(z.abs() > 1.0, outer / z, 0.0)
+            r, correction = torch.empty_like(z), torch.empty_like(z)
+            _factors_kernel[(triton.cdiv(length, 32), batch * heads)](
+                dy, y, z, r, correction, *_strides(dy), *_strides(y), length, heads, value_dim,
+                SCALING=SCALING_CODES[ctx.scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
         # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
         dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
         scans = len(positions)
