@@ -9,7 +9,8 @@ FORWARD, BACKWARD), forward, and forward and backward, at one layer's shapes, as
 
 One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (feature map silu_norm, which
 the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
-LION-s-natural (two snake scans, class token first), decays in (0.5, 1). Settings as own,loop,warps: tokens of a
+LION-s-natural (two snake scans, class token first), decays in (0.5, 1), and LION-lit, whose code runs
+Q (K^T V) in torch matmuls ("linear"; both kernels forced beside it, every decay 1). Settings as own,loop,warps: tokens of a
 program's own tile, tokens per tile of its loop (powers of two, at least 16), warps. Each row's outputs and
 gradients are compared with FLA's route's (diff: the largest relative difference). Times from
 triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared 
 from benchmarking import HelpFormatter, markdown_table, positive_int
 
 Setting = Tuple[int, int, int]
-CASES = ("lion_d", "lion_s", "lion_s_natural")
+CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
 
 
 def setting(text: str) -> Setting:
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         interpret.adapt_interpreter()
     import torch.nn.functional as F
 
-    from lion_vit.ops import lion_attention, snake_orders
+    from lion_vit.ops import Plan, lion_attention, snake_orders
     from lion_vit.ops.triton import bidirectional
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -101,29 +103,34 @@ def main(argv=None) -> int:
         generator = torch.Generator(device).manual_seed(0)
         projection = torch.randn(batch, length, 3, heads, width, device=device, generator=generator).to(dtype)
         scans = 2 if case == "lion_s_natural" else 1
-        decays = torch.rand(scans, batch if case != "lion_d" else 1, heads, length if case != "lion_d" else 1,
-                            device=device, generator=generator) * 0.5 + 0.5
+        per_token = case in ("lion_s", "lion_s_natural")
+        decays = torch.rand(scans, batch if per_token else 1, heads, length if per_token else 1, device=device,
+                            generator=generator) * 0.5 + 0.5
         orders = snake_orders(side, side, num_prefix_tokens=1).to(device) if scans == 2 else None
-        leaves = [projection.requires_grad_(), torch.log(decays).requires_grad_()]
+        leaves = [projection.requires_grad_()] + ([] if case == "lion_lit" else [torch.log(decays).requires_grad_()])
         upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
 
-        def attention(backend: str = "triton"):
+        def attention(backend: str = "triton", kernel: Optional[str] = None):
+            """The layer's call; kernel: a fused kernel forced (LION-lit's plan runs torch matmuls)."""
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
-            return lion_attention(q, k, v, leaves[1], orders, form="attention", backend=backend,
-                                  feature_map="silu_norm")
+            plan = Plan("attention", "triton", whole=True, bidirectional=kernel == "bidirectional") \
+                if kernel and case == "lion_lit" else None
+            return lion_attention(q, k, v, leaves[1] if len(leaves) > 1 else None, orders, form="attention",
+                                  backend=backend, feature_map="silu_norm", plan=plan)
 
         def sdpa():
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
             return F.scaled_dot_product_attention(q, k, v)
 
         expected, first = None, len(rows)
-        runs = [("sdpa", None, None, sdpa)] + [(*kernel, attention) for kernel in kernels]
-        runs += [("torch", None, None, lambda: attention("torch"))]
+        runs = [("sdpa", None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0])) for kernel in kernels]
+        runs += [("linear", None, None, attention) if case == "lion_lit" else
+                 ("torch", None, None, partial(attention, "torch"))]
         for name, forward, backward, call in runs:
             with route(name if name in ("fla", "bidirectional") else "fla", forward, backward):
                 try:
                     out = call()
-                    results = [out.detach(), *torch.autograd.grad(out, leaves[:1 if name == "sdpa" else 2],
+                    results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
                                                                   upstream)]
                 except torch.cuda.OutOfMemoryError:
                     rows.append(dict(case=case, kernel=name, status="out of memory"))
