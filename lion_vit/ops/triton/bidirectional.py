@@ -152,12 +152,51 @@ def _factors_kernel(dy, y, z, r, delta, sdb, sdh, sdl, syb, syh, syl, L, H, DV, 
 
 
 @triton.jit
-def _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED: tl.constexpr):
-    """A query tile's r and delta (float32; 1 and 0 where the scaling reads no normaliser)."""
+def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L, DK, DV,
+             NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    """A query tile's raw rows, its features, dn = dY r (in dY's dtype) and delta (r 1 and delta 0 where the
+    scaling reads no normaliser)."""
     if NORMALISED:
         at = bh.to(tl.int64) * L + rows
-        return tl.load(r + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
-    return tl.where(row_ok, 1.0, 0.0), tl.zeros_like(rows).to(tl.float32)
+        factor, correction = tl.load(r + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
+    else:
+        factor, correction = tl.where(row_ok, 1.0, 0.0), tl.zeros_like(rows).to(tl.float32)
+    dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
+          ).to(dy.dtype.element_ty)
+    raw = _tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K)
+    return raw, _features(raw, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), dn, correction
+
+
+@triton.jit
+def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K: tl.constexpr,
+          NORM_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A key tile's raw rows, its features and its values."""
+    raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
+    return raw, _features(raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K), _tile(v, b, h, cols, col_ok, svb, svh, svl, DV,
+                                                                           BLOCK_V)
+
+
+@triton.jit
+def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, SCANS: tl.constexpr):
+    """The mask tile [queries, keys] of every scan summed, and each scan's own (the second: the first's where
+    there is one scan) with its query and key positions."""
+    e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k)
+    if SCANS == 2:
+        e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+        e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1)
+        return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
+    return m0, m0, p_q, p_k, m0, p_q, p_k
+
+
+@triton.jit
+def _split(g, p_q, p_k):
+    """g [queries, keys] where the query comes after its key along the scan, and where before (the diagonal in
+    neither): the parts that reach E and I."""
+    return tl.where(p_q[:, None] > p_k[None, :], g, 0.0), tl.where(p_q[:, None] < p_k[None, :], g, 0.0)
 
 
 @triton.jit
@@ -172,47 +211,31 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
     b, h = (bh // H).to(tl.int64), bh % H
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < L
-    k_raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
-    k_tile = _features(k_raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K)
-    v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
-    ek0, ik0, pk0 = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-    de0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    di0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if SCANS == 2:
-        ek1, ik1, pk1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        de1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        di1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_raw, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
+                                  BLOCK_K, BLOCK_V)
+    de0, di0 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
+    de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
-        q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
-                           NORM_Q)
-        factor, correction = _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED)
-        dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
-              ).to(v_tile.dtype)
-        e, i, p = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-        m0 = _scan_mask(e, i, p, ek0, ik0, pk0)
-        after0, before0 = p[:, None] > pk0[None, :], p[:, None] < pk0[None, :]
-        mask = m0
-        if SCANS == 2:
-            e, i, p = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-            m1 = _scan_mask(e, i, p, ek1, ik1, pk1)
-            after1, before1 = p[:, None] > pk1[None, :], p[:, None] < pk1[None, :]
-            mask += m1
+        _, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
+                                             L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
+                                                      sps, SCANS)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn)
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
         g = dw * scores
-        g0 = g * m0
-        de0 -= tl.sum(tl.where(after0, g0, 0.0), 0)
-        di0 += tl.sum(tl.where(before0, g0, 0.0), 0)
+        after, before = _split(g * m0, p_q0, p_k0)
+        de0 -= tl.sum(after, 0)
+        di0 += tl.sum(before, 0)
         if SCANS == 2:
-            g1 = g * m1
-            de1 -= tl.sum(tl.where(after1, g1, 0.0), 0)
-            di1 += tl.sum(tl.where(before1, g1, 0.0), 0)
+            after, before = _split(g * m1, p_q1, p_k1)
+            de1 -= tl.sum(after, 0)
+            di1 += tl.sum(before, 0)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, MAP_K, NORM_K), b, h, cols, col_ok, sgb, sgh, sgl,
                 DK, BLOCK_K)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
@@ -220,9 +243,9 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
     tl.store(dE + at, de0, mask=col_ok)
     tl.store(dI + at, di0, mask=col_ok)
     if SCANS == 2:
-        plane = tl.num_programs(1).to(tl.int64) * L
-        tl.store(dE + plane + at, de1, mask=col_ok)
-        tl.store(dI + plane + at, di1, mask=col_ok)
+        at += tl.num_programs(1).to(tl.int64) * L
+        tl.store(dE + at, de1, mask=col_ok)
+        tl.store(dI + at, di1, mask=col_ok)
 
 
 @triton.jit
@@ -237,45 +260,29 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
-    q_raw = _tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K)
-    q_tile = _features(q_raw, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
-    factor, correction = _row_factors(r, delta, bh, rows, row_ok, L, NORMALISED)
-    dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
-          ).to(dy.dtype.element_ty)
-    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-    de0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    di0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if SCANS == 2:
-        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-        de1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        di1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_raw, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
+                                             L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+    de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+    de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K,
-                           NORM_K)
-        v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
-        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        m0 = _scan_mask(e0, i0, p0, ek, ik, pk)
-        after0, before0 = p0[:, None] > pk[None, :], p0[:, None] < pk[None, :]
-        mask = m0
-        if SCANS == 2:
-            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-            m1 = _scan_mask(e1, i1, p1, ek, ik, pk)
-            after1, before1 = p1[:, None] > pk[None, :], p1[:, None] < pk[None, :]
-            mask += m1
+        _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
+                                  BLOCK_K, BLOCK_V)
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
+                                                      sps, SCANS)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
         g = dw * scores
-        g0 = g * m0
-        de0 += tl.sum(tl.where(after0, g0, 0.0), 1)
-        di0 -= tl.sum(tl.where(before0, g0, 0.0), 1)
+        after, before = _split(g * m0, p_q0, p_k0)
+        de0 += tl.sum(after, 1)
+        di0 -= tl.sum(before, 1)
         if SCANS == 2:
-            g1 = g * m1
-            de1 += tl.sum(tl.where(after1, g1, 0.0), 1)
-            di1 -= tl.sum(tl.where(before1, g1, 0.0), 1)
+            after, before = _split(g * m1, p_q1, p_k1)
+            de1 += tl.sum(after, 1)
+            di1 -= tl.sum(before, 1)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), b, h, rows, row_ok, sgb, sgh, sgl,
                 DK, BLOCK_K)
     at = bh.to(tl.int64) * L + rows
