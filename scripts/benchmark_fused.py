@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import HelpFormatter, markdown_table, positive_int
+from benchmarking import HelpFormatter, kernel_time_us, kernel_timing, markdown_table, positive_int
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -74,24 +73,15 @@ def main(argv=None) -> int:
                         help="the bidirectional backward kernels' settings to try besides the code's")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     args = parser.parse_args(argv)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interpreted:
-        print("benchmark_fused.py: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
-              "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
+    timing = kernel_timing(parser, args.img_size)
+    if timing is None:
         return 2
-    if args.img_size % 16:
-        parser.error(f"--img-size {args.img_size} is not a multiple of the patch size (16)")
-    if interpreted:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import interpret  # the interpreter's adaptations (tests/interpret.py)
-        interpret.adapt_interpreter()
+    device, dtype, interpreted = timing
     import torch.nn.functional as F
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
     from lion_vit.ops.triton import bidirectional
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # numpy, under the interpreter, has no bf16
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
     code = bidirectional.FORWARD, bidirectional.BACKWARD
@@ -142,8 +132,8 @@ def main(argv=None) -> int:
                 elif expected is not None and name != "sdpa":
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
                 times = (None, None) if interpreted else (
-                    _time(lambda: call()), _time(lambda: torch.autograd.grad(call(), leaves, upstream,
-                                                                             allow_unused=True)))
+                    kernel_time_us(call), kernel_time_us(lambda: torch.autograd.grad(call(), leaves, upstream,
+                                                                                       allow_unused=True)))
             rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward),
                              status="ok", forward_us=times[0], train_us=times[1], diff=diff))
         if not interpreted:  # ratios to this case's FLA row
@@ -165,12 +155,6 @@ def _text(value: Optional[Setting]) -> str:
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
-
-
-def _time(fn) -> float:
-    """Microseconds per call (triton.testing.do_bench)."""
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100) * 1e3
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import HelpFormatter, markdown_table, positive_int
+from benchmarking import HelpFormatter, kernel_time_us, kernel_timing, markdown_table, positive_int
 from lion_vit.ops.features import query_scale
 
 SETTINGS = ("CHUNK_TOKENS", "NUM_WARPS", "CARRY_TILE")
@@ -52,21 +51,12 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", nargs="+", type=power_of_two, default=[1, 2, 4, 8], help="NUM_WARPS")
     parser.add_argument("--carry", nargs="+", type=power_of_two, default=[16], help="CARRY_TILE")
     args = parser.parse_args(argv)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interpreted:
-        print("benchmark_normaliser.py: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
-              "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
+    timing = kernel_timing(parser, args.img_size)
+    if timing is None:
         return 2
-    if args.img_size % 16:
-        parser.error(f"--img-size {args.img_size} is not a multiple of the patch size (16)")
-    if interpreted:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import interpret  # the interpreter's adaptations (tests/interpret.py)
-        interpret.adapt_interpreter()
+    device, dtype, interpreted = timing
     from lion_vit.ops.triton import normaliser
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # numpy, under the interpreter, has no bf16
     length, heads, width = (args.img_size // 16) ** 2 + 1, 6, 64
     code = tuple(getattr(normaliser, name) for name in SETTINGS)
     combinations = [code] + [c for c in itertools.product(args.tokens, args.warps, args.carry) if c != code]
@@ -98,7 +88,7 @@ def main(argv=None) -> int:
                     expected = results
                 diff = max(float((got.float() - want.float()).norm() / want.float().norm())
                            for got, want in zip(results, expected))
-                forward_us, train_us = (None, None) if interpreted else (_time(forward), _time(train))
+                forward_us, train_us = (None, None) if interpreted else (kernel_time_us(forward), kernel_time_us(train))
             finally:
                 for name, value in zip(SETTINGS, code):
                     setattr(normaliser, name, value)
@@ -113,12 +103,6 @@ def main(argv=None) -> int:
     print(markdown_table(rows, ["batch", "tokens", "warps", "carry", "forward_us", "forward_x", "train_us", "train_x",
                                 "diff"]))
     return 0
-
-
-def _time(fn) -> float:
-    """Microseconds per call (triton.testing.do_bench)."""
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100) * 1e3
 
 
 if __name__ == "__main__":

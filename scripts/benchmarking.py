@@ -121,6 +121,33 @@ def device_name(text: str) -> str:
     return text
 
 
+def kernel_timing(parser: argparse.ArgumentParser, img_size: int) -> Optional[Tuple[torch.device, torch.dtype, bool]]:
+    """For the scripts that time Triton kernels (benchmark_normaliser.py, benchmark_fused.py): the device, the
+    16-bit dtype they time (float16 under the interpreter, whose numpy has no bfloat16) and whether Triton's
+    interpreter runs the kernels (TRITON_INTERPRET=1: a check on a CPU, no times; adapted here). None, after a
+    line on stderr, where there is neither a GPU nor the interpreter; an img_size the patch does not divide is
+    the parser's error."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpreted:
+        print(f"{parser.prog}: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
+              "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
+        return None
+    if img_size % 16:
+        parser.error(f"--img-size {img_size} is not a multiple of the patch size (16)")
+    if interpreted:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import interpret  # the interpreter's adaptations (tests/interpret.py)
+        interpret.adapt_interpreter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float16, interpreted
+
+
+def kernel_time_us(fn: Callable[[], Any]) -> float:
+    """Microseconds per call of fn on the GPU (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=100) * 1e3
+
+
 def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
     """The measurement options of the inference benchmarks (benchmark_resolution.py, benchmark_chunk.py)."""
     from lion_vit.ops.dispatch import FUSED_ATTENTIONS
