@@ -573,6 +573,30 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
+@pytest.mark.parametrize("where, entered", [(("cuda", 1), [torch.device("cuda", 1)]), (("cuda", 0), []), (("cpu",), [])])
+def test_kernels_launch_with_their_inputs_device_current(where, entered, monkeypatch):
+    """Triton launches on the current CUDA device: a call on tensors of another device (a model on cuda:1,
+    current device 0) runs with theirs current; on the current device or a CPU nothing is entered."""
+    from lion_vit.ops.triton.fla import launched_on_device_of
+    seen = []
+
+    class Device:  # torch.cuda.device's stand-in: no GPU needed
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            seen.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tensor = type("Tensor", (), {"device": torch.device(*where), "is_cuda": where[0] == "cuda"})()
+    assert launched_on_device_of(1)(lambda kernel, q, *rest: (kernel, rest))("kernel", tensor, 2) == ("kernel", (2,))
+    assert seen == entered
+
+
 def test_triton_refuses_float64():
     q, k, v, lam = make_inputs(1, 1, 8, 16, "fixed", torch.float64)
     with pytest.raises(ValueError, match="float64.*backend='torch'"):

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..masks import FLOAT64_CUMSUM_ABOVE
-from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs
+from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
 from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _features_grad, _mapped
 
 # launch settings, tuning hooks: (tokens of a program's own tile, tokens per tile of its loop, warps) for the
@@ -381,6 +381,7 @@ def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, 
 
 
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly: a compiler breaks its graph here)
+@launched_on_device_of(0)  # (q)
 def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                        orders: Optional[Tensor] = None, chunk_size: Optional[int] = None,
                        feature_map: Optional[str] = None, scaling: str = "sum") -> Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import weakref
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -312,7 +312,24 @@ def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: 
     return _eagerly(kernel, q, k, v, log_decays, orders, feature_map, grouped, form, scaling).transpose(1, 2)
 
 
+def launched_on_device_of(position: int) -> Callable[[Callable], Callable]:
+    """Runs the decorated function with the CUDA device of its positional argument `position` current: Triton
+    launches on the current device, so a model on cuda:1 in a process whose current device is cuda:0 would
+    otherwise fail (FLA's own entry points guard theirs the same way)."""
+    def decorate(function: Callable) -> Callable:
+        @wraps(function)
+        def run(*args, **kwargs):
+            tensor = args[position]
+            if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+                with torch.cuda.device(tensor.device):
+                    return function(*args, **kwargs)
+            return function(*args, **kwargs)
+        return run
+    return decorate
+
+
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
+@launched_on_device_of(1)  # (q)
 def _eagerly(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor,
              log_decays: Optional[Tensor], orders: Optional[Tensor], feature_map: Optional[str], grouped: bool,
              form: str, scaling: str) -> Tensor:
