@@ -573,7 +573,8 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
-@pytest.mark.parametrize("where, entered", [(("cuda", 1), [torch.device("cuda", 1)]), (("cuda", 0), []), (("cpu",), [])])
+@pytest.mark.parametrize("where, entered", [(("cuda", 1), [torch.device("cuda", 1)]), (("cuda", 0), []),
+                                            (("cpu",), [])])
 def test_kernels_launch_with_their_inputs_device_current(where, entered, monkeypatch):
     """Triton launches on the current CUDA device: a call on tensors of another device (a model on cuda:1,
     current device 0) runs with theirs current; on the current device or a CPU nothing is entered."""

@@ -19,8 +19,8 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
     dE_t = sum_{p_j < p_t} G_tj - sum_{p_i > p_t} G_it,   dI_t = sum_{p_i < p_t} G_it - sum_{p_j > p_t} G_tj,
 
 a small kernel for each row's r and delta first, then one kernel per key tile (dk, dv and the column sums) and
-one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
-through which autograd carries their gradients on.
+one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits every run. E and I
+come from the log decays by torch ops (O(L)), through which autograd carries their gradients on.
 """
 from __future__ import annotations
 
