@@ -10,8 +10,8 @@ FORWARD, BACKWARD), forward, and forward and backward, at one layer's shapes, as
 One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (feature map silu_norm, which
 the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
 LION-s-natural (two snake scans, class token first), decays in (0.5, 1), and LION-lit, whose code runs
-Q (K^T V) in torch matmuls ("linear"; both kernels forced beside it, every decay 1). Settings as own,loop,warps: tokens of a
-program's own tile, tokens per tile of its loop (powers of two, at least 16), warps. Each row's outputs and
+Q (K^T V) in torch matmuls ("linear"; both kernels forced beside it, every decay 1). Settings as
+own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (powers of two, at least 16), warps. Each row's outputs and
 gradients are compared with FLA's route's (diff: the largest relative difference). Times from
 triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
 the times (use a small --img-size and --batch-size).
@@ -67,10 +67,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of 16")
     parser.add_argument("--batch-size", type=positive_int, default=256)
-    parser.add_argument("--forward", nargs="+", type=setting, default=[(128, 64, 8), (64, 32, 4)],
+    parser.add_argument("--forward", nargs="+", type=setting, default=[(128, 64, 8), (64, 32, 4)], metavar="O,L,W",
                         help="the bidirectional forward kernel's settings to try besides the code's")
     parser.add_argument("--backward", nargs="+", type=setting, default=[(32, 32, 4), (64, 64, 8), (32, 64, 4)],
-                        help="the bidirectional backward kernels' settings to try besides the code's")
+                        metavar="O,L,W", help="the bidirectional backward kernels' settings to try besides the "
+                                              "code's")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     args = parser.parse_args(argv)
     timing = kernel_timing(parser, args.img_size)
