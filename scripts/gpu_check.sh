@@ -112,32 +112,32 @@ for part in "${parts[@]}"; do
             done ;;
         graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
             run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
-        fused)  # the fused attention form (FLA's parallel kernel; the bidirectional kernel of ours beside it): its
-            # tests natively, then a training step, eager, --attn-form auto (the default: the fused attention form
-            # below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256, 448 px batch 64 and 896 px batch 32 (there beside both
-            # forms by name); the portable attention form (--attn-backend torch) at 224 px in the same part;
-            # inference at 224 px, batch 16 and 256; the 224 and 448 px steps and inference again on the bidirectional
-            # kernel (--fused-attention bidirectional): dispatch.FUSED_ATTENTION
+        fused)  # the fused attention form (the bidirectional kernel of ours, the code's; FLA's parallel kernel beside
+            # it): its tests natively, the kernels op by op, then a training step, eager, --attn-form auto (the
+            # default: the fused attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256, 448 px batch 64 and
+            # 896 px batch 32 (there beside both forms by name); the portable attention form (--attn-backend torch) at
+            # 224 px in the same part; inference at 224 px, batch 16 and 256. The 224 and 448 px steps and inference
+            # run on each kernel by name (--fused-attention; FLA's: the _fla runs): dispatch.FUSED_ATTENTION
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
                 tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
             # op by op: the two kernels and the bidirectional kernel's launch settings (its table: the log)
             run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256
             run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64
-            run train "${train[@]}" --batch-size 256 --steps 10 --models $deit $lion --out "$out/train"
-            run train_bidirectional "${train[@]}" --batch-size 256 --steps 10 --fused-attention bidirectional \
-                --models $deit $lion --out "$out/train_bidirectional"
+            for kernel in bidirectional fla; do
+                suffix=${kernel/#bidirectional/}  # (FLA's runs: train_fla, train_448_fla)
+                run "train${suffix:+_$suffix}" "${train[@]}" --batch-size 256 --steps 10 --fused-attention "$kernel" \
+                    --models $deit $lion --out "$out/train${suffix:+_$suffix}"
+                run "train_448${suffix:+_$suffix}" "${train[@]}" --batch-size 64 --img-size 448 --steps 5 \
+                    --fused-attention "$kernel" --models $deit $lion --out "$out/train_448${suffix:+_$suffix}"
+            done
             run train_torch "${train[@]}" --batch-size 256 --steps 10 --attn-backend torch \
                 --models $deit lion_d_small lion_s_natural_small --out "$out/train_torch"
-            run train_448 "${train[@]}" --batch-size 64 --img-size 448 --steps 5 --models $deit $lion \
-                --out "$out/train_448"
-            run train_448_bidirectional "${train[@]}" --batch-size 64 --img-size 448 --steps 5 \
-                --fused-attention bidirectional --models $deit $lion --out "$out/train_448_bidirectional"
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --models $deit lion_d_small \
                 lion_d_natural_small lion_d_small:attention lion_d_small:chunk --out "$out/train_896"
             for batch in 16 256; do
-                for kernel in fla bidirectional; do
-                    name=inference_224_b$batch
-                    [[ $kernel == fla ]] || name+=_$kernel
+                for kernel in bidirectional fla; do
+                    suffix=${kernel/#bidirectional/}
+                    name=inference_224_b$batch${suffix:+_$suffix}
                     run "$name" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
                         --batch-size "$batch" --rounds 5 --resolutions 224 --fused-attention "$kernel" --runs $deit \
                         lion_d_small:attention lion_d_natural_small:attention --out "$out/$name"

@@ -57,8 +57,8 @@ def target_lines(folder: Path) -> List[str]:
     for csv_names, limits, what in (
             (("train/train.csv",), EAGER_TRAINING, "train 224 px b256 eager"),
             (("train_448/train.csv",), EAGER_TRAINING, "train 448 px b64 eager"),
-            (("train_bidirectional/train.csv",), EAGER_TRAINING, "train 224 px b256 eager, bidirectional kernel"),
-            (("train_448_bidirectional/train.csv",), EAGER_TRAINING, "train 448 px b64 eager, bidirectional kernel"),
+            (("train_fla/train.csv",), EAGER_TRAINING, "train 224 px b256 eager, FLA kernel"),
+            (("train_448_fla/train.csv",), EAGER_TRAINING, "train 448 px b64 eager, FLA kernel"),
             (("train_compile/train.csv", "train_compile_natural/train.csv"), COMPILED_TRAINING,
              "train 224 px b256 compiled"),
             (("train_896/train.csv",), TRAINING_896, "train 896 px b32")):
@@ -72,11 +72,11 @@ def target_lines(folder: Path) -> List[str]:
             lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
             if "896" not in what:
                 lines.append(line(f"{what}, {model} peak memory x DeiT-S", peaks.get(model), PEAK_MEMORY))
-    for batch, kernel in ((16, ""), (256, ""), (16, "_bidirectional"), (256, "_bidirectional")):
+    for batch, kernel in ((16, ""), (256, ""), (16, "_fla"), (256, "_fla")):
         rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}{kernel}" / "resolution.csv")}
         for model, limit in INFERENCE_224.items():
             lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S"
-                              + (", bidirectional kernel" if kernel else ""),
+                              + (", FLA kernel" if kernel else ""),
                               number(rows.get(model), "time_x_baseline"), limit))
     fit = deit_fit(folder)
     for batch in (1, 16):
@@ -213,7 +213,8 @@ def setting_lines(folder: Path) -> List[str]:
     return lines + fused_lines(folder) + group_lines(folder)
 
 
-# dispatch.FUSED_ATTENTION's comparisons: the runs on FLA's kernel and on the bidirectional one, and their column
+# dispatch.FUSED_ATTENTION's comparisons: the runs on the bidirectional kernel (the fused part's plain names) and on
+# FLA's (the same with _fla), and their column
 FUSED_RUNS = (("train", "224 px b256", "x_baseline"), ("train_448", "448 px b64", "x_baseline"),
               ("inference_224_b16", "inference 224 px b16", "time_x_baseline"),
               ("inference_224_b256", "inference 224 px b256", "time_x_baseline"))
@@ -226,8 +227,7 @@ def fused_lines(folder: Path) -> List[str]:
     ratios = []  # (what, bidirectional / fla)
     for run, what, column in FUSED_RUNS:
         name = "train.csv" if run.startswith("train") else "resolution.csv"
-        fla, ours = ({r["model"]: r for r in read(folder / folder_name / name)}
-                     for folder_name in (run, run + "_bidirectional"))
+        ours, fla = ({r["model"]: r for r in read(folder / folder_name / name)} for folder_name in (run, run + "_fla"))
         for model in EAGER_TRAINING:  # (LION-lit: torch matmuls on either)
             a, b = number(fla.get(model), column), number(ours.get(model), column)
             if model == "lion_lit_small":

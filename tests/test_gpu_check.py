@@ -181,12 +181,12 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
     assert row["FUSED_ATTENTION"] == ["not measured", "-"]
     # the fused attention form's kernel: the one faster in most comparisons (LION-lit's torch matmuls left out)
-    write("train/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.9", "lion_d_small,ok,1.2",
+    write("train_fla/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.9", "lion_d_small,ok,1.2",
           "lion_s_small,ok,1.4")
-    write("train_bidirectional/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.8", "lion_d_small,ok,0.96",
-          "lion_s_small,ok,1.54")
-    write("inference_224_b16/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,2.0")
-    write("inference_224_b16_bidirectional/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
+    write("train/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.8", "lion_d_small,ok,0.96",
+          "lion_s_small,ok,1.54")  # (the bidirectional kernel's: the code's)
+    write("inference_224_b16_fla/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,2.0")
+    write("inference_224_b16/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
     assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [

@@ -39,13 +39,11 @@ def kernels_here(monkeypatch):
 
 
 def fused_route(form, monkeypatch) -> str:
-    """The form to ask for: "bidirectional" is the attention form on the bidirectional kernel of ours
-    (dispatch.FUSED_ATTENTION), "attention" on FLA's."""
-    if form != "bidirectional":
-        return form
+    """The form to ask for, the fused kernel set (dispatch.FUSED_ATTENTION): "bidirectional" is the attention form
+    on the bidirectional kernel of ours, "attention" on FLA's (as the chunk form's one product is)."""
     from lion_vit.ops import dispatch
-    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", "bidirectional")
-    return "attention"
+    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", "bidirectional" if form == "bidirectional" else "fla")
+    return "attention" if form == "bidirectional" else form
 
 
 def _check(fn, reference, tensors, tol=TOL, value_shape=None):
@@ -314,6 +312,7 @@ def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkey
     from lion_vit.ops import dispatch
     from lion_vit.ops.triton import fla
     monkeypatch.setattr(fla, "GROUP_SHARE", 0)
+    form = fused_route(form, monkeypatch)  # (the attention form's groups: FLA's kernel's)
     height, width = (7, 10) if scans == 2 else (1, 70)
     length = height * width + (scans == 2)
     orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE) if scans == 2 else None

@@ -5,8 +5,8 @@ exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
   under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable
   PyTorch forms (attention.py, recurrent.py, chunk.py: plain autograd, any device), "triton" the GPU
-  kernels of lion_vit.ops.triton, for every form: the attention form fused (FLA's tiled quadratic
-  kernel or a bidirectional kernel of ours, FUSED_ATTENTION; nothing L x L in memory), the chunk and rnn
+  kernels of lion_vit.ops.triton, for every form: the attention form fused (a bidirectional kernel of
+  ours or FLA's tiled quadratic kernel, FUSED_ATTENTION; nothing L x L in memory), the chunk and rnn
   forms; on a CPU without autograd, eagerly,
   "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
@@ -63,12 +63,14 @@ CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fuse
                             "forward": "the chunk kernels with a backward of their forward passes"}
 CHUNK_BACKWARD_FALLBACK = "forward"
 
-# The fused attention form on the triton backend: "fla" (FLA's causal tiled kernel on each scan forward and
-# mirrored, stacked, the normaliser by a scan of ours; triton/fla.py) or "bidirectional" (one kernel of ours:
-# both directions, the scans and the normaliser in one pass; triton/bidirectional.py), the same function. The
-# fused part of `make gpu-check` times both (docs/benchmarks.md, "Fused attention form"); the slower goes.
-FUSED_ATTENTIONS = {"fla": "FLA kernel", "bidirectional": "bidirectional kernel"}
-FUSED_ATTENTION = "fla"
+# The fused attention form on the triton backend: "bidirectional" (one kernel of ours: both directions, the scans
+# and the normaliser in one pass; triton/bidirectional.py) or "fla" (FLA's causal tiled kernel on each scan forward
+# and mirrored, stacked, the normaliser by a scan of ours; triton/fla.py), the same function. "bidirectional" until
+# a GPU has timed both: around it PyTorch writes and keeps about what it does around DeiT-S's SDPA, around FLA's
+# 2.5 times as much (docs/benchmarks.md, "Traffic"), and it runs none of FLA's kernels. The fused part of
+# `make gpu-check` times both (docs/benchmarks.md, "Fused attention form"); the slower goes.
+FUSED_ATTENTIONS = {"bidirectional": "bidirectional kernel", "fla": "FLA kernel"}
+FUSED_ATTENTION = "bidirectional"
 
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
