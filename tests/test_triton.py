@@ -400,12 +400,14 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chun
     assert rel_err(grads[1][qkv], grads[0][qkv]) < tol
 
 
-def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(chunks_always):
+@pytest.mark.parametrize("form", ["chunk", "bidirectional"])
+def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(form, chunks_always, monkeypatch):
     """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
     graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
-    eager's logits. Training still breaks the graph around them, where FLA's autograd Functions run."""
-    model = grid_model("lion_s_natural_tiny", attn_form="chunk", attn_backend="triton").eval()
-    assert model.attn_plan(GRID).grouped
+    eager's logits. Training still breaks the graph around them, where their autograd Functions run."""
+    form = fused_route(form, monkeypatch)
+    model = grid_model("lion_s_natural_tiny", attn_form=form, attn_backend="triton").eval()
+    assert model.attn_plan(GRID).grouped or model.attn_plan(GRID).bidirectional
     x = grid_images(2)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -380,15 +380,26 @@ def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, 
             (exclusive + a).expand(scans, batch, heads, length))
 
 
-@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly: a compiler breaks its graph here)
-@launched_on_device_of(0)  # (q)
 def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                        orders: Optional[Tensor] = None, chunk_size: Optional[int] = None,
                        feature_map: Optional[str] = None, scaling: str = "sum") -> Tensor:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) by the bidirectional kernel: q, k [B, H, L, Dk], v [B, H, L, Dv]
     (any strides); log_decays [S, B|1, H|1, L|1] in token order (None: all ones); orders [S, L] or None; feature_map:
     a FEATURE_MAPS name, which the kernels apply as they read q and k (one they do not know: torch ops first), or
-    None; scaling: a scalings.SCALINGS name. chunk_size is the portable form's (unused). One or two scans."""
+    None; scaling: a scalings.SCALINGS name. chunk_size is the portable form's (unused). One or two scans. A
+    compiler traces inference (no autograd) as one custom op of its graph, so that CUDA graphs can capture it, and
+    breaks its graph around a call that autograd records."""
+    from ..dispatch import records_autograd
+    if _INFERENCE_OP is not None and torch.compiler.is_compiling() and not records_autograd(q, k, v, log_decays):
+        return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
+    return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
+
+
+@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
+@launched_on_device_of(0)  # (q)
+def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+             feature_map: Optional[str], scaling: str) -> Tensor:
+    """Y [B, L, H, Dv] of bidirectional_form."""
     if log_decays is None:  # (LION-lit, where a plan forces the kernel: one scan, every decay 1)
         log_decays = q.new_zeros(1, 1, 1, 1, dtype=torch.float32)
     if len(log_decays) > 2:
@@ -400,4 +411,30 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
     positions = indices.layout.kv_positions[0::2]  # [S, L] token -> scan position (kept with the orders)
     exclusive, inclusive = cumulative(log_decays, indices.order, positions, batch, heads)
     y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
-    return _FirstOrderOnly.apply(y)
+    return _FirstOrderOnly.apply(y).transpose(1, 2)
+
+
+def _inference_op():
+    """Inference by the kernel as a torch.library custom op (torch >= 2.4): what a compiler traces in place of
+    _eagerly, an opaque node of its graph instead of a break. None where it cannot be registered."""
+    if not hasattr(torch.library, "custom_op"):
+        return None
+
+    def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+                  feature_map: Optional[str], scaling: str) -> Tensor:
+        return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).contiguous()
+
+    def shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+              feature_map: Optional[str], scaling: str) -> Tensor:
+        batch, heads, length, value_dim = v.shape
+        return v.new_empty(batch, length, heads, value_dim)
+
+    try:
+        op = torch.library.custom_op("lion_vit::bidirectional_inference", inference, mutates_args=())
+    except Exception:  # (a torch whose schema inference does not read these annotations)
+        return None
+    op.register_fake(shape)
+    return op
+
+
+_INFERENCE_OP = _inference_op()
