@@ -11,8 +11,9 @@ One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (
 the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
 LION-s-natural (two snake scans, class token first), decays in (0.5, 1), and LION-lit, whose code runs
 Q (K^T V) in torch matmuls ("linear"; both kernels forced beside it, every decay 1). Settings as
-own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (powers of two, at least 16), warps. Each row's outputs and
-gradients are compared with FLA's route's (diff: the largest relative difference). Times from
+own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (powers of two, at least 16),
+warps. Each row's outputs and gradients are compared with FLA's route's (diff: the largest relative
+difference). Times from
 triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
 the times (use a small --img-size and --batch-size).
 """

@@ -371,18 +371,20 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatc
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chunks_always):
+@pytest.mark.parametrize("form", ["chunk", "bidirectional"])
+def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form, chunks_always, monkeypatch):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
-    CPU), compiled (graph breaks around FLA's calls), through the chunk kernels (with a backward of their
-    forward pass where FLA's own fails), against the torch backend's chunk form, eager, on the same weights,
-    at 82 tokens."""
+    CPU), compiled (graph breaks around FLA's calls; the bidirectional kernel's are custom ops of the graph),
+    through the chunk kernels (with a backward of their forward pass where FLA's own fails) or the bidirectional
+    kernel, against the torch backend's form, eager, on the same weights, at 82 tokens."""
+    form = fused_route(form, monkeypatch)
     model = grid_model("lion_s_natural_tiny")
     x = grid_images(2)
     y = torch.tensor([0, 2], device=DEVICE)
     losses, grads = [], []
     for backend in ("torch", "triton"):
         model.zero_grad()
-        model.set_attn_form("chunk", backend=backend)
+        model.set_attn_form(form, backend=backend)
         step = torch.compile(model, backend="aot_eager") if backend == "triton" else model
         with torch.autocast(DEVICE.type, dtype=HALF):
             loss = torch.nn.functional.cross_entropy(step(x), y)
@@ -404,17 +406,26 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(chun
 def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(form, chunks_always, monkeypatch):
     """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
     graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
-    eager's logits. Training still breaks the graph around them, where their autograd Functions run."""
+    eager's logits. Training breaks the graph around FLA's autograd Functions; the bidirectional kernel's
+    training is a custom op with its backward, so it compiles whole too, with eager's loss and gradients."""
     form = fused_route(form, monkeypatch)
     model = grid_model("lion_s_natural_tiny", attn_form=form, attn_backend="triton").eval()
-    assert model.attn_plan(GRID).grouped or model.attn_plan(GRID).bidirectional
+    bidirectional = model.attn_plan(GRID).bidirectional
+    assert model.attn_plan(GRID).grouped or bidirectional
     x = grid_images(2)
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(x)
         assert rel_err(torch.compile(model, fullgraph=True, backend="aot_eager")(x), expected) < 1e-6
-    with pytest.raises(torch._dynamo.exc.Unsupported):  # training: the graph breaks at the kernels' call
-        torch.compile(model.train(), fullgraph=True, backend="aot_eager")(x)
+    model.train()
+    if not bidirectional:
+        with pytest.raises(torch._dynamo.exc.Unsupported):  # training: the graph breaks at the kernels' call
+            torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+        return
+    eager = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    loss = torch.compile(model, fullgraph=True, backend="aot_eager")(x).square().sum()
+    for got, want in zip(torch.autograd.grad(loss, list(model.parameters())), eager):
+        assert rel_err(got, want, min_scale=1.0) < 1e-5
 
 
 @pytest.mark.parametrize("fallback, scans, decay, dtype", [

@@ -303,58 +303,71 @@ def _strides(x: Tensor) -> Tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+             feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) and the normaliser [B, H, L] float32 (None for scaling "none") of
+    q, k [B, H, L, Dk] (raw, mapped by the kernels through a FUSED_MAPS name, or features: None) and v, from each
+    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L]."""
+    batch, heads, length, key_dim = q.shape
+    value_dim = v.shape[-1]
+    y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
+    z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
+    own, loop, warps = FORWARD
+    _forward_kernel[(triton.cdiv(length, own), batch * heads)](
+        q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
+        *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
+        SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
+        BLOCK_V=_block(value_dim), num_warps=warps)
+    return y, z
+
+
+def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+              y: Tensor, z: Optional[Tensor], feature_map: Optional[str], scaling: str) -> Tuple[Tensor, ...]:
+    """The gradients of q, k, v (token-major, as a projection's are) and of E and I ([S, B, H, L] float32) from
+    dY [B, H, L, Dv] and what _forward took and gave."""
+    dy = _rows_contiguous(dy)
+    batch, heads, length, key_dim = q.shape
+    value_dim = v.shape[-1]
+    normalised = scaling != "none"
+    r = correction = None
+    if normalised:
+        r, correction = torch.empty_like(z), torch.empty_like(z)
+        _factors_kernel[(triton.cdiv(length, 32), batch * heads)](
+            dy, y, z, r, correction, *_strides(dy), *_strides(y), length, heads, value_dim,
+            SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
+    # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
+    dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
+    scans = len(positions)
+    dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
+    dI = torch.empty_like(dE)
+    own, loop, warps = BACKWARD
+    settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(feature_map), BLOCK_K=_block(key_dim),
+                    BLOCK_V=_block(value_dim), num_warps=warps)
+    shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
+              positions.stride(0), length, heads, key_dim, value_dim)
+    _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
+        q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
+        BLOCK_M=loop, BLOCK_N=own, **settings)
+    _backward_queries_kernel[(triton.cdiv(length, own), batch * heads)](
+        q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
+        BLOCK_N=loop, **settings)
+    return dq, dk, dv, dE, dI
+
+
 class _Bidirectional(torch.autograd.Function):
-    """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) of q, k [B, H, L, Dk] (raw, mapped by the kernels through a
-    FUSED_MAPS name, or features: None) and v, from each scan's E, I [S, B, H, L] float32 (broadcast views are
-    read as they are) and positions [S, L]."""
+    """_forward's Y, with _backward's gradients: what runs eagerly."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
                 feature_map: Optional[str], scaling: str) -> Tensor:
-        batch, heads, length, key_dim = q.shape
-        value_dim = v.shape[-1]
-        y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
-        z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
-        own, loop, warps = FORWARD
-        _forward_kernel[(triton.cdiv(length, own), batch * heads)](
-            q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
-            *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
-            SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
-            BLOCK_V=_block(value_dim), num_warps=warps)
+        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
         ctx.save_for_backward(q, k, v, exclusive, inclusive, positions, y, z)
         ctx.feature_map, ctx.scaling = feature_map, scaling
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        q, k, v, exclusive, inclusive, positions, y, z = ctx.saved_tensors
-        dy = _rows_contiguous(dy)
-        batch, heads, length, key_dim = q.shape
-        value_dim = v.shape[-1]
-        normalised = ctx.scaling != "none"
-        r = correction = None
-        if normalised:
-            r, correction = torch.empty_like(z), torch.empty_like(z)
-            _factors_kernel[(triton.cdiv(length, 32), batch * heads)](
-                dy, y, z, r, correction, *_strides(dy), *_strides(y), length, heads, value_dim,
-                SCALING=SCALING_CODES[ctx.scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
-        # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
-        dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
-        scans = len(positions)
-        dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
-        dI = torch.empty_like(dE)
-        own, loop, warps = BACKWARD
-        settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(ctx.feature_map), BLOCK_K=_block(key_dim),
-                        BLOCK_V=_block(value_dim), num_warps=warps)
-        shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
-                  positions.stride(0), length, heads, key_dim, value_dim)
-        _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
-            q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
-            BLOCK_M=loop, BLOCK_N=own, **settings)
-        _backward_queries_kernel[(triton.cdiv(length, own), batch * heads)](
-            q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
-            BLOCK_N=loop, **settings)
-        return dq, dk, dv, dE, dI, None, None, None
+        return (*_backward(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling), None, None, None)
 
 
 def _maps(feature_map: Optional[str]) -> dict:
@@ -387,19 +400,22 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
     (any strides); log_decays [S, B|1, H|1, L|1] in token order (None: all ones); orders [S, L] or None; feature_map:
     a FEATURE_MAPS name, which the kernels apply as they read q and k (one they do not know: torch ops first), or
     None; scaling: a scalings.SCALINGS name. chunk_size is the portable form's (unused). One or two scans. A
-    compiler traces inference (no autograd) as one custom op of its graph, so that CUDA graphs can capture it, and
-    breaks its graph around a call that autograd records."""
+    compiler traces the kernels as custom ops of its graph (torch >= 2.4), not breaks: inference as one op, so that
+    CUDA graphs can capture it, training as one op forward and one backward."""
     from ..dispatch import records_autograd
-    if _INFERENCE_OP is not None and torch.compiler.is_compiling() and not records_autograd(q, k, v, log_decays):
-        return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
+    if torch.compiler.is_compiling() and _INFERENCE_OP is not None:
+        if not records_autograd(q, k, v, log_decays):
+            return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
+        q, k, v, exclusive, inclusive, positions, feature_map = _prepared(q, k, v, log_decays, orders, feature_map,
+                                                                          traced=True)
+        return _TRAINING_OP(q, k, v, exclusive, inclusive, positions, feature_map, scaling)[0].transpose(1, 2)
     return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
 
 
-@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
-@launched_on_device_of(0)  # (q)
-def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-             feature_map: Optional[str], scaling: str) -> Tensor:
-    """Y [B, L, H, Dv] of bidirectional_form."""
+def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+              feature_map: Optional[str], traced: bool = False) -> tuple:
+    """The kernels' operands: q, k, v in one dtype, rows contiguous; each scan's E, I and positions; the feature map
+    they apply. traced: positions as torch ops (a compiler traces them), not the indices kept per orders tensor."""
     if log_decays is None:  # (LION-lit, where a plan forces the kernel: one scan, every decay 1)
         log_decays = q.new_zeros(1, 1, 1, 1, dtype=torch.float32)
     if len(log_decays) > 2:
@@ -407,34 +423,89 @@ def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
     q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
     q, k, v = (_rows_contiguous(t.to(dtype)) for t in (q, k, v))
     batch, heads, length, _ = v.shape
-    indices = _scan_indices(orders, length, q.device)
-    positions = indices.layout.kv_positions[0::2]  # [S, L] token -> scan position (kept with the orders)
-    exclusive, inclusive = cumulative(log_decays, indices.order, positions, batch, heads)
+    if traced:
+        order = torch.arange(length, device=q.device)[None] if orders is None else orders
+        positions = torch.argsort(order, dim=-1)
+    else:
+        indices = _scan_indices(orders, length, q.device)
+        order, positions = indices.order, indices.layout.kv_positions[0::2]  # (kept with the orders)
+    exclusive, inclusive = cumulative(log_decays, order, positions, batch, heads)
+    return q, k, v, exclusive, inclusive, positions, feature_map
+
+
+@torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
+@launched_on_device_of(0)  # (q)
+def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+             feature_map: Optional[str], scaling: str) -> Tensor:
+    """Y [B, L, H, Dv] of bidirectional_form."""
+    q, k, v, exclusive, inclusive, positions, feature_map = _prepared(q, k, v, log_decays, orders, feature_map)
     y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
     return _FirstOrderOnly.apply(y).transpose(1, 2)
 
 
-def _inference_op():
-    """Inference by the kernel as a torch.library custom op (torch >= 2.4): what a compiler traces in place of
-    _eagerly, an opaque node of its graph instead of a break. None where it cannot be registered."""
+def _custom_ops():
+    """(inference, training) as torch.library custom ops (torch >= 2.4), what a compiler traces in place of
+    _eagerly: inference, the whole call; training, the kernels with their backward registered (a second op), the
+    bookkeeping around them traced as torch ops. (None, None) where they cannot be registered."""
     if not hasattr(torch.library, "custom_op"):
-        return None
+        return None, None
 
     def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
                   feature_map: Optional[str], scaling: str) -> Tensor:
         return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).contiguous()
 
-    def shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
-              feature_map: Optional[str], scaling: str) -> Tensor:
+    def inference_shape(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
+                        feature_map: Optional[str], scaling: str) -> Tensor:
         batch, heads, length, value_dim = v.shape
         return v.new_empty(batch, length, heads, value_dim)
 
+    @launched_on_device_of(0)
+    def forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+                feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Tensor]:
+        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
+        return y.transpose(1, 2), q.new_empty(0, dtype=torch.float32) if z is None else z
+
+    def forward_shape(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+                      feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Tensor]:
+        batch, heads, length, value_dim = v.shape
+        return (v.new_empty(batch, length, heads, value_dim),
+                q.new_empty((0,) if scaling == "none" else (batch, heads, length), dtype=torch.float32))
+
+    @launched_on_device_of(0)
+    def backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
+                 y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grads = _backward(dy.transpose(1, 2), q, k, v, exclusive, inclusive, positions, y.transpose(1, 2),
+                          None if scaling == "none" else z, feature_map, scaling)
+        return (*(grad.transpose(1, 2) for grad in grads[:3]), *grads[3:])  # (token-major: contiguous)
+
+    def backward_shape(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor,
+                       positions: Tensor, y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        batch, heads, length, _ = v.shape
+        tokens = [x.new_empty(batch, length, heads, x.shape[-1]) for x in (q, k, v)]
+        return (*tokens, *(q.new_empty((len(positions), batch, heads, length), dtype=torch.float32)
+                           for _ in range(2)))
+
+    def save(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs[:6], *output)
+        ctx.feature_map, ctx.scaling = inputs[6:]
+
+    def differentiate(ctx, dy: Tensor, dz: Tensor):
+        dq, dk, dv, dE, dI = backward_op(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dE, dI, None, None, None
+
     try:
-        op = torch.library.custom_op("lion_vit::bidirectional_inference", inference, mutates_args=())
+        inference_op = torch.library.custom_op("lion_vit::bidirectional_inference", inference, mutates_args=())
+        forward_op = torch.library.custom_op("lion_vit::bidirectional", forward, mutates_args=())
+        backward_op = torch.library.custom_op("lion_vit::bidirectional_backward", backward, mutates_args=())
     except Exception:  # (a torch whose schema inference does not read these annotations)
-        return None
-    op.register_fake(shape)
-    return op
+        return None, None
+    inference_op.register_fake(inference_shape)
+    forward_op.register_fake(forward_shape)
+    backward_op.register_fake(backward_shape)
+    forward_op.register_autograd(differentiate, setup_context=save)
+    return inference_op, forward_op
 
 
-_INFERENCE_OP = _inference_op()
+_INFERENCE_OP, _TRAINING_OP = _custom_ops()
