@@ -71,13 +71,17 @@ def calls(quick: bool):
               for decay, scans in [("fixed", 1), ("selective", 2)]
               for form in ("attention", "bidirectional", "chunk", "rnn")
               for training in (True, False) for scaling in ("none", "max")]
+    # the bidirectional kernel's float64 exponents (bidirectional.FLOAT64_EXPONENTS_ABOVE: longer sequences)
+    long = [("selective", 1, "bidirectional", "silu_norm", True, "sum", 1100),
+            ("fixed", 1, "bidirectional", None, False, "sum", 1100)]
+    cases += long
     if quick:  # every kernel and every value of its flags at least once
         cases = [("lit", 1, "rnn", "silu_norm", True), ("selective", 2, "chunk", "elu", True),
                  ("fixed", 1, "chunk", None, False), ("selective", 2, "attention", "silu_norm", False),
                  ("fixed", 1, "chunk", "identity", True, "none"), ("selective", 2, "rnn", "identity", True, "max"),
                  ("selective", 2, "bidirectional", "silu_norm", True), ("fixed", 1, "bidirectional", None, False),
                  ("fixed", 1, "bidirectional", "identity", True, "none"),
-                 ("selective", 2, "bidirectional", "identity", True, "max")]
+                 ("selective", 2, "bidirectional", "identity", True, "max"), *long]
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)

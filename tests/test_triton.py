@@ -216,6 +216,33 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths(monkeyp
            value_shape=(2, 2, 31, 24))
 
 
+def test_the_bidirectional_kernel_subtracts_long_sequences_sums_in_float64(monkeypatch):
+    """Past FLOAT64_EXPONENTS_ABOVE tokens the cumulative log decays E, I are float64 and the kernels subtract
+    them so: at 1,100 tokens whose first half decays fast (0.01) and second slowly (0.9995), the sums reach
+    -2,500 while the slow half's mask entries are near 1. The output stays within 1e-6 of the float64 reference
+    (gradients within the tests' bound); with the sums rounded to float32 first (the threshold raised), the same
+    call errs past 1e-6."""
+    from lion_vit.ops.triton import bidirectional
+    form = fused_route("bidirectional", monkeypatch)
+    length = 1100
+    g = torch.Generator().manual_seed(9)
+    q, k = (torch.rand(1, 1, length, 16, generator=g) + 0.1 for _ in "qk")
+    v = torch.randn(1, 1, length, 16, generator=g)
+    lam = torch.full((1, 1, length), 0.01)
+    lam[..., length // 2:] = 0.9995
+    log_decay = torch.log(lam)
+    assert length > bidirectional.FLOAT64_EXPONENTS_ABOVE
+
+    def triton(q, k, v, log_decay):
+        return lion_attention(q, k, v, log_decay[None], form=form, backend="triton")
+
+    _check(triton, lion_reference, [q, k, v, log_decay])
+    expected = lion_reference(q.double(), k.double(), v.double(), log_decay.double())
+    assert rel_err(triton(q, k, v, log_decay), expected) < 1e-6
+    monkeypatch.setattr(bidirectional, "FLOAT64_EXPONENTS_ABOVE", 2 * length)
+    assert rel_err(triton(q, k, v, log_decay), expected) > 1e-6
+
+
 @pytest.mark.parametrize("form, scans, scaling, value_dim", [("attention", 1, "sum", 16), ("chunk", 2, "sum", 16),
                                                             ("rnn", 2, "sum", 16), ("chunk", 1, "none", 16),
                                                             ("chunk", 1, "none", 15)])

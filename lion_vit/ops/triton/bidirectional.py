@@ -35,6 +35,11 @@ from ..masks import FLOAT64_CUMSUM_ABOVE
 from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
 from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _features_grad, _mapped
 
+# Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
+# of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
+# (|a| ~ 1) from about 1,700 tokens. The attention form trains below 1,024 tokens (AUTO_CHUNK_MIN_TOKENS).
+FLOAT64_EXPONENTS_ABOVE = 1024
+
 # launch settings, tuning hooks: (tokens of a program's own tile, tokens per tile of its loop, warps) for the
 # forward kernel and for the two backward ones (tiles: powers of two, at least 16, as tl.dot wants)
 FORWARD = (64, 64, 4)
@@ -51,10 +56,11 @@ def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps):
 
 @triton.jit
 def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k):
-    """One scan's mask tile [queries, keys]. Every exponent of a real pair is <= 0 (the sums are monotone
+    """One scan's mask tile [queries, keys], float32. The exponents are differences in E's dtype (float64 for
+    long sequences, cumulative), then rounded. Every exponent of a real pair is <= 0 (the sums are monotone
     along the scan); the minimum keeps those of padding lanes finite too."""
     exponent = tl.where(p_q[:, None] > p_k[None, :], e_q[:, None] - e_k[None, :], i_k[None, :] - i_q[:, None])
-    return tl.exp(tl.minimum(exponent, 0.0))
+    return tl.exp(tl.minimum(exponent.to(tl.float32), 0.0))
 
 
 @triton.jit
@@ -378,17 +384,19 @@ def _maps(feature_map: Optional[str]) -> dict:
 
 def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int
                ) -> Tuple[Tensor, Tensor]:
-    """Each scan's E and I (the module docstring) in token order, [S, B, H, L] float32 (broadcast views), from
-    log decays [S, B|1, H|1, L|1] in token order, orders [S, L] (scan position -> token) and positions [S, L]
-    (token -> scan position). Torch ops: autograd differentiates them."""
+    """Each scan's E and I (the module docstring) in token order, [S, B, H, L] (broadcast views), float32 or,
+    above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays [S, B|1, H|1, L|1] in token order, orders [S, L]
+    (scan position -> token) and positions [S, L] (token -> scan position). Torch ops: autograd differentiates
+    them."""
     scans, length = order.shape
-    a = log_decays.float()
+    dtype = torch.float64 if length > FLOAT64_EXPONENTS_ABOVE else torch.float32
+    a = log_decays.to(dtype)
     if a.shape[-1] == 1:  # one decay per head: E_t = p_t a
-        exclusive = a * position[:, None, None, :].float()
+        exclusive = a * position[:, None, None, :].to(dtype)
     else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
         wide = a.double() if length > FLOAT64_CUMSUM_ABOVE else a
         along = wide.gather(-1, order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
-        exclusive = (along.cumsum(-1) - along).gather(-1, position[:, None, None, :].expand_as(along)).float()
+        exclusive = (along.cumsum(-1) - along).gather(-1, position[:, None, None, :].expand_as(along)).to(dtype)
     return (exclusive.expand(scans, batch, heads, length),
             (exclusive + a).expand(scans, batch, heads, length))
 
