@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import HelpFormatter, kernel_time_us, kernel_timing, markdown_table, positive_int
+from benchmarking import (HelpFormatter, kernel_time_us, kernel_timing, markdown_table, output_folder, positive_int,
+                          write_table)
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
                         metavar="O,L,W", help="the bidirectional backward kernels' settings to try besides the "
                                               "code's")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--out", type=output_folder, default=None,
+                        help="a folder for the table as fused.csv and fused.json (default: printed only)")
     args = parser.parse_args(argv)
     timing = kernel_timing(parser, args.img_size)
     if timing is None:
@@ -125,7 +128,8 @@ def main(argv=None) -> int:
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
                                                                   upstream)]
                 except torch.cuda.OutOfMemoryError:
-                    rows.append(dict(case=case, kernel=name, status="out of memory"))
+                    rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward),
+                                     status="out of memory"))
                     torch.cuda.empty_cache()
                     continue
                 diff = None
@@ -148,6 +152,8 @@ def main(argv=None) -> int:
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreted: no times'}\n")
     print(markdown_table(rows, ["case", "kernel", "forward", "backward", "status", "forward_us", "forward_x",
                                 "train_us", "train_x", "diff"]))
+    if args.out is not None:
+        write_table(rows, args.out, "fused")
     return 0
 
 

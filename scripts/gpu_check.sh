@@ -120,9 +120,11 @@ for part in "${parts[@]}"; do
             # run on each kernel by name (--fused-attention; FLA's: the _fla runs): dispatch.FUSED_ATTENTION
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
                 tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
-            # op by op: the two kernels and the bidirectional kernel's launch settings (its table: the log)
-            run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256
-            run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64
+            # op by op: the two kernels and the bidirectional kernel's launch settings
+            run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256 \
+                --out "$out/fused_kernels"
+            run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64 \
+                --out "$out/fused_kernels_448"
             for kernel in bidirectional fla; do
                 suffix=${kernel/#bidirectional/}  # (FLA's runs: train_fla, train_448_fla)
                 run "train${suffix:+_$suffix}" "${train[@]}" --batch-size 256 --steps 10 --fused-attention "$kernel" \

@@ -210,7 +210,7 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + fused_lines(folder) + group_lines(folder)
+    return lines + fused_lines(folder) + launch_lines(folder) + group_lines(folder)
 
 
 # dispatch.FUSED_ATTENTION's comparisons: the runs on the bidirectional kernel (the fused part's plain names) and on
@@ -241,6 +241,34 @@ def fused_lines(folder: Path) -> List[str]:
     pick = '"bidirectional"' if 2 * faster > len(ratios) else '"fla"'
     return [f"| FUSED_ATTENTION (bidirectional kernel's time over FLA's) | {measured} | {pick} "
             f"(faster in {faster} of {len(ratios)}) |"]
+
+
+def launch_lines(folder: Path) -> List[str]:
+    """The bidirectional kernel's launch settings (bidirectional.FORWARD, BACKWARD) from benchmark_fused.py's rows
+    (the fused_kernels runs): each pair tried, its forward-and-backward time summed over the cases against the
+    code's pair (the first), and the pick, the least."""
+    lines = []
+    for run, what in (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64")):
+        totals: Dict[str, float] = {}
+        failed = set()
+        for row in read(folder / run / "fused.csv"):
+            if row["kernel"] != "bidirectional":
+                continue
+            pair = f"{row['forward']} / {row['backward']}"
+            time = number(row, "train_us")
+            if time is None:
+                failed.add(pair)
+            else:
+                totals[pair] = totals.get(pair, 0.0) + time
+        totals = {pair: total for pair, total in totals.items() if pair not in failed}
+        label = f"bidirectional FORWARD / BACKWARD ({what})"
+        if not totals:
+            lines.append(f"| {label} | not measured | - |")
+            continue
+        code = next(iter(totals.values()))
+        measured = ", ".join(f"{pair} x{total / code:.2f}" for pair, total in totals.items())
+        lines.append(f"| {label} | {measured} of the code's | {min(totals, key=totals.get)} |")
+    return lines
 
 
 # The inference groups' settings, and the kernels each is timed on (the normaliser part): the chunk kernels'

@@ -71,8 +71,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
             continue
-        if command[1] == "scripts/benchmark_fused.py":  # the fused kernels op by op: its table goes to the log
+        if command[1] == "scripts/benchmark_fused.py":  # the fused kernels op by op (a GPU's only: no --device)
             fused_kernels.append((args.img_size, args.batch_size))
+            assert args.out.is_relative_to(out)
             continue
         if command[1] == "scripts/benchmark_products.py":  # the same: 224 px, batch 256, bf16, on the GPU
             assert args.tokens == [197] and args.batch_size == 256
@@ -180,6 +181,7 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
     assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
     assert row["FUSED_ATTENTION"] == ["not measured", "-"]
+    assert row["bidirectional FORWARD / BACKWARD (224 px b256)"] == ["not measured", "-"]
     # the fused attention form's kernel: the one faster in most comparisons (LION-lit's torch matmuls left out)
     write("train_fla/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.9", "lion_d_small,ok,1.2",
           "lion_s_small,ok,1.4")
@@ -209,6 +211,26 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == [
         "1248 px: groups x5.60 (mem x0.90), one call x3.00 (mem x0.99) of DeiT-S",
         "one call (a large RECURRENT_GROUP_PROGRAMS)"]
+
+
+def test_launch_settings_pick_the_least_time_over_the_cases(tmp_path):
+    """The bidirectional kernel's FORWARD / BACKWARD from benchmark_fused.py's CSV (as write_table writes it): each
+    pair's time summed over the cases against the code's pair (the first), a pair that ran out of memory in any
+    case left out, and the least the pick."""
+    import csv
+    (tmp_path / "fused_kernels").mkdir()
+    with open(tmp_path / "fused_kernels" / "fused.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["case", "kernel", "forward", "backward", "status", "train_us"])
+        for case, times in (("lion_d", (100, 80, 70)), ("lion_s", (100, 85, None))):
+            writer.writerow([case, "fla", "", "", "ok", 90])
+            for (forward, backward), time in zip((("64,64,4", "64,32,8"), ("128,64,8", "64,32,8"),
+                                                  ("64,64,4", "32,32,4")), times):
+                writer.writerow([case, "bidirectional", forward, backward, "ok" if time else "out of memory", time])
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["launch_lines"](tmp_path)
+    assert lines == ["| bidirectional FORWARD / BACKWARD (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 "
+                     "x0.82 of the code's | 128,64,8 / 64,32,8 |",
+                     "| bidirectional FORWARD / BACKWARD (448 px b64) | not measured | - |"]
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
