@@ -48,7 +48,7 @@ BACKWARD = (64, 32, 8)
 
 @triton.jit
 def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps):
-    """One scan's E, I (float32) and positions of tokens t."""
+    """One scan's E, I (float32, or float64 for long sequences) and positions of tokens t."""
     at = s * ses + b * seb + h * seh + t * sel
     return (tl.load(E + at, mask=ok, other=0.0), tl.load(I + at, mask=ok, other=0.0),
             tl.load(P + s * sps + t, mask=ok, other=0))
