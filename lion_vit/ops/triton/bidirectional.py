@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
-from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _features_grad, _mapped
+from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, rows_contiguous
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
@@ -98,6 +98,15 @@ def _store_tile(x, value, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K: tl.constexpr,
+          NORM_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A key tile's raw rows, its features and its values."""
+    raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
+    return raw, _features(raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K), _tile(v, b, h, cols, col_ok, svb, svh, svl, DV,
+                                                                           BLOCK_V)
+
+
+@triton.jit
 def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
                     ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
                     MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
@@ -115,9 +124,8 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K,
-                           NORM_K)
-        v_tile = _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V)
+        _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
+                                  BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
         mask = _scan_mask(e0, i0, p0, ek, ik, pk)
         if SCANS == 2:
@@ -126,10 +134,7 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
         numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
-    if SCALING == 0:  # sum
-        numerator = numerator / tl.where(row_ok, normaliser, 1.0)[:, None]
-    elif SCALING == 2:  # max(|z|, 1)
-        numerator = numerator / tl.maximum(tl.abs(normaliser), 1.0)[:, None]
+    numerator = numerator / _divisor(tl.where(row_ok, normaliser, 1.0), SCALING)[:, None]
     _store_tile(y, numerator, b, h, rows, row_ok, syb, syh, syl, DV, BLOCK_V)
     if SCALING != 1:
         tl.store(z + bh.to(tl.int64) * L + rows, normaliser, mask=row_ok)
@@ -148,11 +153,10 @@ def _factors_kernel(dy, y, z, r, delta, sdb, sdh, sdl, syb, syh, syl, L, H, DV, 
                    * _tile(y, b, h, rows, ok, syb, syh, syl, DV, BLOCK_V).to(tl.float32), 1)
     at = bh.to(tl.int64) * L + rows
     normaliser = tl.load(z + at, mask=ok, other=1.0)
-    if SCALING == 0:  # sum
-        factor, correction = 1.0 / normaliser, outer / normaliser
-    else:  # max(|z|, 1): z's gradient only where |z| > 1
-        factor = 1.0 / tl.maximum(tl.abs(normaliser), 1.0)
-        correction = tl.where(tl.abs(normaliser) > 1.0, outer / normaliser, 0.0)
+    factor = 1.0 / _divisor(normaliser, SCALING)
+    correction = outer / normaliser
+    if SCALING == 2:  # max(|z|, 1): z's gradient only where |z| > 1
+        correction = tl.where(tl.abs(normaliser) > 1.0, correction, 0.0)
     tl.store(r + at, factor, mask=ok)
     tl.store(delta + at, correction, mask=ok)
 
@@ -172,15 +176,6 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
           ).to(dy.dtype.element_ty)
     raw = _tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K)
     return raw, _features(raw, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), dn, correction
-
-
-@triton.jit
-def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K: tl.constexpr,
-          NORM_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A key tile's raw rows, its features and its values."""
-    raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
-    return raw, _features(raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K), _tile(v, b, h, cols, col_ok, svb, svh, svl, DV,
-                                                                           BLOCK_V)
 
 
 @triton.jit
@@ -300,10 +295,6 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
         tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di1, mask=row_ok)
 
 
-def _rows_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _strides(x: Tensor) -> Tuple[int, int, int]:
     """(batch, head, token) strides of x [B, H, L, D]."""
     return x.stride(0), x.stride(1), x.stride(2)
@@ -331,7 +322,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
               y: Tensor, z: Optional[Tensor], feature_map: Optional[str], scaling: str) -> Tuple[Tensor, ...]:
     """The gradients of q, k, v (token-major, as a projection's are) and of E and I ([S, B, H, L] float32) from
     dY [B, H, L, Dv] and what _forward took and gave."""
-    dy = _rows_contiguous(dy)
+    dy = rows_contiguous(dy)
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     normalised = scaling != "none"
@@ -429,7 +420,7 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
     if len(log_decays) > 2:
         raise ValueError(f"the bidirectional kernel reads one or two scans, got {len(log_decays)}")
     q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
-    q, k, v = (_rows_contiguous(t.to(dtype)) for t in (q, k, v))
+    q, k, v = (rows_contiguous(t.to(dtype)) for t in (q, k, v))
     batch, heads, length, _ = v.shape
     if traced:
         order = torch.arange(length, device=q.device)[None] if orders is None else orders

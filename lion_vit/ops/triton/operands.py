@@ -219,6 +219,11 @@ def _block(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
+def rows_contiguous(x: Tensor) -> Tensor:
+    """x, or a copy whose last dimension is contiguous: the kernels read rows."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 _TOKENS = 16  # tokens per program
 
 
@@ -229,7 +234,7 @@ class Operands(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, folds: Tensor, layout: Layout, feature_map: Optional[str],
                 dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # (the kernel reads rows)
+        q, k, v = (rows_contiguous(t) for t in (q, k, v))
         batch, length, heads, key_dim = q.shape
         value_dim, sequences = v.shape[-1], len(layout.kv) // length
         key_width, value_width = even(key_dim), even(value_dim)
@@ -304,7 +309,7 @@ class Finish(torch.autograd.Function):
         batch, length, heads, value_dim = y.shape
         layout = ctx.layout
         sequences = len(layout.q) // length
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dy = rows_contiguous(dy)
         grad_out = y.new_empty(batch * sequences, length, heads, ctx.width, dtype=ctx.out_dtype)
         grad_normalisers = normaliser.new_empty(batch * sequences, length, heads)
         _finish_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
