@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .scalings import with_ones
 from .scans import over_scans
 
 
@@ -54,9 +55,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
             """Steps start..stop-1 of the sequence and of its mirror: [2, B, H, stop - start, D]."""
             return torch.stack([t[..., start:stop, :], t[..., length - stop:length - start, :].flip(-2)])
 
-        values = steps(v)
-        if normalised:
-            values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+        values = with_ones(steps(v), normalised)
         block = zip(steps(q).unsqueeze(-2).unbind(-3), steps(k).unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
         outputs = []
         for t, (q_t, k_t, v_t) in enumerate(block, start):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 SCALINGS = ("sum", "none", "max")
@@ -28,3 +29,8 @@ def scaled(numerator: Tensor, normaliser: Optional[Tensor], scaling: str) -> Ten
     if scaling == "max":
         return numerator / normaliser.abs().clamp_min(1.0)
     return numerator / normaliser
+
+
+def with_ones(v: Tensor, normalised: bool = True) -> Tensor:
+    """[v, 1]: the normaliser rides along as one more value column (not normalised: v as it is)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if normalised else v

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .recurrent import STEP_BLOCK  # (the scalar rnn form's block: here, tokens written into the sum at once)
+from .scalings import with_ones
 from .scans import over_scans
 
 
@@ -68,11 +69,6 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
     return both[..., :-1], both[..., -1:]  # views: the sum is the only L-sized result
 
 
-def _with_ones(v: Tensor, normalised: bool = True) -> Tensor:
-    """[v, 1]: the normaliser rides along as one more value column (not normalised: v as it is)."""
-    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) if normalised else v
-
-
 def _cumulative(a: Tensor) -> Tuple[Tensor, Tensor]:
     """(G, H) of log decays a along the tokens (dim -2): H their cumulative sum, G = H - a."""
     total = a.cumsum(-2)
@@ -85,7 +81,7 @@ def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
     ([..., chunks, C, D]; equal chunks of at most `chunk` tokens), then the states entering each chunk from either
     side (`_states`)."""
     length = q.shape[-2]
-    v1 = _with_ones(v, normalised)
+    v1 = with_ones(v, normalised)
     count = -(-length // chunk)
     size = -(-length // count)
     if count * size > length:  # zero keys and values; zero log decays leave G and H as they are
@@ -171,7 +167,7 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
 
     state, first = None, 0
     for lo, hi in bounds:
-        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], _with_ones(v[..., lo:hi, :], normalised)
+        qc, kc, vc = q[..., lo:hi, :], k[..., lo:hi, :], with_ones(v[..., lo:hi, :], normalised)
         out, (g, h) = _pairs(qc, kc, vc, a[..., lo:hi, :], leaf_size)
         total_decay = h[..., -1:, :]
         if state is not None:  # the chunks before
@@ -194,7 +190,7 @@ def _in_loop(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
                 write(lo, last, add=True)
                 last = lo
         if lo:
-            values = _with_ones(v[..., lo:hi, :], normalised)
+            values = with_ones(v[..., lo:hi, :], normalised)
             state = _carried(state, total_decay, _keys_at_start(k[..., lo:hi, :], values, h))
     return total
 

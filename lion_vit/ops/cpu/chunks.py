@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import vector
+from ..scalings import with_ones
 
 
 def at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: Optional[int],
@@ -59,7 +60,7 @@ class _Chunks(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, a: Tensor, order: Optional[Tensor], size: int, g: Tensor,
                 h: Tensor, normalised: bool) -> Tensor:
         length = q.shape[-2]
-        qs, ks, vs = (_in_chunks(t, order, size) for t in (q, k, vector._with_ones(v, normalised)))
+        qs, ks, vs = (_in_chunks(t, order, size) for t in (q, k, with_ones(v, normalised)))
         m = size // 2
         # [..., chunks, 1, Dk]; total a copy: kept for the backward, a view would keep all of H alive
         g_m, h_m, total = g[..., m:m + 1, :], h[..., m:m + 1, :], h[..., -1:, :].clone()
