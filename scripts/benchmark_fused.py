@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, kernel_time_us, kernel_timing, markdown_table, output_folder, positive_int,
-                          write_table)
+from benchmarking import (HelpFormatter, attributes_set, kernel_time_us, kernel_timing, markdown_table, output_folder,
+                          positive_int, write_table)
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -56,13 +56,9 @@ def route(fused: str, forward: Optional[Setting] = None, backward: Optional[Sett
     """dispatch.FUSED_ATTENTION and the bidirectional kernel's settings inside the block (None: the code's)."""
     from lion_vit.ops import dispatch
     from lion_vit.ops.triton import bidirectional
-    saved = dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD
-    dispatch.FUSED_ATTENTION = fused
-    bidirectional.FORWARD, bidirectional.BACKWARD = forward or saved[1], backward or saved[2]
-    try:
+    with attributes_set(dispatch, FUSED_ATTENTION=fused), \
+            attributes_set(bidirectional, FORWARD=forward, BACKWARD=backward):
         yield
-    finally:
-        dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD = saved
 
 
 def main(argv=None) -> int:

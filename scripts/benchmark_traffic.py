@@ -43,6 +43,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's language module is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 
 from timm.layers import Attention
 
+from benchmarking import attributes_set
 from lion_vit.layers import LionAttention
 from lion_vit.ops import dispatch
 
@@ -147,14 +149,11 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 def _chunk_backward_failing(fallback: str) -> Iterator[None]:
     """dispatch's plans as on a Hopper GPU with Triton 3.4.0-3.7.0, training through `fallback` (its warning
     kept quiet)."""
-    saved = dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails
-    dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails = fallback, lambda device: True
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*chunk backward fails")
-            yield
-    finally:
-        dispatch.CHUNK_BACKWARD_FALLBACK, dispatch.triton_backend.chunk_backward_fails = saved
+    with attributes_set(dispatch, CHUNK_BACKWARD_FALLBACK=fallback), \
+            attributes_set(dispatch.triton_backend, chunk_backward_fails=lambda device: True), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*chunk backward fails")
+        yield
 
 
 def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int = 64,
@@ -168,13 +167,9 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
     torch backend's chunk form's (None: one chunk); fallback: train as where FLA's chunk backward fails, through
     this dispatch.CHUNK_BACKWARD_FALLBACK. Forms "bidirectional", "fla": the attention form on that fused kernel."""
     if form in dispatch.FUSED_ATTENTIONS:
-        saved = dispatch.FUSED_ATTENTION
-        dispatch.FUSED_ATTENTION = form
-        try:
+        with attributes_set(dispatch, FUSED_ATTENTION=form):
             return measure_traffic("attention", tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,
                                    autocast, chunk_size, fallback)
-        finally:
-            dispatch.FUSED_ATTENTION = saved
     if fallback is not None:
         with _chunk_backward_failing(fallback):
             return measure_traffic(form, tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,

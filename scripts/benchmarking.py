@@ -255,18 +255,28 @@ def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_s
 
 
 @contextlib.contextmanager
+def attributes_set(owner: Any, **values: Any) -> Iterator[None]:
+    """owner's attributes (a module's tuning hooks) set to the values given inside the block, then restored; a
+    value None leaves the code's: how a script tries a setting without patching the code."""
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        if value is not None:
+            setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def _tuned(share: Optional[float], fused_attention: Optional[str]) -> Iterator[None]:
     """lion_vit.ops.triton.fla.GROUP_SHARE and lion_vit.ops.dispatch.FUSED_ATTENTION set inside the block
     (None: the code's)."""
     from lion_vit.ops import dispatch
     from lion_vit.ops.triton import fla
-    saved = fla.GROUP_SHARE, dispatch.FUSED_ATTENTION
-    fla.GROUP_SHARE = saved[0] if share is None else share
-    dispatch.FUSED_ATTENTION = saved[1] if fused_attention is None else fused_attention
-    try:
+    with attributes_set(fla, GROUP_SHARE=share), attributes_set(dispatch, FUSED_ATTENTION=fused_attention):
         yield
-    finally:
-        fla.GROUP_SHARE, dispatch.FUSED_ATTENTION = saved
 
 
 MEMORY_MODES = ("steady", "first")
