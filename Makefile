@@ -1,5 +1,6 @@
 # One command sets everything up and runs the tests:  make test
-# make gpu-check takes GPU_OUT=<folder>, GPU_PARTS="<parts>" and GPU_BUNDLE=<file.tar.gz> (scripts/gpu_check.sh)
+# make gpu-check takes GPU_OUT=<folder>, GPU_PARTS="<parts>", GPU_BUNDLE=<file.tar.gz> and GPU_DEADLINE=<seconds>
+# (scripts/gpu_check.sh)
 PYTHON ?= python3
 export WANDB_MODE ?= disabled
 
@@ -25,4 +26,5 @@ gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check install
 
 GPU_OUT ?= docs/benchmarks/gpu
 gpu-check:  ## on a CUDA machine: Triton tests, equivalence, benchmarks, in parts of <10 min each -> $(GPU_OUT)/
-	bash scripts/gpu_check.sh --out $(GPU_OUT) $(if $(GPU_BUNDLE),--bundle $(GPU_BUNDLE)) $(GPU_PARTS)
+	bash scripts/gpu_check.sh --out $(GPU_OUT) $(if $(GPU_BUNDLE),--bundle $(GPU_BUNDLE)) \
+	    $(if $(GPU_DEADLINE),--deadline $(GPU_DEADLINE)) $(GPU_PARTS)

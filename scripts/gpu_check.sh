@@ -2,20 +2,22 @@
 # The GPU checks (make gpu-check), for a CUDA machine with PyTorch, timm and matplotlib and no network:
 # wheels in .whl/ (make gpu-wheels, run where pip reaches PyPI) are installed first.
 #
-#   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--dry-run] [PART ...]
+#   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--deadline S] [--dry-run] [PART ...]
 #
 # PART: tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu
-# (all by default, in
-# this order), then the table of the targets met and the settings the timings pick
+# (all by default, in this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
 #   fused | tests inference | equivalence fallback | normaliser forms | graphs compile | compile_natural | input
 #   | input_gpu
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
-# one archive after every part, so that a run cut short still returns what it finished. --commit names
-# the code measured where the copy has no git history. --dry-run prints the estimates (# lines) and the
-# commands instead of running them (tests/test_gpu_check.py checks them on a CPU).
+# one archive after every measurement, so that a run cut short still returns what it finished. --commit
+# names the code measured where the copy has no git history. --deadline S: no measurement runs past S
+# seconds from the start (the one running then is stopped, its log kept; those after it are skipped, and
+# said so), then the targets table and the bundle, so that a call limited to S + 60 s ends with what it
+# measured. --dry-run prints the estimates (# lines) and the commands instead of running them
+# (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu"
@@ -28,10 +30,10 @@ all_parts="tests equivalence inference graphs fused fallback normaliser forms co
 # 37 s; input_gpu: the device decoding's tests, then input's runs with data.decode=gpu)
 declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=9 [fallback]=2 [normaliser]=3 [forms]=6
                     [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
-out="" bundle="" commit="" dry="" parts=()
+out="" bundle="" commit="" deadline="" dry="" parts=()
 while (($#)); do
     case $1 in
-        --out|--bundle|--commit) (($# > 1)) || usage "$1 needs a value"
+        --out|--bundle|--commit|--deadline) (($# > 1)) || usage "$1 needs a value"
             declare "${1#--}=$2"; shift 2 ;;
         --dry-run) dry=1; shift ;;
         -*) usage "unknown option $1" ;;
@@ -40,24 +42,31 @@ while (($#)); do
     esac
 done
 ((${#parts[@]})) || read -ra parts <<<"$all_parts"
+[[ -z $deadline || $deadline =~ ^[1-9][0-9]*$ ]] || usage "--deadline takes whole seconds, not '$deadline'"
 absolute() { [[ -z $1 || $1 == /* ]] && echo "$1" || echo "$PWD/$1"; }  # paths given are the caller's
 out=$(absolute "$out") bundle=$(absolute "$bundle")
 cd "$(dirname "$0")/.."
 out=${out:-docs/benchmarks/gpu}
 
-failed=()
-run() {  # one measurement: its command, its output to the screen and to $out/<log>.log, its duration;
-    # a failure is reported at the end and does not stop the measurements after it
-    local log=$1; shift
-    if [[ -n $dry ]]; then printf '%q ' "$@"; echo; return; fi
-    echo "== $*"
-    local start=$SECONDS
-    "$@" 2>&1 | tee "$out/$log.log" || failed+=("$log")
-    echo "-- $log: $((SECONDS - start)) s"
-}
-
 pack() { [[ -z $bundle ]] || tar czf "$bundle" --exclude="$(basename "$out")/cache" -C "$(dirname "$out")" \
     "$(basename "$out")"; }
+
+failed=() stopped=() skipped=()
+run() {  # one measurement: its command, its output to the screen and to $out/<log>.log, its duration, then
+    # the bundle; a failure is reported at the end and does not stop the measurements after it
+    local log=$1; shift
+    if [[ -n $dry ]]; then printf '%q ' "$@"; echo; return; fi
+    local start=$SECONDS rc=0 limit=()
+    if [[ -n $deadline ]]; then
+        ((deadline > SECONDS)) || { skipped+=("$log"); echo "-- $log: skipped (--deadline $deadline s)"; return; }
+        limit=(timeout --kill-after=10 $((deadline - SECONDS)))
+    fi
+    echo "== $*"
+    "${limit[@]}" "$@" 2>&1 | tee "$out/$log.log" || rc=${PIPESTATUS[0]}
+    if ((rc == 124 || rc == 137)) && ((${#limit[@]})); then stopped+=("$log"); elif ((rc)); then failed+=("$log"); fi
+    echo "-- $log: $((SECONDS - start)) s"
+    pack
+}
 
 if [[ -z $dry ]]; then
     python3 -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_check.sh: no CUDA device here \
@@ -120,18 +129,21 @@ for part in "${parts[@]}"; do
             # run on each kernel by name (--fused-attention; FLA's: the _fla runs): dispatch.FUSED_ATTENTION
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
                 tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
-            # op by op: the two kernels and the bidirectional kernel's launch settings
+            # op by op: the two kernels and the bidirectional kernel's launch settings; then the steps, 224 px on
+            # both kernels first (the runs that pick between them, should a --deadline cut the part short)
             run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256 \
                 --out "$out/fused_kernels"
+            declare -A steps=([train]="--batch-size 256 --steps 10"
+                              [train_448]="--batch-size 64 --img-size 448 --steps 5")
+            for name in train train_448; do
+                for kernel in bidirectional fla; do
+                    suffix=${kernel/#bidirectional/}  # (FLA's runs: train_fla, train_448_fla)
+                    run "$name${suffix:+_$suffix}" "${train[@]}" ${steps[$name]} --fused-attention "$kernel" \
+                        --models $deit $lion --out "$out/$name${suffix:+_$suffix}"
+                done
+            done
             run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64 \
                 --out "$out/fused_kernels_448"
-            for kernel in bidirectional fla; do
-                suffix=${kernel/#bidirectional/}  # (FLA's runs: train_fla, train_448_fla)
-                run "train${suffix:+_$suffix}" "${train[@]}" --batch-size 256 --steps 10 --fused-attention "$kernel" \
-                    --models $deit $lion --out "$out/train${suffix:+_$suffix}"
-                run "train_448${suffix:+_$suffix}" "${train[@]}" --batch-size 64 --img-size 448 --steps 5 \
-                    --fused-attention "$kernel" --models $deit $lion --out "$out/train_448${suffix:+_$suffix}"
-            done
             run train_torch "${train[@]}" --batch-size 256 --steps 10 --attn-backend torch \
                 --models $deit lion_d_small lion_s_natural_small --out "$out/train_torch"
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --models $deit lion_d_small \
@@ -186,11 +198,12 @@ for part in "${parts[@]}"; do
                 --train $deit lion_d_small --compile both --decode gpu --data /tmp/lion-vit-input \
                 --out "$out/input_gpu" ;;
     esac
-    if [[ -z $dry ]]; then
-        echo "-- part $part: $((SECONDS - start)) s"
-        pack
-    fi
+    [[ -n $dry ]] || echo "-- part $part: $((SECONDS - start)) s"
 done
-run targets python3 scripts/gpu_targets.py "$out"  # the targets (docs/benchmarks.md) against what was measured
-[[ -n $dry ]] || { pack; echo "written: $out${bundle:+ (packed into $bundle)}"; }
-if ((${#failed[@]})); then echo "FAILED: ${failed[*]} (their logs are in $out)"; exit 1; fi
+deadline=""  # the targets (docs/benchmarks.md) against what was measured: seconds, whatever the deadline
+run targets python3 scripts/gpu_targets.py "$out"
+[[ -n $dry ]] || echo "written: $out${bundle:+ (packed into $bundle)}"
+((${#stopped[@]})) && echo "STOPPED at the deadline: ${stopped[*]} (their logs are in $out)"
+((${#skipped[@]})) && echo "SKIPPED, past the deadline: ${skipped[*]}"
+((${#failed[@]})) && echo "FAILED: ${failed[*]} (their logs are in $out)"
+if ((${#failed[@]} + ${#stopped[@]} + ${#skipped[@]})); then exit 1; fi

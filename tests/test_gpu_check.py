@@ -3,10 +3,12 @@ the scripts accept (models, forms, sizes, folders), each part is there, and bad 
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import shlex
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,43 @@ def test_parts_run_alone_in_the_order_given():
     assert compile_then_tests[0] == "# part compile: about 4 min on a cold H100"
     assert "benchmark_products.py" in compile_then_tests[1] and "--compile" in compile_then_tests[2]
     assert "pytest" in compile_then_tests[4] and "gpu_targets.py" in compile_then_tests[5]
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 for gpu_check.sh on a CPU: CUDA "is available", the environment prints, FLA's kernel benchmark
+# runs until stopped, every other measurement ends at once
+case "$*" in
+    -c*) ;;
+    -) cat >/dev/null; echo "commit fake" ;;
+    *benchmark_fused.py*) echo "timing"; exec sleep 60 ;;
+    *) echo "ran $*" ;;
+esac
+"""
+
+
+def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
+    """A call limited in time ends with what finished: the measurement running at --deadline is stopped, its
+    log kept, the later ones are skipped, and the targets table and the bundle still come."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    out, bundle = tmp_path / "gpu", tmp_path / "gpu.tar.gz"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", str(out), "--bundle",
+                           str(bundle), "--deadline", "3", "tests", "fused"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "STOPPED at the deadline: fused_kernels (their logs are in %s)" % out in lines
+    skipped = next(line for line in lines if line.startswith("SKIPPED, past the deadline: ")).split(": ")[1].split()
+    assert skipped[:2] == ["train", "train_fla"] and skipped[-1] == "inference_224_b256_fla"  # 224 px first
+    assert not any(line.startswith("FAILED") for line in lines)
+    assert (out / "fused_kernels.log").read_text() == "timing\n"  # what it printed before it was stopped
+    with tarfile.open(bundle) as packed:
+        names = set(packed.getnames())
+    assert {"gpu/tests.log", "gpu/fused_tests.log", "gpu/fused_kernels.log", "gpu/targets.log"} <= names
+    assert "gpu/train.log" not in names
 
 
 def test_each_part_is_estimated_to_fit_a_ten_minute_call():
@@ -307,6 +346,7 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
               "compile_natural input input_gpu)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
+    (["--deadline", "9m"], "--deadline takes whole seconds, not '9m'"),
     ([], "no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine"),
 ])
 def test_bad_use_is_one_line_and_leaves_nothing(args, message, tmp_path):
