@@ -10,6 +10,8 @@ first call would: float16 launches also in bfloat16, the dtype GPUs train in.
 
     python scripts/compile_kernels.py                    # sm_90 (H100, H200) and sm_80 (A100)
     python scripts/compile_kernels.py --arch 90 --quick  # fewer calls (those of tests/test_triton.py)
+    python scripts/compile_kernels.py --save-records launches.json   # then, with another Triton on PYTHONPATH:
+    PYTHONPATH=/tmp/triton python scripts/compile_kernels.py --records launches.json
 
 Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
 cubin its registers per thread, stack frame and local memory, which is where registers spill) and exits 1
@@ -218,6 +220,8 @@ def main(argv=None) -> int:
                         help="compute capabilities to compile for (90: H100/H200, 80: A100)")
     parser.add_argument("--quick", action="store_true", help="record fewer calls: every kernel and flag once")
     parser.add_argument("--records", help="compile the launches in this JSON file instead of recording them")
+    parser.add_argument("--save-records", metavar="FILE", help="record the launches into FILE and stop, for "
+                        "another Triton to compile with --records (a GPU machine's version, on PYTHONPATH)")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     args = parser.parse_args(argv)
     if args.record_to:
@@ -225,13 +229,16 @@ def main(argv=None) -> int:
         return 0
     if args.records is None:  # recorded in a child process: the interpreter is on there, off here
         with tempfile.TemporaryDirectory() as folder:
-            path = str(Path(folder) / "launches.json")
+            path = args.save_records or str(Path(folder) / "launches.json")
             env = dict(os.environ, TRITON_INTERPRET="1")
             child = [sys.executable, __file__, "--record-to", path] + (["--quick"] if args.quick else [])
             if subprocess.run(child, env=env).returncode:
                 print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
                 return 1
             launches = json.loads(Path(path).read_text())
+        if args.save_records:
+            print(f"{len(launches)} launches recorded into {path}")
+            return 0
     else:
         try:
             launches = json.loads(Path(args.records).read_text())

@@ -612,6 +612,20 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
+@pytest.mark.skipif(interpret.ON_GPU, reason="a GPU runs the kernels natively: nothing to record")
+def test_launches_are_saved_for_another_triton_to_compile(tmp_path):
+    """--save-records writes the launches recorded under the interpreter and stops: an older Triton (a GPU
+    machine's, which cannot run this one's interpreter) compiles them with --records."""
+    path = tmp_path / "launches.json"
+    result = subprocess.run([sys.executable, str(interpret.ROOT / "scripts" / "compile_kernels.py"), "--quick",
+                             "--save-records", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    launches = json.loads(path.read_text())
+    assert result.stdout.splitlines()[-1] == f"{len(launches)} launches recorded into {path}"
+    assert {name for _, name, _, _ in launches} >= {"_forward_kernel", "_backward_keys_kernel", "_scan_kernel"}
+    assert "ok   sm_" not in result.stdout  # recorded, not compiled
+
+
 @pytest.mark.parametrize("where, entered", [(("cuda", 1), [torch.device("cuda", 1)]), (("cuda", 0), []),
                                             (("cpu",), [])])
 def test_kernels_launch_with_their_inputs_device_current(where, entered, monkeypatch):
