@@ -15,7 +15,8 @@ own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (pow
 warps. Each row's outputs and gradients are compared with FLA's route's (diff: the largest relative
 difference). Times from
 triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
-the times (use a small --img-size and --batch-size).
+the times (use a small --img-size and --batch-size). A kernel that fails (its compiler's or the driver's error) is
+a row of status "error", its reason printed; the rows after it still run, and the exit code is 1.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, attributes_set, kernel_time_us, kernel_timing, markdown_table, output_folder,
-                          positive_int, write_table)
+from benchmarking import (STATUS_ERROR, HelpFormatter, attributes_set, error_detail, kernel_time_us, kernel_timing,
+                          markdown_table, output_folder, positive_int, write_table)
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -123,10 +124,14 @@ def main(argv=None) -> int:
                     out = call()
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
                                                                   upstream)]
-                except torch.cuda.OutOfMemoryError:
+                except Exception as error:  # out of memory, or a kernel this GPU's compiler or driver refuses: a row
+                    oom = isinstance(error, torch.cuda.OutOfMemoryError)
                     rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward),
-                                     status="out of memory"))
-                    torch.cuda.empty_cache()
+                                     status="out of memory" if oom else STATUS_ERROR))
+                    what = " ".join(filter(None, (case, name, _text(forward), _text(backward))))
+                    print(f"{what}: {error_detail(error)}", flush=True)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
                     continue
                 diff = None
                 if name == "fla":
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
                                 "train_us", "train_x", "diff"]))
     if args.out is not None:
         write_table(rows, args.out, "fused")
-    return 0
+    return 1 if any(row["status"] == STATUS_ERROR for row in rows) else 0
 
 
 def _text(value: Optional[Setting]) -> str:

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from benchmarking import (STATUS_OK, HelpFormatter, add_backend_argument, device_name, markdown_table, model_name,
-                                output_folder, paired_ratio, positive_int, run_spec, train_memory_in_subprocess,
-                                write_table)
+from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, add_backend_argument, device_name, error_detail,
+                          markdown_table, model_name, output_folder, paired_ratio, positive_int, run_spec,
+                          train_memory_in_subprocess, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
 from lion_vit.ops import FORM_CHOICES, dispatch
@@ -139,6 +139,13 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(f"{name}: out of memory at batch {args.batch_size}, {args.img_size} px: left out", flush=True)
             continue
+        except Exception as error:  # a kernel this GPU's compiler or driver refuses: a row, the others still timed
+            if name == baseline:
+                raise
+            failed[name] = STATUS_ERROR
+            del setups[name]
+            print(f"{name}: {error_detail(error)}: left out", flush=True)
+            continue
         peaks[name] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     times = {name: [] for name in setups}
     for _ in range(args.steps):
@@ -180,6 +187,9 @@ def main() -> None:
     if args.profile:
         for name in setups:
             _print_profile(name, lambda: step(name))
+    errors = [name for name, status in failed.items() if status == STATUS_ERROR]
+    if errors:
+        sys.exit(f"benchmark_train.py: {', '.join(errors)} failed (above); the table holds the others")
 
 
 def _print_profile(name: str, run_step) -> None:

@@ -419,8 +419,12 @@ def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
         torch.cuda.empty_cache()
         return {"status": STATUS_OOM, "time_s": None, "peak_mem_mb": None}
     except (ValueError, RuntimeError) as error:  # e.g. a size the patch does not divide: recorded, the sweep goes on
-        return {"status": STATUS_ERROR, "time_s": None, "peak_mem_mb": None,
-                "detail": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        return {"status": STATUS_ERROR, "time_s": None, "peak_mem_mb": None, "detail": error_detail(error)}
+
+
+def error_detail(error: BaseException) -> str:
+    """"Type: first line" of the error that stopped a measurement."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def measure_round_robin(configs: Sequence[Dict[str, Any]], rounds: int, timeout_s: float,

@@ -145,7 +145,8 @@ def test_train_script_ratios_and_profile(tmp_path):
 def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monkeypatch):
     """A form that does not fit on the GPU (the attention form at high resolution) is recorded as out of
     memory and the others are still timed against the baseline; a baseline that does not fit is one line.
-    Simulated on the CPU by models whose forward raises CUDA's out-of-memory error."""
+    A model whose kernel fails there (a compiler's or driver's error) is a row of status error, the others timed,
+    and the script exits 1 once the table is written. Simulated on the CPU by models whose forward raises."""
     import lion_vit.models
     build = lion_vit.models.create_model_at_size
 
@@ -154,6 +155,10 @@ def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monke
         if kwargs.get("attn_form") == "attention" or name == "deit_tiny_patch16_224":
             def forward(x):
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            model.forward = forward
+        if name == "lion_lit_tiny":
+            def forward(x):
+                raise RuntimeError("Triton Error [CUDA]: invalid argument")
             model.forward = forward
         return model
 
@@ -174,6 +179,10 @@ def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monke
     assert rows[1]["step_s"] == "" and float(rows[0]["x_baseline"]) == 1.0 and float(rows[2]["x_baseline"]) > 0
     with pytest.raises(SystemExit, match="the baseline deit_tiny_patch16_224 runs out of memory at --batch-size 2"):
         run("deit_tiny_patch16_224", "lion_d_tiny:chunk")
+    with pytest.raises(SystemExit, match=r"^benchmark_train.py: lion_lit_tiny failed \(above\); the table holds"):
+        run("lion_d_tiny:chunk:4", "lion_lit_tiny", "lion_s_tiny")
+    assert [(r["model"], r["status"], bool(r["step_s"])) for r in read_rows(tmp_path / "train.csv")] == [
+        ("lion_d_tiny", "ok", True), ("lion_lit_tiny", "error", False), ("lion_s_tiny", "ok", True)]
 
 
 def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):

@@ -566,6 +566,28 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_fla(capsys):
     assert (dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD) == before
 
 
+@pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
+def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, monkeypatch):
+    """A route that fails on a GPU (FLA's parallel kernel crashed on H100 with some Tritons) is a row of status
+    error with its reason printed; the bidirectional kernel's rows are still measured, and the exit code is 1."""
+    import runpy
+    from lion_vit.ops import triton as triton_backend
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    monkeypatch.setattr(triton_backend, "attention_form", fails)
+    main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
+    assert main(["--img-size", "64", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
+                 "--cases", "lion_d"]) == 1
+    out = capsys.readouterr().out
+    assert "lion_d fla: RuntimeError: Triton Error [CUDA]: invalid argument" in out.splitlines()
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
+            if line.startswith("| lion_d")]
+    assert [row[1] for row in rows] == ["sdpa", "fla"] + ["bidirectional"] * 3 + ["torch"]
+    assert [row[4] for row in rows] == ["ok", "error"] + ["ok"] * 4
+
+
 # A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses
 NATIVE_ONLY_ERROR = """
 import triton
