@@ -222,25 +222,29 @@ FUSED_RUNS = (("train", "224 px b256", "x_baseline"), ("train_448", "448 px b64"
 
 def fused_lines(folder: Path) -> List[str]:
     """dispatch.FUSED_ATTENTION: each LION model's time against DeiT-S on the bidirectional kernel over that on
-    FLA's (x < 1: the bidirectional kernel is faster), training at 224 and 448 px and inference at 224 px; the
-    pick is the kernel faster in most of them."""
-    ratios = []  # (what, bidirectional / fla)
+    FLA's (x < 1: the bidirectional kernel is faster), training at 224 and 448 px and inference at 224 px; where
+    one kernel failed (or ran out of memory) and the other ran, the other is faster. The pick is the kernel
+    faster in most of them."""
+    results = []  # (what, bidirectional faster)
     for run, what, column in FUSED_RUNS:
         name = "train.csv" if run.startswith("train") else "resolution.csv"
         ours, fla = ({r["model"]: r for r in read(folder / folder_name / name)} for folder_name in (run, run + "_fla"))
-        for model in EAGER_TRAINING:  # (LION-lit: torch matmuls on either)
-            a, b = number(fla.get(model), column), number(ours.get(model), column)
-            if model == "lion_lit_small":
+        for model in EAGER_TRAINING:
+            if model == "lion_lit_small":  # (torch matmuls on either kernel)
                 continue
+            a, b = number(fla.get(model), column), number(ours.get(model), column)
+            label = f"{what} {model[5:-6]}"  # (lion_d_natural_small: d_natural)
             if a and b:
-                ratios.append((f"{what} {model[5:-6]}", b / a))  # (lion_d_natural_small: d_natural)
-    if not ratios:
+                results.append((f"{label} x{b / a:.2f}", b < a))
+            elif (a or b) and model in (fla if b else ours):  # one failed where the other ran
+                results.append((f"{label} {'FLA' if b else 'ours'} failed", bool(b)))
+    if not results:
         return ["| FUSED_ATTENTION | not measured | - |"]
-    faster = sum(ratio < 1 for _, ratio in ratios)
-    measured = ", ".join(f"{what} x{ratio:.2f}" for what, ratio in ratios)
-    pick = '"bidirectional"' if 2 * faster > len(ratios) else '"fla"'
+    faster = sum(ours_faster for _, ours_faster in results)
+    measured = ", ".join(what for what, _ in results)
+    pick = '"bidirectional"' if 2 * faster > len(results) else '"fla"'
     return [f"| FUSED_ATTENTION (bidirectional kernel's time over FLA's) | {measured} | {pick} "
-            f"(faster in {faster} of {len(ratios)}) |"]
+            f"(faster in {faster} of {len(results)}) |"]
 
 
 def launch_lines(folder: Path) -> List[str]:

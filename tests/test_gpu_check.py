@@ -233,6 +233,16 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
         "224 px b256 d x0.80, 224 px b256 s x1.10, inference 224 px b16 d x0.50",
         '"bidirectional" (faster in 2 of 3)']
+    # a kernel that failed (or ran out of memory) where the other ran loses that comparison
+    write("train_448_fla/train.csv", "model,status,x_baseline", "lion_d_small,ok,1.0", "lion_s_small,error,")
+    write("train_448/train.csv", "model,status,x_baseline", "lion_d_small,ok,0.9", "lion_s_small,ok,1.3")
+    write("inference_224_b256_fla/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
+    write("inference_224_b256/resolution.csv", "model,status,time_x_baseline", "lion_d_small,OOM,")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
+    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
+    assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
+        "224 px b256 d x0.80, 224 px b256 s x1.10, 448 px b64 d x0.90, 448 px b64 s FLA failed, inference 224 px "
+        "b16 d x0.50, inference 224 px b256 d ours failed", '"bidirectional" (faster in 4 of 6)']
     # the inference groups: one call is the pick only where it is faster at every size within DeiT-S's memory
     columns = "model,form,resolution,status,time_x_baseline,mem_x_baseline"
     write("groups_code/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.8,0.8",
