@@ -418,7 +418,8 @@ def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"status": STATUS_OOM, "time_s": None, "peak_mem_mb": None}
-    except (ValueError, RuntimeError) as error:  # e.g. a size the patch does not divide: recorded, the sweep goes on
+    except Exception as error:  # a size the patch does not divide, a kernel this GPU's compiler refuses (Triton's
+        # errors are no RuntimeError): recorded, the sweep goes on
         return {"status": STATUS_ERROR, "time_s": None, "peak_mem_mb": None, "detail": error_detail(error)}
 
 

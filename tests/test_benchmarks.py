@@ -405,6 +405,25 @@ def test_scripts_run_from_a_clone_without_installing(tmp_path):
         assert out.startswith("usage: " + script), (script, out[:200])
 
 
+def test_a_kernel_the_gpu_refuses_is_recorded_and_the_sweep_goes_on(monkeypatch):
+    """On CUDA the measurements run in process: an error of Triton's (no RuntimeError) is the row's status, with
+    its reason, as out of memory is."""
+    import benchmarking
+
+    class OutOfResources(Exception):  # (Triton's errors derive from Exception alone)
+        pass
+
+    def fails(**config):
+        raise OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    monkeypatch.setattr(benchmarking, "measure_inference", fails)
+    config = dict(model_name="lion_d_tiny", form="attention", chunk_size=None, img_size=32, batch_size=1,
+                  device="cuda", dtype="bfloat16", repeats=1, memory="steady")
+    assert benchmarking.measure(config, timeout_s=60) == {
+        "status": "error", "time_s": None, "peak_mem_mb": None,
+        "detail": "OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448"}
+
+
 def test_failed_configuration_is_recorded_with_its_reason(tmp_path):
     """A size the patch does not divide fails that configuration only, and says why."""
     config = dict(model_name="lion_d_tiny", form="chunk", chunk_size=4, img_size=40, batch_size=1, device="cpu",
