@@ -81,11 +81,12 @@ if [[ -z $dry ]]; then
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     commit=${commit:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
     environment=$(COMMIT=$commit python3 - <<'PY'
-import os, torch, timm
+import os, torch, timm, triton as compiler
 from lion_vit.ops import triton
 print(f"commit {os.environ['COMMIT']}")
-print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, timm {timm.__version__}, "
-      f"flash-linear-attention {'installed' if triton.available() else triton.unavailable_reason().upper()}")
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {compiler.__version__}, "
+      f"timm {timm.__version__}, flash-linear-attention "
+      f"{'installed' if triton.available() else triton.unavailable_reason().upper()}")
 print(f"float32 dots: PyTorch matmul precision {torch.get_float32_matmul_precision()!r} (TF32 "
       f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}), Triton kernels "
       f"{os.environ.get('TRITON_F32_DEFAULT', 'tf32')!r}; the tests part runs both in IEEE float32, "
