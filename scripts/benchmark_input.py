@@ -19,7 +19,8 @@ train.py trains each model for --epochs on the folder (plus a small val/ split) 
 num_workers=auto, eager and compiled (--compile), decoding in the workers or on the device (--decode:
 data.decode=cpu or gpu), and its last epoch's images per second and share of time waiting for data are
 set against the model-only rate of benchmark_train.py for the same model, batch, precision and compile,
-measured in the same run; <out>/input_train.{csv,json}.
+measured in the same run; <out>/input_train.{csv,json}, written after each run. A run that fails is a row of
+status error, its reason printed, the others still run, and the exit code is 1.
 
     python scripts/benchmark_input.py --device cuda --images 12000 --batch-size 256 \
         --train deit_small_patch16_224 lion_d_small --compile both --decode cpu gpu
@@ -35,7 +36,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -43,8 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, device_name, markdown_table, non_negative_int,  # noqa: E402
-                          output_folder, positive_int, write_table)
+from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, device_name, markdown_table,  # noqa: E402
+                          non_negative_int, output_folder, positive_int, write_table)
 from lion_vit.data import resolve_num_workers  # noqa: E402
 from lion_vit.engine.allocator import keep_freed_memory  # noqa: E402
 
@@ -122,9 +123,11 @@ def images_per_second(batches, epoch: int) -> float:
     return count / (time.perf_counter() - start) if count else 0.0
 
 
-def end_to_end(args, model: str, compile: bool, decode: str, model_only: float, out: Path) -> dict:
+def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optional[float], out: Path) -> dict:
     """train.py on the folder (its last epoch, data.decode=decode) in a subprocess, against `model_only`,
-    benchmark_train.py's images per second for the same model and compile (model_only_rate)."""
+    benchmark_train.py's images per second for the same model and compile (model_only_rate; None: it failed).
+    A run that fails is a row of status error, its reason printed."""
+    what = f"{model}{' compiled' if compile else ''}, decode {decode}"
     run = out / f"train_{model}{'_compiled' if compile else ''}_decode_{decode}"
     shutil.rmtree(run, ignore_errors=True)  # this script's run of an earlier call: train.py refuses a used folder
     recipe_args = [f"img_size={args.img_size}", f"batch_size={args.batch_size}", f"compile={str(compile).lower()}"]
@@ -132,31 +135,55 @@ def end_to_end(args, model: str, compile: bool, decode: str, model_only: float, 
                f"model.name={model}", f"epochs={args.epochs}", "num_workers=auto", "progress=false",
                f"data.decode={decode}", f"device={args.device}", f"output_dir={run}", "logger.wandb.mode=disabled",
                *recipe_args]
+    row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size,
+               img_size=args.img_size, workers=resolve_num_workers("auto"), status=STATUS_OK)
     trained = subprocess.run(command, capture_output=True, text=True)
     if trained.returncode:
-        sys.exit(f"benchmark_input.py: train.py failed for {model}: {trained.stderr.strip().splitlines()[-1]}")
+        print(f"{what}: train.py failed: {_last_line(trained.stderr, trained.returncode)}", flush=True)
+        return dict(row, status=STATUS_ERROR)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size,
-               img_size=args.img_size, workers=resolve_num_workers("auto"), imgs_per_s=last["imgs_per_s"],
-               model_only_imgs_per_s=model_only, x_model_only=last["imgs_per_s"] / model_only,
+    row.update(imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
+               x_model_only=last["imgs_per_s"] / model_only if model_only else None,
                data_wait_share=last["data_wait_share"])
-    print(f"{model}{' compiled' if compile else ''}, decode {decode}: {row['imgs_per_s']:.0f} images/s end to end, "
-          f"{model_only:.0f} model only (x{row['x_model_only']:.2f}), {100 * row['data_wait_share']:.0f} % waiting "
-          f"for data", flush=True)
+    against = f"{model_only:.0f} model only (x{row['x_model_only']:.2f})" if model_only else "no model-only rate"
+    print(f"{what}: {row['imgs_per_s']:.0f} images/s end to end, {against}, {100 * row['data_wait_share']:.0f} % "
+          f"waiting for data", flush=True)
     return row
 
 
-def model_only_rate(args, model: str, compile: bool, out: Path) -> float:
-    """benchmark_train.py's images per second for the model alone (same batch, size, precision and compile)."""
+def model_only_rate(args, model: str, compile: bool, out: Path) -> Optional[float]:
+    """benchmark_train.py's images per second for the model alone (same batch, size, precision and compile);
+    None, its reason printed, where it fails."""
     only = out / f"model_only_{model}{'_compiled' if compile else ''}"
     command = [sys.executable, str(ROOT / "scripts" / "benchmark_train.py"), "--models", model, "--device",
                args.device, "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--batch-size",
                str(args.batch_size), "--img-size", str(args.img_size), "--steps", str(args.steps), "--out", str(only)]
     measured = subprocess.run(command + ["--compile"] * compile, capture_output=True, text=True)
     if measured.returncode:
-        sys.exit(f"benchmark_input.py: benchmark_train.py failed for {model}: {measured.stderr.strip()[-300:]}")
+        print(f"{model}{' compiled' if compile else ''}: benchmark_train.py failed: "
+              f"{_last_line(measured.stderr, measured.returncode)}", flush=True)
+        return None
     with open(only / "train.csv") as f:
         return float(next(csv.DictReader(f))["imgs_per_s"])
+
+
+def _last_line(stderr: str, returncode: int) -> str:
+    return (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1]
+
+
+def end_to_end_rows(args) -> List[dict]:
+    """--train: every model, compile and decoding end to end, the table written after each (a run cut short
+    keeps what finished); the script exits 1 at the end where any failed."""
+    compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
+    model_only = {(model, compile): model_only_rate(args, model, compile, args.out)
+                  for model in args.train for compile in compiled}  # once, whichever the decoding
+    rows = []
+    for decode in args.decode:
+        for model in args.train:
+            for compile in compiled:
+                rows.append(end_to_end(args, model, compile, decode, model_only[model, compile], args.out))
+                write_table(rows, args.out, "input_train")
+    return rows
 
 
 def main() -> None:
@@ -189,14 +216,11 @@ def main() -> None:
     print(f"{args.images} JPEGs in {args.data} ({time.perf_counter() - started:.1f} s)", flush=True)
     if args.train:
         args.data = args.data.resolve()
-        compiled = {"no": [False], "yes": [True], "both": [False, True]}[args.compile]
-        model_only = {(model, compile): model_only_rate(args, model, compile, args.out)
-                      for model in args.train for compile in compiled}  # once, whichever the decoding
-        rows = [end_to_end(args, model, compile, decode, model_only[model, compile], args.out)
-                for decode in args.decode for model in args.train for compile in compiled]
-        write_table(rows, args.out, "input_train")
-        print(markdown_table(rows, ["model", "compile", "decode", "workers", "imgs_per_s",
+        rows = end_to_end_rows(args)
+        print(markdown_table(rows, ["model", "compile", "decode", "workers", "status", "imgs_per_s",
                                     "model_only_imgs_per_s", "x_model_only", "data_wait_share"]))
+        if any(row["status"] != STATUS_OK or row["model_only_imgs_per_s"] is None for row in rows):
+            sys.exit("benchmark_input.py: some runs failed (above); the table holds what was measured")
         return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
     configs = [(path, workers) for workers in args.workers for path in PATHS]

@@ -536,6 +536,41 @@ def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_p
         assert float(row["x_model_only"]) == pytest.approx(float(row["imgs_per_s"]) / float(row["model_only_imgs_per_s"]))
 
 
+def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeypatch, capsys):
+    """A train.py run (or a model-only step) that fails on the GPU is a row of status error, its reason printed;
+    the others are measured and the table is written after each run. Simulated with a stand-in for the
+    subprocesses: LION-d's compiled runs fail, train.py's other runs write their metrics."""
+    import subprocess
+    script = runpy.run_path(str(ROOT / "scripts" / "benchmark_input.py"))
+
+    def run(command, **kwargs):
+        if "compile=true" in command or "--compile" in command:
+            if "model.name=lion_d_small" in command or "lion_d_small" in command:
+                return subprocess.CompletedProcess(command, 1, "", "Traceback\nRuntimeError: Triton Error [CUDA]\n")
+        if "--out" in command:  # benchmark_train.py's model-only step
+            out = Path(command[command.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "train.csv").write_text("model,imgs_per_s\nx,200.0\n")
+        else:  # train.py's run
+            out = Path(next(arg for arg in command if arg.startswith("output_dir="))[len("output_dir="):])
+            out.mkdir(parents=True)
+            (out / "metrics.jsonl").write_text(json.dumps({"imgs_per_s": 150.0, "data_wait_share": 0.25}) + "\n")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    args = argparse.Namespace(train=["deit_small_patch16_224", "lion_d_small"], compile="both", decode=["cpu"],
+                              img_size=224, batch_size=256, epochs=2, steps=10, device="cuda", data=tmp_path / "images",
+                              out=tmp_path / "out")
+    rows = script["end_to_end_rows"](args)
+    assert [(r["model"], r["compile"], r["status"], r.get("x_model_only")) for r in rows] == [
+        ("deit_small_patch16_224", False, "ok", 0.75), ("deit_small_patch16_224", True, "ok", 0.75),
+        ("lion_d_small", False, "ok", 0.75), ("lion_d_small", True, "error", None)]
+    assert [r["status"] for r in read_rows(tmp_path / "out" / "input_train.csv")] == ["ok", "ok", "ok", "error"]
+    printed = capsys.readouterr().out.splitlines()
+    assert "lion_d_small compiled: benchmark_train.py failed: RuntimeError: Triton Error [CUDA]" in printed
+    assert "lion_d_small compiled, decode cpu: train.py failed: RuntimeError: Triton Error [CUDA]" in printed
+
+
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     """scripts/sweep_table.py: last and best top-1 by model over the jobs of a train.py sweep, mean and standard
     deviation; a job that stopped before its epochs is left out; a folder without jobs is one line."""
