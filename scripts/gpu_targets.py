@@ -31,6 +31,10 @@ ATTENTION_SHARE = {1248: 0.25, 1792: 0.15}
 INFERENCE_MODELS = ("lion_d_small", "lion_d_natural_small")
 RNN_OVER_CHUNK = 3.0  # the rnn form's time against the chunk form's
 BASELINE = "deit_small_patch16_224"
+# end to end (train.py's last epoch on the input part's JPEGs) against the model-only step, at least: (model,
+# compiled) -> share, with the JPEGs decoded in the workers (input) and on the GPU (input_gpu)
+END_TO_END = {(BASELINE, True): 0.85, ("lion_d_small", False): 0.9, ("lion_d_small", True): 0.9}
+INPUT_RUNS = (("input", "cpu"), ("input_gpu", "gpu"))
 FIT_FROM = 896  # px: the smallest size fitted (below it a batch of 16 may wait on the host, as batch 1 does)
 
 
@@ -46,10 +50,17 @@ def number(row: Optional[Dict[str, str]], column: str) -> Optional[float]:
     return float(value) if value and (row or {}).get("status", "ok") == "ok" else None
 
 
-def line(target: str, measured: Optional[float], limit: float) -> str:
+def line(target: str, measured: Optional[float], limit: float, at_least: bool = False) -> str:
+    bound = f"{'>=' if at_least else '<='} {limit:g}"
     if measured is None:
-        return f"| {target} | <= {limit:g} | not measured | - |"
-    return f"| {target} | <= {limit:g} | {measured:.3g} | {'yes' if measured <= limit else 'NO'} |"
+        return f"| {target} | {bound} | not measured | - |"
+    met = measured >= limit if at_least else measured <= limit
+    return f"| {target} | {bound} | {measured:.3g} | {'yes' if met else 'NO'} |"
+
+
+def input_rows(folder: Path, run: str) -> Dict[tuple, Dict[str, str]]:
+    """benchmark_input.py --train's rows of a run by (model, compiled)."""
+    return {(r["model"], r["compile"] == "True"): r for r in read(folder / run / "input_train.csv")}
 
 
 def target_lines(folder: Path) -> List[str]:
@@ -78,6 +89,11 @@ def target_lines(folder: Path) -> List[str]:
             lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S"
                               + (", FLA kernel" if kernel else ""),
                               number(rows.get(model), "time_x_baseline"), limit))
+    for run, decode in INPUT_RUNS:
+        rows = input_rows(folder, run)
+        for (model, compiled), least in END_TO_END.items():
+            lines.append(line(f"end to end, decode {decode}, {model} {'compiled' if compiled else 'eager'} x model "
+                              "only", number(rows.get((model, compiled)), "x_model_only"), least, at_least=True))
     fit = deit_fit(folder)
     for batch in (1, 16):
         rows = read(folder / f"resolution_b{batch}" / "resolution.csv")
@@ -210,7 +226,7 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + fused_lines(folder) + launch_lines(folder) + group_lines(folder)
+    return lines + fused_lines(folder) + launch_lines(folder) + group_lines(folder) + decode_lines(folder)
 
 
 # dispatch.FUSED_ATTENTION's comparisons: the runs on the bidirectional kernel (the fused part's plain names) and on
@@ -302,6 +318,22 @@ def group_lines(folder: Path) -> List[str]:
         better = all(whole[0] < groups[0] and whole[1] <= 1 for _, groups, whole in measured)
         lines.append(f"| {label} | {text} of DeiT-S | {f'one call (a large {setting})' if better else 'keep'} |")
     return lines
+
+
+def decode_lines(folder: Path) -> List[str]:
+    """data.decode's default on CUDA: "gpu" only where decoding on the GPU (input_gpu) trained faster end to end
+    than in the workers (input) in every run measured in both."""
+    cpu, gpu = (input_rows(folder, run) for run, _ in INPUT_RUNS)
+    ratios = []
+    for model, compiled in sorted(cpu.keys() & gpu.keys()):
+        before, after = (number(rows[model, compiled], "imgs_per_s") for rows in (cpu, gpu))
+        if before and after:
+            ratios.append((f"{model}{' compiled' if compiled else ''}", after / before))
+    if not ratios:
+        return ["| data.decode on CUDA (images/s, gpu over cpu) | not measured | - |"]
+    pick = '"gpu"' if all(ratio > 1 for _, ratio in ratios) else '"cpu" (as now)'
+    return [f"| data.decode on CUDA (images/s, gpu over cpu) | {', '.join(f'{what} x{r:.2f}' for what, r in ratios)} "
+            f"| {pick} |"]
 
 
 def main() -> None:

@@ -243,6 +243,18 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
         "224 px b256 d x0.80, 224 px b256 s x1.10, 448 px b64 d x0.90, 448 px b64 s FLA failed, inference 224 px "
         "b16 d x0.50, inference 224 px b256 d ours failed", '"bidirectional" (faster in 4 of 6)']
+    # data.decode on CUDA: "gpu" only where it trained faster end to end in every run measured both ways
+    assert row["data.decode on CUDA (images/s, gpu over cpu)"] == ["not measured", "-"]
+    columns = "model,compile,decode,status,imgs_per_s"
+    write("input/input_train.csv", columns, "deit_small_patch16_224,False,cpu,ok,1500",
+          "deit_small_patch16_224,True,cpu,ok,1500", "lion_d_small,True,cpu,ok,1400")
+    write("input_gpu/input_train.csv", columns, "deit_small_patch16_224,False,gpu,ok,3000",
+          "deit_small_patch16_224,True,gpu,ok,4500", "lion_d_small,True,gpu,error,")
+    decode = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["decode_lines"]
+    assert decode(tmp_path) == ['| data.decode on CUDA (images/s, gpu over cpu) | deit_small_patch16_224 x2.00, '
+                                'deit_small_patch16_224 compiled x3.00 | "gpu" |']
+    write("input_gpu/input_train.csv", columns, "deit_small_patch16_224,False,gpu,ok,1400")
+    assert decode(tmp_path)[0].endswith('| deit_small_patch16_224 x0.93 | "cpu" (as now) |')
     # the inference groups: one call is the pick only where it is faster at every size within DeiT-S's memory
     columns = "model,form,resolution,status,time_x_baseline,mem_x_baseline"
     write("groups_code/resolution.csv", columns, "lion_d_small,chunk,896,ok,1.8,0.8",
@@ -307,8 +319,16 @@ def test_targets_table_reads_the_measurements(tmp_path):
     write("resolution_b1/resolution.csv", "model,form,resolution,status,time_s,time_x_baseline,mem_x_baseline",
           "deit_small_patch16_224,,1248,ok,0.01,,", "lion_d_small,chunk,1248,ok,0.004,0.4,1.2",
           "lion_d_small,rnn,1248,ok,0.02,2.0,1.0")
+    columns = "model,compile,decode,status,imgs_per_s,model_only_imgs_per_s,x_model_only"
+    write("input/input_train.csv", columns, "deit_small_patch16_224,True,cpu,ok,6000,7000,0.857",
+          "lion_d_small,False,cpu,ok,2400,2700,0.889", "lion_d_small,True,cpu,error,,,")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["target_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:5]] for cells in (line.split("|") for line in lines[2:])}
+    # end to end against the model-only step: at least the share
+    assert row["end to end, decode cpu, deit_small_patch16_224 compiled x model only"] == [">= 0.85", "0.857", "yes"]
+    assert row["end to end, decode cpu, lion_d_small eager x model only"] == [">= 0.9", "0.889", "NO"]
+    assert row["end to end, decode cpu, lion_d_small compiled x model only"][1:] == ["not measured", "-"]
+    assert row["end to end, decode gpu, lion_d_small eager x model only"][1:] == ["not measured", "-"]
     assert row["train 224 px b256 compiled, lion_d_small x DeiT-S"] == ["<= 1.05", "1", "yes"]
     assert row["train 224 px b256 compiled, lion_d_small peak memory x DeiT-S"] == ["<= 1.1", "1.2", "NO"]
     assert row["train 224 px b256 compiled, lion_s_small x DeiT-S"] == ["<= 1.1", "1.5", "NO"]
@@ -324,10 +344,10 @@ def test_targets_table_reads_the_measurements(tmp_path):
     assert row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:] == ["1.2", "NO"]
     assert row["1248 px b1, lion_d_small rnn time x chunk"][1:] == ["5", "NO"]
     # every target has its line: training (time and memory, five runs of five: 224 and 448 px eager on each kernel,
-    # 224 px compiled; 896 px: two), inference at 224 px (two batches, two kernels), then per batch (1, 16), size
-    # (1248, 1792) and model (two): the rnn's time, the chunk form's memory at 1248 px, and at batch 16 the
-    # attention's share
-    assert len(lines) == 2 + 5 * 5 * 2 + 2 + 2 * 2 + 2 * 2 * 2 + 2 * 2 + 2 * 2
+    # 224 px compiled; 896 px: two), inference at 224 px (two batches, two kernels), end to end (two decodings,
+    # three runs), then per batch (1, 16), size (1248, 1792) and model (two): the rnn's time, the chunk form's
+    # memory at 1248 px, and at batch 16 the attention's share
+    assert len(lines) == 2 + 5 * 5 * 2 + 2 + 2 * 2 + 2 * 3 + 2 * 2 * 2 + 2 * 2 + 2 * 2
 
 
 def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_path):
