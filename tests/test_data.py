@@ -197,3 +197,64 @@ def test_an_evaluation_batch_of_unreadable_images_only_passes_through_the_device
     assert empty.shape[0] == 0 and labels.numel() == 0 and unreadable == [2, 7]
     images, labels, unreadable = split_unreadable(images, more)
     assert torch.equal(images, -torch.ones(1, 3, 4, 4)) and labels.tolist() == [1] and unreadable == [5]
+
+
+class _Draws(torch.utils.data.Dataset):
+    """Each sample: its index, a draw of Python's, NumPy's and torch's random state, and the process's id."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        import os
+        return torch.tensor([index, random.random(), np.random.rand(), torch.rand(()).item(), os.getpid()],
+                            dtype=torch.float64)
+
+
+def test_persistent_workers_draw_as_fresh_workers_each_epoch():
+    """The training loader keeps its workers across epochs and reseeds them at each epoch's first sample as
+    DataLoader seeds workers it starts: its batches equal those of fresh workers each epoch (the loader before,
+    and a run resumed at that epoch) in every random draw, epochs differ, and the main process's random state
+    moves as it did."""
+    from timm.utils import random_seed
+    from lion_vit.data import build_loader
+
+    def epochs(loader, first, count):
+        batches, states = [], []
+        for epoch in range(first, first + count):
+            random_seed(100 + epoch)  # as the trainer does each epoch
+            loader.sampler.set_epoch(epoch)
+            batches.append(torch.cat(list(loader)))
+            states.append(torch.rand(()).item())  # the main process's random state after the epoch
+        return batches, states
+
+    loader = build_loader(_Draws(), train=True, batch_size=4, num_workers=2, rank=0, world_size=1, seed=0)
+    assert loader.persistent_workers
+    kept, kept_states = epochs(loader, 0, 3)
+    fresh, fresh_states = zip(*(epochs(torch.utils.data.DataLoader(
+        _Draws(), batch_size=4, sampler=torch.utils.data.DistributedSampler(_Draws(), 1, 0, shuffle=True, seed=0),
+        num_workers=2, drop_last=True), epoch, 1) for epoch in range(3)))
+    resumed, _ = epochs(build_loader(_Draws(), train=True, batch_size=4, num_workers=2, rank=0, world_size=1,
+                                     seed=0), 2, 1)
+    for epoch in range(3):
+        torch.testing.assert_close(kept[epoch][:, :4], fresh[epoch][0][:, :4], rtol=0, atol=0)
+    torch.testing.assert_close(kept[2][:, :4], resumed[0][:, :4], rtol=0, atol=0)
+    assert kept_states == [state for states in fresh_states for state in states]
+    assert set(kept[0][:, 4].tolist()) == set(kept[2][:, 4].tolist())  # the same two workers
+    assert not set(fresh[0][0][:, 4].tolist()) & set(fresh[2][0][:, 4].tolist())  # (fresh ones: others)
+    assert not torch.equal(kept[0][:, 1:4], kept[1][:, 1:4])  # each epoch its own draws
+
+
+def test_a_process_exits_with_a_loader_whose_workers_are_kept():
+    """A persistent loader still alive at exit (a global, or a traceback's frame) does not hang the process: its
+    workers ignore the SIGTERM that multiprocessing's exit ends them with, and are killed before it waits."""
+    import subprocess
+    import sys
+    script = ("import torch\n"
+              "from lion_vit.data import build_loader\n"
+              "dataset = torch.utils.data.TensorDataset(torch.arange(16))\n"
+              "loader = build_loader(dataset, train=True, batch_size=4, num_workers=2, rank=0, world_size=1, seed=0)\n"
+              "print(len(list(loader)), 'batches')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout == "4 batches\n", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "killed by signal" not in proc.stderr, proc.stderr[-2000:]

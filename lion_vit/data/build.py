@@ -1,16 +1,20 @@
 """Build datasets, timm transforms and (distributed / repeated-augmentation) loaders from config."""
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
+import random
 import signal
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 from timm.data import create_transform
 from timm.data.loader import PrefetchLoader
 from timm.data.distributed_sampler import RepeatAugSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
 
 from ..errors import UserError
 from .compat import patch_timm_posterize
@@ -121,21 +125,106 @@ def build_loader(dataset: Dataset, *, train: bool, batch_size: int, num_workers:
     else:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     dropping = getattr(dataset, "drop_unreadable", False)  # an evaluation ImageFolder: see SafeImageFolder
-    # workers start anew each epoch: their random state comes from (seed, epoch, rank) as they start, which
-    # keeps a resumed run's augmentations those of an uninterrupted one
+    if train and num_workers:  # workers kept across epochs, reseeded at each epoch's first sample
+        sampler, dataset = SeedPerEpoch(sampler), ReseededPerEpoch(dataset)
+    if num_workers:
+        _kill_workers_at_exit()
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=train, persistent_workers=False,
+                      pin_memory=pin_memory, drop_last=train, persistent_workers=num_workers > 0,
                       prefetch_factor=prefetch_factor if num_workers else None,
                       collate_fn=collate_samples if encoded else collate_dropping_unreadable if dropping else None,
-                      worker_init_fn=_leave_signals_to_the_main_process)
+                      worker_init_fn=_leave_signals_to_the_main_process,
+                      # (its own draw of the workers' seeds, made once for persistent workers, from a generator of
+                      # its own: the main process's random stream stays that of fresh workers each epoch)
+                      generator=torch.Generator() if num_workers else None)
+
+
+class SeedPerEpoch(Sampler):
+    """A training sampler whose indices carry the epoch's seed for the workers, drawn from the main process's
+    random state as each epoch's iteration starts, as DataLoader draws it for workers it starts: persistent workers
+    then augment as fresh ones would, and a resumed run (the main process reseeded per epoch) as an uninterrupted
+    one. set_epoch and len reach the sampler it wraps."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        seed = torch.empty((), dtype=torch.int64).random_().item()  # (DataLoader's draw of a base seed)
+        return ((seed, index) for index in self.sampler)
+
+
+class ReseededPerEpoch(Dataset):
+    """A training dataset read through SeedPerEpoch's (seed, index) keys: a worker reseeds Python's, NumPy's and
+    torch's random state at the first sample of each epoch's seed, as DataLoader seeds a worker it starts."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.seeded: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # (classes, samples, ...: the dataset's)
+        if name in ("dataset", "seeded"):  # (not set yet while unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, key: Tuple[int, int]) -> Any:
+        seed, index = key
+        worker = get_worker_info()
+        if worker is not None and seed != self.seeded:
+            random.seed(seed + worker.id)
+            torch.manual_seed(seed + worker.id)
+            np.random.seed(_numpy_seed(seed, worker.id))
+            self.seeded = seed
+        return self.dataset[index]
+
+
+def _numpy_seed(seed: int, worker_id: int) -> Any:
+    """NumPy's seed of a worker, as DataLoader makes it (a private helper of torch's since 1.9)."""
+    try:
+        from torch.utils.data._utils.worker import _generate_state
+    except ImportError:  # (a torch that moved it: a seed of the same inputs)
+        return (seed + worker_id) % 2**32
+    return _generate_state(seed, worker_id)
 
 
 def _leave_signals_to_the_main_process(worker_id: int) -> None:
     """A terminal's Ctrl-C reaches the workers too, and so does a SIGTERM sent to the whole job (SLURM);
     a worker that exits on one makes the loader raise "DataLoader worker exited unexpectedly" in place of
-    the main process's clean stop. The main process stops, and then shuts its workers down."""
+    the main process's clean stop. The main process stops, and then shuts its workers down
+    (_kill_workers_at_exit: those of a loader still alive at exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    """Registers, once, _kill_workers for the main process's exit. multiprocessing's own exit terminates the
+    workers of loaders still alive then (a persistent loader held by a global or a traceback) with the SIGTERM they
+    ignore, then waits for them forever; registered after it, _kill_workers runs before it."""
+    global _killing_at_exit
+    if not _killing_at_exit:
+        atexit.register(_kill_workers)
+        _killing_at_exit = True
+
+
+def _kill_workers() -> None:
+    """Kill the daemonic children (the loaders' workers), as multiprocessing's exit would end them, without the
+    DataLoader's SIGCHLD handler reporting them killed."""
+    if hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+_killing_at_exit = False
 
 
 class SeededRepeatAugSampler(RepeatAugSampler):
