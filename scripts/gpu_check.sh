@@ -11,8 +11,8 @@
 #   fused | tests inference | equivalence fallback | normaliser forms | graphs compile | compile_natural | input
 #   | input_gpu
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
-# caches go to DIR/cache, so that a warm machine reuses them (never packed). --bundle packs DIR into
-# one archive after every measurement, so that a run cut short still returns what it finished. --commit
+# caches go to DIR/cache, so that a warm machine reuses them (never packed, nor are checkpoints). --bundle packs
+# DIR into one archive after every measurement, so that a run cut short still returns what it finished. --commit
 # names the code measured where the copy has no git history. --deadline S: no measurement runs past S
 # seconds from the start (the one running then is stopped, its log kept; those after it are skipped, and
 # said so), then the targets table and the bundle, so that a call limited to S + 60 s ends with what it
@@ -48,8 +48,9 @@ out=$(absolute "$out") bundle=$(absolute "$bundle")
 cd "$(dirname "$0")/.."
 out=${out:-docs/benchmarks/gpu}
 
-pack() { [[ -z $bundle ]] || tar czf "$bundle" --exclude="$(basename "$out")/cache" -C "$(dirname "$out")" \
-    "$(basename "$out")"; }
+pack() {  # (without the caches, nor the checkpoints of the input parts' train.py runs: hundreds of MB)
+    [[ -z $bundle ]] || tar czf "$bundle" --exclude="$(basename "$out")/cache" --exclude="*.pt" \
+        -C "$(dirname "$out")" "$(basename "$out")"; }
 
 failed=() stopped=() skipped=()
 run() {  # one measurement: its command, its output to the screen and to $out/<log>.log, its duration, then

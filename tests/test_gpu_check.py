@@ -164,6 +164,10 @@ def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     out, bundle = tmp_path / "gpu", tmp_path / "gpu.tar.gz"
+    run = out / "input" / "train_deit_small_patch16_224_decode_cpu"  # (a train.py run of an earlier call)
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "checkpoint-last.pt").write_bytes(b"weights")
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", str(out), "--bundle",
                            str(bundle), "--deadline", "3", "tests", "fused"], capture_output=True, text=True,
@@ -179,6 +183,7 @@ def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
         names = set(packed.getnames())
     assert {"gpu/tests.log", "gpu/fused_tests.log", "gpu/fused_kernels.log", "gpu/targets.log"} <= names
     assert "gpu/train.log" not in names
+    assert f"gpu/input/{run.name}/metrics.jsonl" in names and not [name for name in names if name.endswith(".pt")]
 
 
 def test_each_part_is_estimated_to_fit_a_ten_minute_call():
