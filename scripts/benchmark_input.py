@@ -142,6 +142,8 @@ def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optiona
         print(f"{what}: train.py failed: {_last_line(trained.stderr, trained.returncode)}", flush=True)
         return dict(row, status=STATUS_ERROR)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    for checkpoint in run.glob("*.pt"):  # (only the metrics are read; a model's checkpoints take hundreds of MB)
+        checkpoint.unlink()
     row.update(imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
                x_model_only=last["imgs_per_s"] / model_only if model_only else None,
                data_wait_share=last["data_wait_share"])

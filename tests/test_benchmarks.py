@@ -530,7 +530,9 @@ def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_p
     assert rows[0]["model_only_imgs_per_s"] == rows[1]["model_only_imgs_per_s"]  # measured once for both
     for row in rows:
         assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
-        metrics = json.loads((tmp_path / f"train_lion_d_tiny_decode_{row['decode']}" / "metrics.jsonl").read_text())
+        run = tmp_path / f"train_lion_d_tiny_decode_{row['decode']}"
+        metrics = json.loads((run / "metrics.jsonl").read_text())
+        assert not list(run.glob("*.pt"))  # its checkpoints are not kept
         assert float(row["imgs_per_s"]) == pytest.approx(metrics["imgs_per_s"])
         assert float(row["data_wait_share"]) == pytest.approx(metrics["data_wait_share"])
         assert float(row["x_model_only"]) == pytest.approx(float(row["imgs_per_s"]) / float(row["model_only_imgs_per_s"]))
