@@ -44,8 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, device_name, markdown_table,  # noqa: E402
-                          non_negative_int, output_folder, positive_int, write_table)
+from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, device_name, failure_line,  # noqa: E402
+                          markdown_table, non_negative_int, output_folder, positive_int, write_table)
 from lion_vit.data import resolve_num_workers  # noqa: E402
 from lion_vit.engine.allocator import keep_freed_memory  # noqa: E402
 
@@ -139,7 +139,7 @@ def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optiona
                img_size=args.img_size, workers=resolve_num_workers("auto"), status=STATUS_OK)
     trained = subprocess.run(command, capture_output=True, text=True)
     if trained.returncode:
-        print(f"{what}: train.py failed: {_last_line(trained.stderr, trained.returncode)}", flush=True)
+        print(f"{what}: train.py failed: {failure_line(trained)}", flush=True)
         return dict(row, status=STATUS_ERROR)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for checkpoint in run.glob("*.pt"):  # (only the metrics are read; a model's checkpoints take hundreds of MB)
@@ -162,15 +162,11 @@ def model_only_rate(args, model: str, compile: bool, out: Path) -> Optional[floa
                str(args.batch_size), "--img-size", str(args.img_size), "--steps", str(args.steps), "--out", str(only)]
     measured = subprocess.run(command + ["--compile"] * compile, capture_output=True, text=True)
     if measured.returncode:
-        print(f"{model}{' compiled' if compile else ''}: benchmark_train.py failed: "
-              f"{_last_line(measured.stderr, measured.returncode)}", flush=True)
+        print(f"{model}{' compiled' if compile else ''}: benchmark_train.py failed: {failure_line(measured)}",
+              flush=True)
         return None
     with open(only / "train.csv") as f:
         return float(next(csv.DictReader(f))["imgs_per_s"])
-
-
-def _last_line(stderr: str, returncode: int) -> str:
-    return (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1]
 
 
 def end_to_end_rows(args) -> List[dict]:

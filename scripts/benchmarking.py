@@ -405,8 +405,13 @@ def _subprocess(config: Dict[str, Any], timeout_s: float, extra_env: Dict[str, s
         if line.startswith("RESULT "):
             return {"status": STATUS_OK, **json.loads(line[len("RESULT "):])}
     oom = proc.returncode in (-9, 137) or "out of memory" in proc.stderr.lower() or "MemoryError" in proc.stderr
-    tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    return {"status": STATUS_OOM if oom else STATUS_ERROR, "time_s": None, "peak_mem_mb": None, "detail": tail[0]}
+    return {"status": STATUS_OOM if oom else STATUS_ERROR, "time_s": None, "peak_mem_mb": None,
+            "detail": failure_line(proc)}
+
+
+def failure_line(proc: subprocess.CompletedProcess) -> str:
+    """Why a subprocess failed, in one line: its stderr's last (an exception's own line), else its exit code."""
+    return (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
 
 
 def measure(config: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
