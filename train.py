@@ -15,15 +15,19 @@ import os
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from lion_vit.engine import interrupts
 from lion_vit.engine.checkpoint import LAST
+from lion_vit.engine.config import composition_error
 from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError
 
@@ -81,6 +85,28 @@ def _interrupted(cfg: DictConfig, what: str) -> str:
             f"resume=auto output_dir={output_dir}")
 
 
+def _run_main() -> None:
+    """main(), with Hydra's errors while it composes the config (a mistyped setting or config name, an
+    override it cannot parse) as one line and exit 2, as for any bad setting; HYDRA_FULL_ERROR=1 shows Hydra's
+    own report. Hydra raises them to its caller only under HYDRA_FULL_ERROR=1; errors of the run itself
+    then end in a whole traceback, instead of one without Hydra's frames."""
+    report = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as error:
+        if report or _raised_in_the_run(error):
+            raise
+        print(f"error: {composition_error(error)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _raised_in_the_run(error: BaseException) -> bool:
+    """Whether the error came from main's body (a bug: its traceback is wanted), not from composing the config."""
+    frames = traceback.walk_tb(error.__traceback__)
+    return any(frame.f_code is main.__wrapped__.__code__ for frame, _ in frames)
+
+
 if __name__ == "__main__":
     _check_launcher(sys.argv[1:])
-    main()
+    _run_main()

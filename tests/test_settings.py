@@ -24,6 +24,15 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         ((f"output_dir={a_file}",), ("cannot create output_dir", "File exists")),
         (("model.patch_size=3",), ("img_size=32 is not divisible by its patch size 3; pass img_size=<a multiple "
                                    "of 3> or model.patch_size=<a divisor of 32>",)),
+        # Hydra's errors while it composes the config, which it reports over several lines with exit status 1
+        (("epoch=5",), ("epoch is not a setting of train.py; did you mean epochs?",)),
+        (("optim.lrr=1",), ("optim.lrr is not a setting of train.py; did you mean optim.lr",)),
+        (("model.kwargs.foo=1",), ("model.kwargs.foo is not in the config yet; add it with "
+                                   "+model.kwargs.foo=<value>",)),
+        (("model=lionn",), ("there is no config model=lionn; the choices for model are deit, digits, lion",)),
+        (("img_size=[32",), ("cannot read the override img_size=[32",)),
+        (("img_size=32,64",), ("Ambiguous value for argument 'img_size=32,64'", "add --multirun")),
+        (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
     ]
     # independent processes, mostly Python start-up and imports: run side by side, each with its own
     # output_dir in the test's folder (the last case sets its own), which the failed run leaves out

@@ -2,11 +2,13 @@
 
 The values live in configs/ (YAML, grouped by concern) and only there: these dataclasses hold no defaults.
 `check_settings(cfg)` turns a bad value into one line naming the setting and what it must be, before any
-data or model is built (Hydra's own schema check ends in a multi-line report).
+data or model is built (Hydra's own schema check ends in a multi-line report); `composition_error` does the
+same for Hydra's errors while it composes the config from the command line.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -15,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.optim import list_optimizers
 
 from ..data.build import DECODES, KINDS
-from ..errors import UserError
+from ..errors import UserError, first_line
 from ..ops import BACKENDS, FORM_CHOICES
 
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own
@@ -256,6 +258,10 @@ def check_settings(cfg: DictConfig) -> None:
     DataLoader would fail deep inside, or take it silently). Training-only rules are skipped with eval_only."""
     rules = {name: (f, training_only) for name, f, training_only in _fields(RunConfig)}
     try:
+        OmegaConf.to_container(cfg, resolve=True)  # every ${...} in the settings
+    except InterpolationResolutionError as error:
+        raise UserError(f"{error.full_key} cannot be resolved ({first_line(error)}); correct its ${{...}}") from None
+    try:
         OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     except ValidationError as error:
         name = re.sub(r"\[\d+\]$", "", str(error.full_key))
@@ -264,8 +270,7 @@ def check_settings(cfg: DictConfig) -> None:
         raise _not_allowed(name, OmegaConf.select(cfg, name, default=None),
                            expected or _type_name(str(f.type) if f else "")) from None
     except ConfigKeyError as error:
-        raise UserError(f"{error.full_key} is not a setting of train.py; see configs/ for the settings "
-                        f"(model.kwargs takes any timm.create_model argument)") from None
+        raise unknown_setting(str(error.full_key)) from None
     training = cfg.eval_only is not True
     for name, (f, training_only) in rules.items():
         test = f.metadata.get("test")
@@ -274,6 +279,37 @@ def check_settings(cfg: DictConfig) -> None:
             raise _not_allowed(name, value, f.metadata["expected"])
     if training:
         _check_related(cfg)
+
+
+def unknown_setting(name: str) -> UserError:
+    """A setting train.py does not have, with the nearest names it has (a typo is the usual cause)."""
+    near = difflib.get_close_matches(name, [known for known, _, _ in _fields(RunConfig)], n=3, cutoff=0.7)
+    guess = f"; did you mean {' or '.join(near)}?" if near else ""
+    return UserError(f"{name} is not a setting of train.py{guess} (see configs/ for the settings; model.kwargs "
+                     f"takes any timm.create_model argument)")
+
+
+def composition_error(error: Exception) -> str:
+    """One line for Hydra's error while it composes the config from the command line, before train.py runs:
+    a setting the config lacks, a config group option that configs/ lacks, an override it cannot parse.
+    (Hydra prints these over several lines, ending in advice on stack traces; for an unknown setting it
+    suggests appending it with +, which the settings check then refuses.)"""
+    cause = error.__cause__
+    name = str(getattr(cause, "full_key", None) or "")
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and name and not name.startswith("hydra."):
+        if name.startswith("model.kwargs."):  # free keys: timm.create_model's arguments
+            return f"{name} is not in the config yet; add it with +{name}=<value>"
+        return str(unknown_setting(name))
+    missing, options = getattr(error, "missing_cfg_file", None), getattr(error, "options", None)
+    if missing and options:  # group=option, where configs/<group>/ has no <option>.yaml
+        group, _, option = missing.rpartition("/")
+        return f"there is no config {group}={option}; the choices for {group} are {', '.join(options)}"
+    text = str(error).split("Config search path:")[0]  # (a missing config's report ends with where it looked)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if cause is not None:
+        lines.append(first_line(cause))
+    override = getattr(error, "override", None)  # an override Hydra's grammar cannot read
+    return "; ".join([f"cannot read the override {override}"] * bool(override) + lines)
 
 
 def _type_name(annotation: str) -> str:
