@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from lion_vit.engine import interrupts
+from lion_vit.engine import interrupts, rundir
 from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.config import composition_error
 from lion_vit.engine.trainer import train
@@ -35,10 +35,13 @@ from lion_vit.errors import UserError
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
+    job_dir = None  # a sweep job's folder, made by Hydra for this job just now
     if hydra_cfg.mode == RunMode.MULTIRUN:
         # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
         # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
         cfg.output_dir = hydra_cfg.runtime.output_dir
+        output_dir = Path(cfg.output_dir)
+        job_dir = output_dir if output_dir.is_dir() and not any(output_dir.iterdir()) else None
         # and in wandb, one group per sweep, a run per job named after both (unless set)
         wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
         wandb_cfg.group = wandb_cfg.group or sweep
@@ -58,6 +61,8 @@ def main(cfg: DictConfig) -> float:
                 print(_interrupted(cfg, "terminated" if terminated else "interrupted"), file=sys.stderr)
             sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
         if isinstance(error, UserError):
+            if job_dir is not None:  # a job failing before its first epoch leaves no folder, as a single run
+                rundir.remove_if_unused(job_dir, up_to=job_dir)
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         raise

@@ -269,6 +269,16 @@ def test_a_model_name_says_what_changed_it(tmp_path):
     assert_clean_error(proc, "img_size=8 is not divisible by its patch size 16; pass img_size=<a multiple of 16>")
 
 
+def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
+    """Hydra makes a job's folder before the job runs; a job failing before its first epoch removes it, as a
+    single run leaves no output_dir behind (the sweep stops at the failed job)."""
+    sweep = tmp_path / "sweep"
+    proc = run_train("-m", *SMALL_LION, "img_size=36,32", f"output_dir={sweep}")
+    assert proc.returncode == 2
+    assert_clean_error(proc, "img_size=36 is not divisible by its patch size 8")
+    assert not (sweep / "0").exists() and not (sweep / "1").exists()
+
+
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="SLURM is installed here")
 def test_slurm_launcher_without_srun_is_one_line(tmp_path):
     proc = run_train("-m", "hydra/launcher=slurm", f"output_dir={tmp_path / 'sweep'}")
