@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train or evaluate LION-ViT (or any timm model) with the DeiT recipe, configured by Hydra.
 
-    python train.py                                            # quickstart: digits, CPU, ~1 min
+    python train.py                                            # quickstart: digits, CPU, 1-2 min
     python train.py experiment=cifar100 data.root=data/cifar
     torchrun --nproc_per_node=8 train.py experiment=deit_small_imagenet data.root=/datasets/imagenet \
         model.name=lion_d_natural_small
