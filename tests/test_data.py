@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,19 +95,26 @@ def test_flat_val_folder_is_named(tmp_path):
 
 
 def test_cifar_download_failure_is_one_line(tmp_path, monkeypatch):
-    """data.download=true without a network says so and where to fetch the archive, not a urllib traceback."""
+    """data.download=true without a network says so and where to fetch the archive, not a urllib traceback;
+    the folders the download made (data.root and its missing parents) go, with what it wrote there."""
     import urllib.error
     import torchvision.datasets
     from lion_vit.data.datasets import cifar
     from lion_vit.errors import UserError
 
-    def offline(*args, **kwargs):
+    def offline(dataset):  # as torchvision's: the folder first, then the archive, cut short
+        Path(dataset.root).mkdir(parents=True, exist_ok=True)
+        (Path(dataset.root) / dataset.filename).write_bytes(b"part of an archive")
         raise urllib.error.URLError("Name or service not known")
 
     monkeypatch.setattr(torchvision.datasets.CIFAR100, "download", offline)
-    with pytest.raises(UserError, match=r"could not download CIFAR-100 .*Name or service not known.*"
-                                        r"fetch https://\S+cifar-100-python.tar.gz by hand"):
-        cifar(str(tmp_path), 100, train=True, download=True)
+    for root in (tmp_path / "data" / "cifar", tmp_path):
+        with pytest.raises(UserError, match=r"could not download CIFAR-100 .*Name or service not known.*"
+                                            r"fetch https://\S+cifar-100-python.tar.gz by hand"):
+            cifar(str(root), 100, train=True, download=True)
+    assert not (tmp_path / "data").exists()
+    assert tmp_path.is_dir()  # a folder that was there stays (and a part of the archive in it, which
+    # torchvision's next download replaces: it checks the file's md5)
 
 
 def _deit_recipe(folder, *overrides):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -67,9 +68,12 @@ def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable
     if not base.is_dir() and download:
         from torchvision.datasets import CIFAR10, CIFAR100
         dataset = CIFAR10 if num_classes == 10 else CIFAR100
+        missing = [folder for folder in (Path(root), *Path(root).parents) if not folder.exists()]
         try:
             dataset(root, train=train, download=True)
         except OSError as error:  # no network (URLError), a refused write, a truncated archive
+            if missing:  # the folders the download made, and the part of the archive it wrote there
+                shutil.rmtree(missing[-1], ignore_errors=True)
             reason = getattr(error, "reason", None) or error
             raise UserError(f"could not download CIFAR-{num_classes} into {root} ({reason}); fetch {dataset.url} "
                             f"by hand and extract it under data.root") from None
