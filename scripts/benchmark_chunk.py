@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
-                                inference_settings, label, markdown_table, measure_rows, model_name, plot_lines,
-                                positive_int, result_columns, write_table)
+from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, check_patch_multiples,
+                          describe_settings, inference_settings, label, markdown_table, measure_rows, model_name,
+                          plot_lines, positive_int, result_columns, write_table)
 from lion_vit.ops import FORM_NAMES
 
 
@@ -33,6 +33,7 @@ def main() -> None:
                         help="other forms to measure too")
     add_inference_arguments(parser)
     args = parser.parse_args()
+    check_patch_multiples(parser, "--resolution", [args.resolution])
     not_lion = [m for m in args.models if not m.startswith("lion_")]
     if not_lion:
         parser.error(f"argument --models: {not_lion[0]!r} has no chunk form; give LION models (lion_d_small, ...)")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from benchmarking import HelpFormatter, build, markdown_table, positive_int, run_spec
+from benchmarking import HelpFormatter, build, check_patch_multiples, markdown_table, positive_int, run_spec
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:chunk:64", "lion_d_natural_small:chunk:64"]
 
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
                         help="also print each model's top operators by host time, then by GPU time, over three eager "
                              "forwards")
     args = parser.parse_args(argv)
+    check_patch_multiples(parser, "--img-size", [args.img_size])
     if not torch.cuda.is_available():
         print("benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)",
               file=sys.stderr)

@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
-from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, describe_settings,
-                                inference_settings, label, markdown_table, measure_rows, plot_lines, positive_int,
-                                result_columns, run_spec, write_table)
+from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, check_patch_multiples,
+                          describe_settings, inference_settings, label, markdown_table, measure_rows, plot_lines,
+                          positive_int, result_columns, run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:attention", "lion_d_small:chunk:64", "lion_d_small:rnn"]
 
@@ -32,6 +32,7 @@ def main() -> None:
                         help="square image sizes in px, multiples of the patch size (16)")
     add_inference_arguments(parser)
     args = parser.parse_args()
+    check_patch_multiples(parser, "--resolutions", args.resolutions)
 
     rows = [dict(model=model, form=form, chunk_size=chunk, resolution=resolution, tokens=(resolution // 16) ** 2,
                  **inference_settings(args))

@@ -121,6 +121,14 @@ def device_name(text: str) -> str:
     return text
 
 
+def check_patch_multiples(parser: argparse.ArgumentParser, option: str, sizes: List[int]) -> None:
+    """The parser's error for an image size the patch (16 px, every model these scripts time) does not
+    divide: else every run at that size would be a row of errors."""
+    for size in sizes:
+        if size % 16:
+            parser.error(f"{option} {size} is not a multiple of the patch size (16)")
+
+
 def kernel_timing(parser: argparse.ArgumentParser, img_size: int) -> Optional[Tuple[torch.device, torch.dtype, bool]]:
     """For the scripts that time Triton kernels (benchmark_normaliser.py, benchmark_fused.py): the device, the
     16-bit dtype they time (float16 under the interpreter, whose numpy has no bfloat16) and whether Triton's
@@ -132,8 +140,7 @@ def kernel_timing(parser: argparse.ArgumentParser, img_size: int) -> Optional[Tu
         print(f"{parser.prog}: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
               "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
         return None
-    if img_size % 16:
-        parser.error(f"--img-size {img_size} is not a multiple of the patch size (16)")
+    check_patch_multiples(parser, "--img-size", [img_size])
     if interpreted:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         import interpret  # the interpreter's adaptations (tests/interpret.py)
