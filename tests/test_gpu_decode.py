@@ -94,6 +94,28 @@ def test_decoding_equals_pils(device):
     assert apart.max() == 0 if device == "cpu" else apart.float().mean() <= 1.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG's decoding needs a GPU")
+def test_device_decoding_leaves_alone_memory_that_queued_kernels_still_read():
+    """nvJPEG's hardware decoder writes its outputs before the work queued on their stream has run
+    (pytorch/vision#9606). Tensors freed while reductions over them wait behind a long kernel, as a training
+    step's activations when the loader decodes the next batch, must keep their values through the decoding."""
+    files = [read_encoded_bytes(jpeg_bytes(photo(3, 256, 256)))] * 4
+    decoder = Decoder(torch.device("cuda"))
+    decoder(files)  # its start-up (handles, buffers) first
+    elements = 3 * 256 * 256 // 4  # float32 tensors of a decoded image's bytes: the blocks it would be handed
+    wrong = 0
+    for _ in range(50):
+        victims = [torch.full((elements,), 1.5, device="cuda") for _ in files]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # tens of ms of one kernel, ahead of the reductions
+        sums = [victim.sum() for victim in victims]
+        del victims  # their memory goes back to the allocator while the reductions are queued
+        decoder(files)
+        torch.cuda.synchronize()
+        wrong += sum(total.item() != 1.5 * elements for total in sums)
+    assert wrong == 0
+
+
 def read_encoded_bytes(data: bytes, name: str = "x.JPEG"):
     from lion_vit.data.gpu import Encoded
     with Image.open(io.BytesIO(data)) as image:

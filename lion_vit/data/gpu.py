@@ -323,13 +323,31 @@ def collate_samples(batch: List[Tuple[Sample, int]]) -> Tuple[List[Sample], Tens
 
 class Decoder:
     """Batched JPEG decoding on `device`, PIL's decoding for the files it rejects (counted in `fallbacks`;
-    the first is reported with its reason)."""
+    the first is reported with its reason).
+
+    On CUDA it decodes with a stream of its own current: nvJPEG's hardware decoder (A100, H100) writes its
+    outputs before the work already queued on the stream they were allocated on has run, so on the training
+    stream it would be handed, and overwrite, memory freed by the last step that queued kernels still read
+    (pytorch/vision#9606: NaNs or wrong numbers in code that never touched the decoder). Blocks freed on the
+    training stream are not handed out on another; the training stream then waits for the decoding."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.fallbacks = 0
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, files: Sequence[Encoded]) -> List[Tensor]:
+        if self.stream is None:
+            return self.decode(files)
+        with torch.cuda.stream(self.stream):
+            images = self.decode(files)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for image in images:  # used on the training stream: not reused on the decoder's until that use is done
+            image.record_stream(current)
+        return images
+
+    def decode(self, files: Sequence[Encoded]) -> List[Tensor]:
         try:
             return list(decode_jpeg([f.data for f in files], mode=ImageReadMode.RGB, device=self.device))
         except RuntimeError:  # one file the decoder rejects fails the batch: one at a time, to find it
