@@ -309,7 +309,9 @@ def composition_error(error: Exception) -> str:
     if cause is not None:
         lines.append(first_line(cause))
     override = getattr(error, "override", None)  # an override Hydra's grammar cannot read
-    return "; ".join([f"cannot read the override {override}"] * bool(override) + lines)
+    if override:
+        lines.insert(0, f"cannot read the override {override}")
+    return "; ".join(lines)
 
 
 def _type_name(annotation: str) -> str:
