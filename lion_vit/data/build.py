@@ -205,13 +205,12 @@ def _leave_signals_to_the_main_process(worker_id: int) -> None:
 
 
 def _kill_workers_at_exit() -> None:
-    """Registers, once, _kill_workers for the main process's exit. multiprocessing's own exit terminates the
-    workers of loaders still alive then (a persistent loader held by a global or a traceback) with the SIGTERM they
-    ignore, then waits for them forever; registered after it, _kill_workers runs before it."""
-    global _killing_at_exit
-    if not _killing_at_exit:
-        atexit.register(_kill_workers)
-        _killing_at_exit = True
+    """Registers _kill_workers, once (any earlier registration is dropped), for the main process's exit.
+    multiprocessing's own exit terminates the workers of loaders still alive then (a persistent loader held by a
+    global or a traceback) with the SIGTERM they ignore, then waits for them forever; registered after it,
+    _kill_workers runs before it."""
+    atexit.unregister(_kill_workers)
+    atexit.register(_kill_workers)
 
 
 def _kill_workers() -> None:
@@ -222,9 +221,6 @@ def _kill_workers() -> None:
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
-
-
-_killing_at_exit = False
 
 
 class SeededRepeatAugSampler(RepeatAugSampler):
