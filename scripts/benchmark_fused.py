@@ -130,8 +130,7 @@ def main(argv=None) -> int:
                                      status="out of memory" if oom else STATUS_ERROR))
                     what = " ".join(filter(None, (case, name, _text(forward), _text(backward))))
                     print(f"{what}: {error_detail(error)}", flush=True)
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # (nothing to free where CUDA never started: the interpreter's)
                     continue
                 diff = None
                 if name == "fla":
