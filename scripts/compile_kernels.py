@@ -9,7 +9,7 @@ compiles each distinct launch to a cubin for each target with Triton's compiler 
 first call would: float16 launches also in bfloat16, the dtype GPUs train in.
 
     python scripts/compile_kernels.py                    # sm_90 (H100, H200) and sm_80 (A100)
-    python scripts/compile_kernels.py --arch 90 --quick  # fewer calls (those of tests/test_triton.py)
+    python scripts/compile_kernels.py --arch 90 --quick  # fewer calls, each kernel's code once (tests/test_triton.py)
     python scripts/compile_kernels.py --save-records launches.json   # then, with another Triton on PYTHONPATH:
     PYTHONPATH=/tmp/triton python scripts/compile_kernels.py --records launches.json
 
@@ -153,6 +153,40 @@ def _dtype(launch) -> str:
     return next((t for t in ("float16", "bfloat16") if t in tensors), "float32")
 
 
+def _code(launch) -> tuple:
+    """What a launch's code depends on but its 16-bit dtype: the kernel, its constexpr flags, and its arguments'
+    kinds (a tensor's dtype, float16 and bfloat16 read as float32; a number's type), not their values."""
+    module, name, args, kwargs = launch
+
+    def kind(value):
+        if isinstance(value, dict):
+            return "float32" if value["tensor"] in ("float16", "bfloat16") else value["tensor"]
+        return type(value).__name__
+
+    return module, name, tuple(map(kind, args)), tuple((k, v if k.isupper() else kind(v)) for k, v in kwargs.items())
+
+
+def to_compile(launches, quick: bool) -> list:
+    """The launches to compile: each recorded launch and its bfloat16 variant; with `quick`, each distinct code
+    (`_code`: every setting of every kernel's flags) once, in bfloat16 where it reads 16-bit tensors (the dtype
+    GPUs train in), and each kernel once more in float32 and in float16."""
+    launches = [variant for recorded in launches for variant in _variants(recorded)]
+    if not quick:
+        return launches
+    chosen = {}
+    for launch in launches:  # the first launch of each code, or its bfloat16 one
+        code = _code(launch)
+        if code not in chosen or (_dtype(launch) == "bfloat16" and _dtype(chosen[code]) != "bfloat16"):
+            chosen[code] = launch
+    kept = {id(launch) for launch in chosen.values()}
+    covered = {(launch[1], _dtype(launch)) for launch in chosen.values()}
+    for launch in launches:
+        if (launch[1], _dtype(launch)) not in covered:
+            kept.add(id(launch))
+            covered.add((launch[1], _dtype(launch)))
+    return [launch for launch in launches if id(launch) in kept]
+
+
 def nvidia_tool(name: str) -> Optional[str]:
     """The path of an NVIDIA tool as Triton's compiler finds it ("ptxas", "cuobjdump": TRITON_<NAME>_PATH, else
     the one its Linux x86-64 wheels ship), or None where there is none."""
@@ -178,8 +212,8 @@ def _registers(compiled) -> str:
 
 
 def compile_all(launches, archs) -> Tuple[int, int]:
-    """Compiles each launch (and its bfloat16 variant) for each target; prints a line each; returns how many
-    compiled and how many were tried."""
+    """Compiles each launch (`to_compile`'s) for each target; prints a line each; returns how many compiled and
+    how many were tried."""
     import importlib
 
     import torch
@@ -191,7 +225,6 @@ def compile_all(launches, archs) -> Tuple[int, int]:
             return tensor if value["aligned"] else tensor[1:]
         return value
 
-    launches = [variant for recorded in launches for variant in _variants(recorded)]
     failures = 0
     for arch in archs:  # (the last target stays the active driver: a machine without a GPU has no other)
         driver.set_active(_Target(arch))
@@ -218,7 +251,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80],
                         help="compute capabilities to compile for (90: H100/H200, 80: A100)")
-    parser.add_argument("--quick", action="store_true", help="record fewer calls: every kernel and flag once")
+    parser.add_argument("--quick", action="store_true", help="record fewer calls and compile each setting of each "
+                        "kernel's flags once (bfloat16 where 16-bit), each kernel also in float32 and float16")
     parser.add_argument("--records", help="compile the launches in this JSON file instead of recording them")
     parser.add_argument("--save-records", metavar="FILE", help="record the launches into FILE and stop, for "
                         "another Triton to compile with --records (a GPU machine's version, on PYTHONPATH)")
@@ -246,7 +280,7 @@ def main(argv=None) -> int:
             print(f"compile_kernels: cannot read --records {args.records} ({error}); give a JSON file that this "
                   "script's recording wrote, or leave --records out to record the launches here")
             return 2
-    compiled, total = compile_all(launches, args.arch)
+    compiled, total = compile_all(to_compile(launches, args.quick), args.arch)
     print(f"{compiled} of {total} launches compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
     return 0 if compiled == total else 1
 

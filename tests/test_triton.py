@@ -604,23 +604,30 @@ def loop_sum(x, y, n):
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the tests above compile and run every kernel natively")
-@pytest.mark.skipif(compile_kernels.nvidia_tool("ptxas") is None, reason="no ptxas (Triton's Linux x86-64 wheels "
-                    "bring one)")
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
-    """scripts/compile_kernels.py: the launches that the triton backend's calls make here (recorded, not run)
-    compile for sm_90 as a GPU's first call would, each of our ten kernels in float32, float16 and bfloat16;
-    a kernel that the interpreter runs but the compiler refuses fails the check, named with the reason."""
-    launches = compile_kernels.recorded_launches(quick=True)
+    """scripts/compile_kernels.py: --save-records writes the launches that the triton backend's calls make here
+    (recorded under the interpreter, not run) and stops, for another Triton (a GPU machine's) to compile;
+    --records compiles them for sm_90 as a GPU's first call would, each of our ten kernels in float32, float16
+    and bfloat16; a kernel that the interpreter runs but the compiler refuses fails the check, named with the
+    reason."""
+    script, records = str(interpret.ROOT / "scripts" / "compile_kernels.py"), tmp_path / "launches.json"
+    result = subprocess.run([sys.executable, script, "--quick", "--save-records", str(records)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    launches = json.loads(records.read_text())
+    assert result.stdout.splitlines()[-1] == f"{len(launches)} launches recorded into {records}"
+    assert "ok   sm_" not in result.stdout  # recorded, not compiled
+    if compile_kernels.nvidia_tool("ptxas") is None:
+        pytest.skip("no ptxas to compile with (Triton's Linux x86-64 wheels bring one)")
     (tmp_path / "native_only.py").write_text(NATIVE_ONLY_ERROR)
     pointer = {"tensor": "float32", "aligned": True}
     launches.append(["native_only", "loop_sum", [pointer, pointer, 24], {}])
-    (tmp_path / "launches.json").write_text(json.dumps(launches))
+    records.write_text(json.dumps(launches))
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(tmp_path), str(interpret.ROOT)]),
                TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    result = subprocess.run([sys.executable, str(interpret.ROOT / "scripts" / "compile_kernels.py"), "--arch", "90",
-                             "--records", str(tmp_path / "launches.json")], env=env, capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([sys.executable, script, "--arch", "90", "--quick", "--records", str(records)], env=env,
+                            capture_output=True, text=True, timeout=600)
     lines = result.stdout.splitlines()
     assert result.returncode == 1, result.stdout + result.stderr
     ok = [line for line in lines if line.startswith("ok   sm_90 ")]
@@ -634,18 +641,21 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
-@pytest.mark.skipif(interpret.ON_GPU, reason="a GPU runs the kernels natively: nothing to record")
-def test_launches_are_saved_for_another_triton_to_compile(tmp_path):
-    """--save-records writes the launches recorded under the interpreter and stops: an older Triton (a GPU
-    machine's, which cannot run this one's interpreter) compiles them with --records."""
-    path = tmp_path / "launches.json"
-    result = subprocess.run([sys.executable, str(interpret.ROOT / "scripts" / "compile_kernels.py"), "--quick",
-                             "--save-records", str(path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    launches = json.loads(path.read_text())
-    assert result.stdout.splitlines()[-1] == f"{len(launches)} launches recorded into {path}"
-    assert {name for _, name, _, _ in launches} >= {"_forward_kernel", "_backward_keys_kernel", "_scan_kernel"}
-    assert "ok   sm_" not in result.stdout  # recorded, not compiled
+def test_quick_compiles_each_kernels_code_once_and_each_kernel_in_every_dtype():
+    """--quick: launches that differ only in their 16-bit dtype or their arguments' values compile once, in
+    bfloat16 where they read 16-bit tensors; each kernel also once in float32 and in float16. A launch that
+    reads another dtype (float64) is other code."""
+    def launch(name, dtype, flag, n=20, other="float32"):
+        return ["m", name, [{"tensor": dtype, "aligned": True}, {"tensor": other, "aligned": True}, n], {"FLAG": flag}]
+
+    recorded = [launch("a", dtype, flag, n) for dtype in ("float32", "float16") for flag in (0, 1) for n in (20, 32)]
+    recorded += [launch("a", "float16", 0, other="float64"), launch("b", "float32", 0)]
+    assert len(compile_kernels.to_compile(recorded, quick=False)) == 10 + 5  # each float16 launch also in bfloat16
+    quick = [(name, compile_kernels._dtype([m, name, args, flags]), flags["FLAG"], args[1]["tensor"], args[2])
+             for m, name, args, flags in compile_kernels.to_compile(recorded, quick=True)]
+    assert quick == [("a", "float32", 0, "float32", 20), ("a", "float16", 0, "float32", 20),
+                     ("a", "bfloat16", 0, "float32", 20), ("a", "bfloat16", 1, "float32", 20),
+                     ("a", "bfloat16", 0, "float64", 20), ("b", "float32", 0, "float32", 20)]
 
 
 @pytest.mark.parametrize("where, entered", [(("cuda", 1), [torch.device("cuda", 1)]), (("cuda", 0), []),
