@@ -22,6 +22,12 @@ else:  # GPU kernels run on CPU tensors under Triton's interpreter, which must b
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked slow run first (pytest-xdist hands the workers tests in this order): the suite then
+    ends on short tests, where one that starts last would keep a worker busy while the others are idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def chunks_always(monkeypatch):
     """The chunk form cuts every sequence into its chunks, however short. Without this, at the short

@@ -33,6 +33,7 @@ def read_rows(path: Path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_steady_memory_leaves_out_first_call_costs():
     """The first forward pages in library code and allocator pools (megabytes at any size); the
     steady measurement, a second forward in the same fresh process, sees only the activations."""
@@ -79,6 +80,7 @@ def test_unknown_memory_mode_raises():
         measure_inference("deit_tiny_patch16_224", None, None, 32, 1, "cpu", "float32", 0, memory="warm")
 
 
+@pytest.mark.slow
 def test_resolution_and_chunk_scripts(tmp_path):
     # the two scripts (each a fresh process per configuration, mostly start-up) run side by side
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -122,6 +124,7 @@ def test_a_timed_cpu_configuration_takes_memory_and_time_from_two_fresh_processe
     assert timing["repeats"] == 2 and timing["memory"] == "first" and timing_env == {}
 
 
+@pytest.mark.slow
 def test_train_script_ratios_and_profile(tmp_path):
     out = run_script("benchmark_train.py", "--models", "deit_tiny_patch16_224", "lion_d_tiny", "--batch-size", "2",
                      "--img-size", "32", "--steps", "1", "--profile", "--memory", "--out", str(tmp_path))
@@ -185,6 +188,7 @@ def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monke
         ("lion_d_tiny", "ok", True), ("lion_lit_tiny", "error", False), ("lion_s_tiny", "ok", True)]
 
 
+@pytest.mark.slow
 def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
     """--compile: the compiling first call is reported as compile_s, the measured forward after it
     runs the compiled model (one configuration, no timing repeats: one compile; through aot_eager,
@@ -486,6 +490,7 @@ def test_round_robin_keeps_each_configurations_best_time(monkeypatch):
     assert results[1] == {"status": "ok", "time_s": 4.0, "peak_mem_mb": 50.0}
 
 
+@pytest.mark.slow
 def test_the_library_and_train_py_need_no_benchmark_dependency():
     """`pip install lion-vit` has no matplotlib (the [bench] extra): it is not a dependency, no module of
     the package plots, and every module imports without it (an import of it is refused here)."""
@@ -520,6 +525,7 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
         assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
 
 
+@pytest.mark.slow
 def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_path):
     """--train: train.py's last epoch on the folder (plus its val/ split) against benchmark_train.py, with
     the JPEGs decoded in the workers and (--decode gpu, here on the CPU) on the device."""

@@ -30,6 +30,7 @@ def test_checkpoint_loads_into_timm_create_model(trained):
         assert torch.equal(value, weights[key]), key
 
 
+@pytest.mark.slow
 def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
     """The README's fine-tuning overrides: the backbone starts from the checkpoint, and so does its
     classifier where it has the data's number of classes (a new one where not); the run's own checkpoints

@@ -19,7 +19,7 @@ DIGITS_DEIT = ["model=deit", "model.patch_size=2", "+model.kwargs.embed_dim=64",
 QUIET = ["progress=false"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (the slow tests run first: a module fixture would be made twice)
 def teacher(tmp_path_factory):
     """The checkpoint of a softmax DeiT trained by train.py on the digits (about 70 % top-1 in 8 epochs)."""
     out = tmp_path_factory.mktemp("teacher")
@@ -49,6 +49,7 @@ def forms_agree(checkpoint):
     return (logits["attention"].argmax(1) == labels).float().mean().item()
 
 
+@pytest.mark.slow
 def test_hard_distillation_trains_the_default_student_and_logs_both_losses(teacher, tmp_path):
     assert_ok(run_train(*QUIET, "distill=hard", f"distill.teacher_checkpoint={teacher}", "epochs=2",
                         f"output_dir={tmp_path}"))
@@ -68,6 +69,7 @@ def test_soft_distillation_into_a_student_with_a_distillation_token(teacher, tmp
     forms_agree(tmp_path / "checkpoint-last.pt")
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_distillation_ends_with_the_weights_of_an_uninterrupted_run(teacher, tmp_path):
     args = [*QUIET, "distill=hard", f"distill.teacher_checkpoint={teacher}", "aug=deit", "img_size=8",
             "batch_size=128"]

@@ -24,6 +24,7 @@ def ctrl_c_as_in_a_terminal():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_how_to_continue(folder, tmp_path):
     """Ctrl-C (SIGINT) ends the run with exit status 130 and one line saying where it stands, not a
     KeyboardInterrupt traceback; resume=auto then continues it."""
@@ -150,6 +151,7 @@ def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_ranks_stop_before_the_same_step(tmp_path):
     """A rank that stopped alone would leave its peers waiting in the next collective (DDP's gradient
     all-reduce) for good: the ranks agree, so one rank's Ctrl-C stops every rank before the same step."""

@@ -12,6 +12,7 @@ import pytest
 from runs import assert_ok, run_train
 
 
+@pytest.mark.slow
 def test_progress_off_a_terminal_is_a_log_line_every_log_interval_steps(tmp_path):
     """Under SLURM or a pipe (stderr not a terminal) tqdm's redraws would pile up in the log file: progress is
     instead a line every log_interval steps, on stdout and in train.log, and the epoch's line ends the epoch."""

@@ -26,7 +26,7 @@ def _args(folder, output_dir):
             f"output_dir={output_dir}"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (the slow tests run first: a module fixture would be made twice)
 def run(folder, tmp_path_factory):
     """A finished 2-epoch run (last, prev and best checkpoints, two metrics lines)."""
     out = tmp_path_factory.mktemp("run")
@@ -168,6 +168,7 @@ def test_save_together_changes_nothing_when_one_write_fails(tmp_path, monkeypatc
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_job_stops_like_ctrl_c(folder, tmp_path):
     """SIGTERM to the whole process group (SLURM's preemption, with loader workers): the run stops before
     its next step, says how to continue, exits 143 and leaves no temp file; resume=auto continues it."""

@@ -11,6 +11,7 @@ import torch
 from runs import ROOT, SMALL_LION, assert_clean_error, run_train
 
 
+@pytest.mark.slow
 def test_bad_inputs_give_one_clear_line(folder, tmp_path):
     """train.py: one `error:` line, exit status 2, no folder left behind (a few kinds of failure; the
     others raise the same UserError, checked in-process below and in the other test files)."""

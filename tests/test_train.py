@@ -47,6 +47,7 @@ def test_one_epoch_deit_baseline(folder, tmp_path):
     assert len(read_metrics(tmp_path)) == 1
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_gloo(folder, tmp_path):
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
     proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4",

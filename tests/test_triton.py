@@ -143,6 +143,7 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
 
 @pytest.mark.parametrize("route", ["fla", "bidirectional"])
 @pytest.mark.parametrize("scans, length", [(2, 197), (1, 197), (1, 785)], ids=["natural197", "s197", "s785"])
+@pytest.mark.slow
 def test_fused_attention_form_at_vit_lengths(scans, length, route, monkeypatch):
     """The fused attention form (FLA's tiled kernel, or the bidirectional one of ours) as a ViT-S/16 runs it:
     197 tokens (224 px) whose class token has the decay 1 (prefix_decay_one), odd, across the kernels' tiles,
@@ -216,6 +217,7 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths(monkeyp
            value_shape=(2, 2, 31, 24))
 
 
+@pytest.mark.slow
 def test_the_bidirectional_kernel_subtracts_long_sequences_sums_in_float64(monkeypatch):
     """Past FLOAT64_EXPONENTS_ABOVE tokens the cumulative log decays E, I are float64 and the kernels subtract
     them so: at 1,100 tokens whose first half decays fast (0.01) and second slowly (0.9995), the sums reach
@@ -399,6 +401,7 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatc
 
 
 @pytest.mark.parametrize("form", ["chunk", "bidirectional"])
+@pytest.mark.slow
 def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form, chunks_always, monkeypatch):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
     CPU), compiled (graph breaks around FLA's calls; the bidirectional kernel's are custom ops of the graph),
@@ -543,6 +546,7 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
+@pytest.mark.slow
 def test_the_fused_kernels_benchmark_compares_each_setting_with_fla(capsys):
     """scripts/benchmark_fused.py (the GPU comparison of the two fused routes and the bidirectional kernel's launch
     settings) under the interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the
@@ -604,6 +608,7 @@ def loop_sum(x, y, n):
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the tests above compile and run every kernel natively")
+@pytest.mark.slow
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
     """scripts/compile_kernels.py: --save-records writes the launches that the triton backend's calls make here
     (recorded under the interpreter, not run) and stops, for another Triton (a GPU machine's) to compile;
@@ -738,6 +743,7 @@ def test_float16_normalisers_of_long_sequences_stay_finite(form, monkeypatch):
 @pytest.mark.parametrize("form, tokens, dtype, written, saved, backward", [
     ("chunk", 256, torch.float16, 6.5, 3.5, 13.5), ("rnn", 128, torch.float32, 4.5, 4.2, 10.5),
     ("bidirectional", 197, torch.float16, 1.8, 1.5, 5.0)])
+@pytest.mark.slow
 def test_memory_traffic_proxy_around_the_kernels(form, tokens, dtype, written, saved, backward):
     """scripts/benchmark_traffic.py on one attention module (qkv, LION op, proj) at 256 tokens (rnn: 128, where
     its forward multiples are the same), head width 64, training: bytes written by PyTorch operators and saved
