@@ -317,7 +317,8 @@ CHUNKED = [("lion_d_tiny", "aot_eager", ("chunk", 16), (208, 208)),
 @pytest.mark.parametrize("name, backend, form, img_size",
                          [(n, "aot_eager", f, (32, 48)) for n in TINY_NAMES for f in FORMS if f[0] == "attention"
                           or f[0] == "rnn" and n in ("lion_lit_tiny", "lion_s_natural_tiny")]
-                         + CHUNKED + [("lion_s_natural_tiny", "inductor", FORMS[0], (32, 48))],
+                         + CHUNKED + [pytest.param("lion_s_natural_tiny", "inductor", FORMS[0], (32, 48),
+                                                   marks=pytest.mark.slow)],
                          ids=lambda value: (value[0] if isinstance(value[0], str) else "x".join(map(str, value)))
                          if isinstance(value, tuple) else None)
 def test_compile_fullgraph_trains_like_eager(name, backend, form, img_size):
