@@ -621,6 +621,7 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert result.returncode == 0, result.stdout + result.stderr
     launches = json.loads(records.read_text())
     assert result.stdout.splitlines()[-1] == f"{len(launches)} launches recorded into {records}"
+    assert {name for _, name, _, _ in launches} >= {"_forward_kernel", "_backward_keys_kernel", "_scan_kernel"}
     assert "ok   sm_" not in result.stdout  # recorded, not compiled
     if compile_kernels.nvidia_tool("ptxas") is None:
         pytest.skip("no ptxas to compile with (Triton's Linux x86-64 wheels bring one)")
