@@ -657,8 +657,8 @@ def test_quick_compiles_each_kernels_code_once_and_each_kernel_in_every_dtype():
     recorded = [launch("a", dtype, flag, n) for dtype in ("float32", "float16") for flag in (0, 1) for n in (20, 32)]
     recorded += [launch("a", "float16", 0, other="float64"), launch("b", "float32", 0)]
     assert len(compile_kernels.to_compile(recorded, quick=False)) == 10 + 5  # each float16 launch also in bfloat16
-    quick = [(name, compile_kernels._dtype([m, name, args, flags]), flags["FLAG"], args[1]["tensor"], args[2])
-             for m, name, args, flags in compile_kernels.to_compile(recorded, quick=True)]
+    quick = [(name, args[0]["tensor"], flags["FLAG"], args[1]["tensor"], args[2])
+             for _, name, args, flags in compile_kernels.to_compile(recorded, quick=True)]
     assert quick == [("a", "float32", 0, "float32", 20), ("a", "float16", 0, "float32", 20),
                      ("a", "bfloat16", 0, "float32", 20), ("a", "bfloat16", 1, "float32", 20),
                      ("a", "bfloat16", 0, "float64", 20), ("b", "float32", 0, "float32", 20)]
