@@ -338,16 +338,16 @@ class Decoder:
 
     def __call__(self, files: Sequence[Encoded]) -> List[Tensor]:
         if self.stream is None:
-            return self.decode(files)
+            return self._decode(files)
         with torch.cuda.stream(self.stream):
-            images = self.decode(files)
+            images = self._decode(files)
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.stream)
         for image in images:  # used on the training stream: not reused on the decoder's until that use is done
             image.record_stream(current)
         return images
 
-    def decode(self, files: Sequence[Encoded]) -> List[Tensor]:
+    def _decode(self, files: Sequence[Encoded]) -> List[Tensor]:
         try:
             return list(decode_jpeg([f.data for f in files], mode=ImageReadMode.RGB, device=self.device))
         except RuntimeError:  # one file the decoder rejects fails the batch: one at a time, to find it
