@@ -272,12 +272,17 @@ def test_a_model_name_says_what_changed_it(tmp_path):
 
 def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     """Hydra makes a job's folder before the job runs; a job failing before its first epoch removes it, as a
-    single run leaves no output_dir behind (the sweep stops at the failed job)."""
-    sweep = tmp_path / "sweep"
+    single run leaves no output_dir behind (the sweep stops at the failed job). Nor does the sweep's folder
+    stay with only Hydra's multirun.yaml in it, nor the folders made for it; a folder that was there stays."""
+    sweep = tmp_path / "new" / "sweep"
     proc = run_train("-m", *SMALL_LION, "img_size=36,32", f"output_dir={sweep}")
     assert proc.returncode == 2
     assert_clean_error(proc, "img_size=36 is not divisible by its patch size 8")
-    assert not (sweep / "0").exists() and not (sweep / "1").exists()
+    assert list(tmp_path.iterdir()) == []
+    # a swept config that does not exist: Hydra's error while it composes the jobs, after multirun.yaml
+    proc = run_train("-m", *SMALL_LION, "model=lion,nonexistent", f"output_dir={tmp_path}")
+    assert_clean_error(proc, "there is no config model=nonexistent")
+    assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="SLURM is installed here")

@@ -2,13 +2,17 @@
 writes that leave a file whole (its new content, or its old one on a full disk)."""
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import json
 import os
 import socket
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
 from ..errors import UserError
 
@@ -67,11 +71,7 @@ def run_files(output_dir: Path) -> List[str]:
 def claim(output_dir: Path) -> Optional[Path]:
     """Create output_dir, check that it is writable and lock it for this run (rank 0); returns the outermost
     folder it created (output_dir itself, or a parent such as outputs/ on a first run), or None."""
-    created = None
-    for folder in (output_dir, *output_dir.parents):
-        if folder.exists():
-            break
-        created = folder
+    created = outermost_missing(output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file of that name, no permission, a read-only disk
@@ -89,13 +89,47 @@ def remove_if_unused(output_dir: Path, up_to: Optional[Path] = None) -> None:
         return
     for name in ("config.yaml", "train.log"):
         (output_dir / name).unlink(missing_ok=True)
-    for folder in (output_dir, *output_dir.parents):
+    _remove_empty(output_dir, up_to)
+
+
+def outermost_missing(path: Path) -> Optional[Path]:
+    """The outermost of path and its parents that does not exist (what creating path creates), or None."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _remove_empty(folder: Path, up_to: Optional[Path]) -> None:
+    """Remove folder if empty, then each empty parent up to `up_to` (only folder itself where up_to is None)."""
+    for folder in (folder, *folder.parents):
         try:
             folder.rmdir()
         except OSError:  # not empty
             return
         if up_to is None or folder == up_to:
             return
+
+
+class SweepFolder(Callback):
+    """Hydra callback (configs/config.yaml): a sweep (-m) that ends before any job has left a file, at bad
+    input in its first job or a swept config that does not exist, leaves no output_dir holding nothing but
+    the multirun.yaml Hydra writes there before the first job."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not (sweep_dir / "multirun.yaml").exists():  # (an earlier sweep's record stays)
+            # at exit, however the sweep ends: Hydra calls on_multirun_end only after every job has succeeded
+            atexit.register(self._remove_if_no_job, sweep_dir, outermost_missing(sweep_dir))
+
+    @staticmethod
+    def _remove_if_no_job(sweep_dir: Path, created: Optional[Path]) -> None:
+        if sweep_dir.is_dir() and [path.name for path in sweep_dir.iterdir()] == ["multirun.yaml"]:
+            (sweep_dir / "multirun.yaml").unlink()
+            if created is not None:  # a folder that was there before stays
+                _remove_empty(sweep_dir, up_to=created)
 
 
 def write_atomic(path: Path, text: str) -> None:
