@@ -93,7 +93,7 @@ def recorded_launches(quick: bool) -> list:
     """Runs `calls` under the interpreter (TRITON_INTERPRET=1), launching no kernel, and returns the distinct
     launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype and alignment."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import interpret  # the interpreter's two adaptations for FLA's kernels (tests/interpret.py)
+    import interpret  # the interpreter's adaptations for FLA's kernels (tests/interpret.py)
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 

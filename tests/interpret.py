@@ -2,7 +2,10 @@
 conftest.py before Triton's language module is imported) and two adaptations that the interpreter needs
 and a GPU does not, which is why they live in the tests:
 
-- the autotuner would time every configuration through the GPU driver, absent here: keep the first;
+- the autotuner would time every configuration through the GPU driver, absent here: keep the first, and
+  time nothing (Triton before 3.7 times even a single configuration);
+- Triton before 3.7 reads a scalar's value with `int()` of a one-element array, which numpy 2.4 refuses:
+  squeeze it first, as later Triton does;
 - FLA calls `.to(tl.int64)` on loop indices, which the interpreter leaves Python ints: make each loop
   index a Triton scalar at the top of the loop body, as the compiler does;
 - speed only: the interpreter patches triton.language for each launch and again at every call of a
@@ -32,6 +35,7 @@ def adapt_interpreter() -> None:
 
     prune = autotuner.Autotuner.prune_configs
     autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]  # (then run once)
 
     class LoopIndexAsScalar(interpreter.ASTTransformer):
         def visit_For(self, node):
@@ -45,6 +49,12 @@ def adapt_interpreter() -> None:
     interpreter.FunctionRewriter.ast_transformer = LoopIndexAsScalar()
     if hasattr(interpreter, "_LangPatchScope"):  # (Triton whose launches undo their patch through a scope)
         interpreter._patch_lang = _patched_once(interpreter._patch_lang)
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def patch_tensor_index(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        interpreter._patch_lang_tensor = patch_tensor_index
     adapt_interpreter.done = True
 
 
