@@ -1,5 +1,5 @@
 """Run flash-linear-attention's Triton kernels on a CPU: Triton's interpreter (TRITON_INTERPRET=1, set by
-conftest.py before Triton's language module is imported) and two adaptations that the interpreter needs
+conftest.py before Triton's language module is imported) and the adaptations that the interpreter needs
 and a GPU does not, which is why they live in the tests:
 
 - the autotuner would time every configuration through the GPU driver, absent here: keep the first, and

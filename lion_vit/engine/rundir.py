@@ -102,9 +102,9 @@ def outermost_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def _remove_empty(folder: Path, up_to: Optional[Path]) -> None:
-    """Remove folder if empty, then each empty parent up to `up_to` (only folder itself where up_to is None)."""
-    for folder in (folder, *folder.parents):
+def _remove_empty(path: Path, up_to: Optional[Path]) -> None:
+    """Remove path's folder if empty, then each empty parent up to `up_to` (only path itself where up_to is None)."""
+    for folder in (path, *path.parents):
         try:
             folder.rmdir()
         except OSError:  # not empty
