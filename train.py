@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train or evaluate LION-ViT (or any timm model) with the DeiT recipe, configured by Hydra.
+r"""Train or evaluate LION-ViT (or any timm model) with the DeiT recipe, configured by Hydra.
 
     python train.py                                            # quickstart: digits, CPU, 1-2 min
     python train.py experiment=cifar100 data.root=data/cifar

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The training input pipeline alone, in images per second by number of DataLoader workers: train.py's
+r"""The training input pipeline alone, in images per second by number of DataLoader workers: train.py's
 loader (uint8 images from the workers, normalised and randomly erased on the device) beside the path it
 replaced (timm's transform normalising and erasing in the workers, float32 batches), in one run.
 

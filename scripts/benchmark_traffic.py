@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A CPU proxy for a LION layer's GPU memory traffic (docs/benchmarks.md, "Traffic").
+r"""A CPU proxy for a LION layer's GPU memory traffic (docs/benchmarks.md, "Traffic").
 
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py                 # chunk and rnn, 256 tokens
     TRITON_INTERPRET=1 python scripts/benchmark_traffic.py --forms chunk --tokens 1024 --dtype float16

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training-step throughput of LION models against DeiT in the same process (the paper's Table 2
+r"""Training-step throughput of LION models against DeiT in the same process (the paper's Table 2
 "train time"): forward, backward and AdamW step at 224 px, timed round-robin over the models so
 machine noise hits them all alike.
 

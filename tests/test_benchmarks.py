@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import os
@@ -392,6 +393,16 @@ for script in scripts:
         if exit.code:
             raise
 """
+
+
+def test_each_scripts_help_shows_its_example_commands_as_written():
+    """An example command continued with a backslash keeps its two lines in `--help` (a raw docstring), so it
+    can be pasted into a shell; in a plain docstring the backslash would join them."""
+    for path in [ROOT / "train.py", *sorted((ROOT / "scripts").glob("*.py"))]:
+        text = path.read_text()
+        docstring = ast.parse(text).body[0].value
+        continued = [line for line in ast.get_source_segment(text, docstring).splitlines() if line.endswith("\\")]
+        assert set(continued) <= set(docstring.value.splitlines()), path.name
 
 
 def test_scripts_run_from_a_clone_without_installing(tmp_path):
