@@ -10,8 +10,8 @@ The images are a synthetic ImageFolder of JPEGs with ImageNet's size distributio
 quality 90, made once into --data; nothing is downloaded), read with the DeiT-S recipe of
 `experiment=deit_small_imagenet` (RandomResizedCrop, RandAugment m9, random erasing 0.25, repeated
 augmentation), as train.py builds it. Each configuration is timed --repeats times, round-robin over the
-configurations, from its first batch to its last (the workers' start-up left out); the best run counts.
-Prints each rate and its ratio to the old path at the same number of workers, and writes
+configurations, from its DataLoader's first batch to the last batch out (the workers' start-up left out); the
+best run counts. Prints each rate and its ratio to the old path at the same number of workers, and writes
 <out>/input.{csv,json}.
 
 With --train MODEL ..., end to end instead (a GPU's measurement, as gpu_check.sh's `input` part runs it):
@@ -99,28 +99,49 @@ def workers_transform(cfg) -> Callable:
                             interpolation=data.interpolation, mean=tuple(data.mean), std=tuple(data.std))
 
 
+class FirstBatchClock:
+    """A DataLoader noting when its first batch comes out. Both paths are timed from there: timm's
+    PrefetchLoader hands out batch k only once k + 1 is loaded, and timed from the first batch it hands out,
+    the device path would be credited with a batch made before the clock started."""
+
+    def __init__(self, loader):
+        self.loader, self.start = loader, None
+
+    def __iter__(self):
+        self.start = None
+        for batch in self.loader:
+            if self.start is None:
+                self.start = time.perf_counter()
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
 def loader(cfg, path: str, workers: int):
-    """The training loader of one path, as train.py builds it (its sampler, repeated augmentation included)."""
+    """The training loader of one path, as train.py builds it (its sampler, repeated augmentation included),
+    and the clock of its DataLoader."""
     from lion_vit.data import build_dataset, build_loader, build_transform, on_device
     transform = build_transform(cfg.data, cfg.aug, cfg.img_size, train=True) if path == "device" \
         else workers_transform(cfg)
     dataset = build_dataset(cfg.data, "train", transform)
-    built = build_loader(dataset, train=True, batch_size=cfg.batch_size, num_workers=workers, rank=0, world_size=1,
-                         seed=0, repeated_aug=cfg.aug.repeated_aug, prefetch_factor=cfg.prefetch_factor)
-    return on_device(built, cfg.data, cfg.aug, torch.device("cpu")) if path == "device" else built
+    clock = FirstBatchClock(build_loader(dataset, train=True, batch_size=cfg.batch_size, num_workers=workers,
+                                         rank=0, world_size=1, seed=0, repeated_aug=cfg.aug.repeated_aug,
+                                         prefetch_factor=cfg.prefetch_factor))
+    return (on_device(clock, cfg.data, cfg.aug, torch.device("cpu")) if path == "device" else clock), clock
 
 
-def images_per_second(batches, epoch: int) -> float:
-    """One epoch of a loader: images after the first batch per second after it arrived."""
+def images_per_second(batches, clock: FirstBatchClock, epoch: int) -> float:
+    """One epoch of a loader: the images after the first batch per second after the DataLoader made it."""
     batches.sampler.set_epoch(epoch)
     torch.manual_seed(epoch)
-    start, count = None, 0
-    for images, _ in batches:
-        if start is None:
-            start = time.perf_counter()
-            continue
-        count += images.shape[0]
-    return count / (time.perf_counter() - start) if count else 0.0
+    batches = iter(batches)
+    next(batches, None)  # the first batch: the clock started as the DataLoader made it
+    count = sum(images.shape[0] for images, _ in batches)
+    return count / (time.perf_counter() - clock.start) if count else 0.0
 
 
 def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optional[float], out: Path) -> dict:
@@ -225,7 +246,7 @@ def main() -> None:
     rates: Dict[tuple, List[float]] = {config: [] for config in configs}
     for repeat in range(args.repeats):  # round-robin: machine noise hits every configuration alike
         for path, workers in configs:
-            rates[path, workers].append(images_per_second(loader(cfg, path, workers), repeat))
+            rates[path, workers].append(images_per_second(*loader(cfg, path, workers), repeat))
             print(f"{path:8s} {workers} workers: {rates[path, workers][-1]:7.1f} images/s", flush=True)
     rows = []
     for path, workers in configs:

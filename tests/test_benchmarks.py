@@ -536,6 +536,30 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
         assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
 
 
+def test_input_script_times_both_paths_from_the_dataloaders_first_batch(monkeypatch):
+    """With each image costing one tick of a fake clock, both paths deliver one image a tick, though timm's
+    PrefetchLoader (the device path) hands out a batch only once the next one is loaded."""
+    from timm.data.loader import PrefetchLoader
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+    script = runpy.run_path(str(ROOT / "scripts" / "benchmark_input.py"))
+    ticks = [0]
+
+    class Images(Dataset):
+        def __len__(self):
+            return 24
+
+        def __getitem__(self, index: int):
+            ticks[0] += 1
+            return torch.zeros(3, 4, 4, dtype=torch.uint8), 0
+
+    fake_time = argparse.Namespace(perf_counter=lambda: ticks[0])
+    monkeypatch.setitem(script["images_per_second"].__globals__, "time", fake_time)
+    for wrap in (lambda clock: clock, lambda clock: PrefetchLoader(clock, device=torch.device("cpu"))):
+        sampler = DistributedSampler(Images(), num_replicas=1, rank=0, shuffle=False)
+        clock = script["FirstBatchClock"](DataLoader(Images(), batch_size=4, sampler=sampler))
+        assert script["images_per_second"](wrap(clock), clock, 0) == 1.0
+
+
 @pytest.mark.slow
 def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_path):
     """--train: train.py's last epoch on the folder (plus its val/ split) against benchmark_train.py, with
