@@ -12,7 +12,7 @@ quality 90, made once into --data; nothing is downloaded), read with the DeiT-S 
 augmentation), as train.py builds it. Each configuration is timed --repeats times, round-robin over the
 configurations, from its DataLoader's first batch to the last batch out (the workers' start-up left out); the
 best run counts. Prints each rate and its ratio to the old path at the same number of workers, and writes
-<out>/input.{csv,json}.
+<out>/input.{csv,json}; each row names the PIL that ran (Pillow, or the drop-in Pillow-SIMD: docs/training.md).
 
 With --train MODEL ..., end to end instead (a GPU's measurement, as gpu_check.sh's `input` part runs it):
 train.py trains each model for --epochs on the folder (plus a small val/ split) with the recipe and
@@ -144,6 +144,15 @@ def images_per_second(batches, clock: FirstBatchClock, epoch: int) -> float:
     return count / (time.perf_counter() - clock.start) if count else 0.0
 
 
+def pillow() -> str:
+    """The PIL that decodes and augments, as its distribution names it ("pillow-simd 12.1.1.post0"): a row's
+    rate depends on it, and the drop-in fork installs under Pillow's module name."""
+    import PIL
+    from importlib.metadata import packages_distributions, version
+    names = [name for name in packages_distributions().get("PIL", []) if version(name) == PIL.__version__]
+    return f"{names[0] if names else 'pillow'} {PIL.__version__}"
+
+
 def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optional[float], out: Path) -> dict:
     """train.py on the folder (its last epoch, data.decode=decode) in a subprocess, against `model_only`,
     benchmark_train.py's images per second for the same model and compile (model_only_rate; None: it failed).
@@ -242,6 +251,8 @@ def main() -> None:
             sys.exit("benchmark_input.py: some runs failed (above); the table holds what was measured")
         return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
+    pil = pillow()
+    print(f"decoded and augmented by {pil}", flush=True)
     configs = [(path, workers) for workers in args.workers for path in PATHS]
     rates: Dict[tuple, List[float]] = {config: [] for config in configs}
     for repeat in range(args.repeats):  # round-robin: machine noise hits every configuration alike
@@ -252,7 +263,8 @@ def main() -> None:
     for path, workers in configs:
         best, old = max(rates[path, workers]), max(rates["workers", workers])
         rows.append(dict(path=path, workers=workers, batch_size=args.batch_size, img_size=args.img_size,
-                         images=args.images, imgs_per_s=best, x_workers_path=best / old if old else None))
+                         images=args.images, pillow=pil, imgs_per_s=best,
+                         x_workers_path=best / old if old else None))
     write_table(rows, args.out, "input")
     print(markdown_table(rows, ["path", "workers", "imgs_per_s", "x_workers_path"]))
 

@@ -534,6 +534,8 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     for old, new in (rows[0:2], rows[2:4]):
         assert float(old["x_workers_path"]) == 1.0 and float(new["imgs_per_s"]) > 0
         assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
+    import PIL  # each row names the PIL that ran, which a drop-in fork (Pillow-SIMD) would change
+    assert {row["pillow"] for row in rows} == {f"pillow {PIL.__version__}"} and f"by pillow {PIL.__version__}" in out
 
 
 def test_input_script_times_both_paths_from_the_dataloaders_first_batch(monkeypatch):
