@@ -13,6 +13,9 @@ augmentation), as train.py builds it. Each configuration is timed --repeats time
 configurations, from its DataLoader's first batch to the last batch out (the workers' start-up left out); the
 best run counts. Prints each rate and its ratio to the old path at the same number of workers, and writes
 <out>/input.{csv,json}; each row names the PIL that ran (Pillow, or the drop-in Pillow-SIMD: docs/training.md).
+The device here is the CPU: this process normalises and erases, its OpenMP threads waiting passively
+(OMP_WAIT_POLICY=PASSIVE unless set) rather than spinning on the cores the workers need, as a GPU's work would
+leave them; each row names the policy.
 
 With --train MODEL ..., end to end instead (a GPU's measurement, as gpu_check.sh's `input` part runs it):
 train.py trains each model for --epochs on the folder (plus a small val/ split) with the recipe and
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,8 +42,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
-import torch
+GIVEN_ENV = dict(os.environ)  # (--train: train.py and benchmark_train.py run with the environment as given)
+if __name__ == "__main__":  # before torch loads OpenMP, which reads it once
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
@@ -167,7 +175,7 @@ def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optiona
                *recipe_args]
     row = dict(model=model, compile=compile, decode=decode, device=args.device, batch_size=args.batch_size,
                img_size=args.img_size, workers=resolve_num_workers("auto"), status=STATUS_OK)
-    trained = subprocess.run(command, capture_output=True, text=True)
+    trained = subprocess.run(command, capture_output=True, text=True, env=GIVEN_ENV)
     if trained.returncode:
         print(f"{what}: train.py failed: {failure_line(trained)}", flush=True)
         return dict(row, status=STATUS_ERROR)
@@ -190,7 +198,7 @@ def model_only_rate(args, model: str, compile: bool, out: Path) -> Optional[floa
     command = [sys.executable, str(ROOT / "scripts" / "benchmark_train.py"), "--models", model, "--device",
                args.device, "--dtype", "bfloat16" if args.device == "cuda" else "float32", "--batch-size",
                str(args.batch_size), "--img-size", str(args.img_size), "--steps", str(args.steps), "--out", str(only)]
-    measured = subprocess.run(command + ["--compile"] * compile, capture_output=True, text=True)
+    measured = subprocess.run(command + ["--compile"] * compile, capture_output=True, text=True, env=GIVEN_ENV)
     if measured.returncode:
         print(f"{model}{' compiled' if compile else ''}: benchmark_train.py failed: {failure_line(measured)}",
               flush=True)
@@ -251,8 +259,8 @@ def main() -> None:
             sys.exit("benchmark_input.py: some runs failed (above); the table holds what was measured")
         return
     cfg = recipe(args.data.resolve(), args.img_size, args.batch_size)
-    pil = pillow()
-    print(f"decoded and augmented by {pil}", flush=True)
+    pil, wait_policy = pillow(), os.environ.get("OMP_WAIT_POLICY", "")
+    print(f"decoded and augmented by {pil}; OpenMP threads here wait: {wait_policy or 'as OpenMP does'}", flush=True)
     configs = [(path, workers) for workers in args.workers for path in PATHS]
     rates: Dict[tuple, List[float]] = {config: [] for config in configs}
     for repeat in range(args.repeats):  # round-robin: machine noise hits every configuration alike
@@ -263,7 +271,7 @@ def main() -> None:
     for path, workers in configs:
         best, old = max(rates[path, workers]), max(rates["workers", workers])
         rows.append(dict(path=path, workers=workers, batch_size=args.batch_size, img_size=args.img_size,
-                         images=args.images, pillow=pil, imgs_per_s=best,
+                         images=args.images, pillow=pil, omp_wait_policy=wait_policy, imgs_per_s=best,
                          x_workers_path=best / old if old else None))
     write_table(rows, args.out, "input")
     print(markdown_table(rows, ["path", "workers", "imgs_per_s", "x_workers_path"]))

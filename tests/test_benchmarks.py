@@ -536,6 +536,9 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
         assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
     import PIL  # each row names the PIL that ran, which a drop-in fork (Pillow-SIMD) would change
     assert {row["pillow"] for row in rows} == {f"pillow {PIL.__version__}"} and f"by pillow {PIL.__version__}" in out
+    # the device's work is this process's: its OpenMP threads wait passively, unless the environment says otherwise
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert {row["omp_wait_policy"] for row in rows} == {policy} and f"OpenMP threads here wait: {policy}" in out
 
 
 def test_input_script_times_both_paths_from_the_dataloaders_first_batch(monkeypatch):
@@ -588,9 +591,13 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
     the others are measured and the table is written after each run. Simulated with a stand-in for the
     subprocesses: LION-d's compiled runs fail, train.py's other runs write their metrics."""
     import subprocess
+    given = dict(os.environ)
     script = runpy.run_path(str(ROOT / "scripts" / "benchmark_input.py"))
 
+    environments = []
+
     def run(command, **kwargs):
+        environments.append(kwargs.get("env"))
         if "compile=true" in command or "--compile" in command:
             if "model.name=lion_d_small" in command or "lion_d_small" in command:
                 return subprocess.CompletedProcess(command, 1, "", "Traceback\nRuntimeError: Triton Error [CUDA]\n")
@@ -616,6 +623,8 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
     printed = capsys.readouterr().out.splitlines()
     assert "lion_d_small compiled: benchmark_train.py failed: RuntimeError: Triton Error [CUDA]" in printed
     assert "lion_d_small compiled, decode cpu: train.py failed: RuntimeError: Triton Error [CUDA]" in printed
+    # train.py and benchmark_train.py run with the environment the script was given, not its OpenMP setting
+    assert len(environments) == 8 and all(env == given for env in environments)
 
 
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
