@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""The fused attention form's kernels op by op on a GPU: FLA's route (lion_vit.ops.dispatch.FUSED_ATTENTION
-"fla") against the bidirectional kernel of ours in each launch setting given (ops/triton/bidirectional.py:
-FORWARD, BACKWARD), forward, and forward and backward, at one layer's shapes, as ratios to FLA's route; SDPA
-(DeiT-S's attention, the same q, k, v) beside them for scale, and the portable attention form (backend torch).
+"""The fused attention form's kernel op by op on a GPU: the bidirectional kernel of ours in its code's launch
+settings and in each other one given (ops/triton/bidirectional.py: FORWARD, BACKWARD), forward, and forward and
+backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v) in the same run; the
+portable attention form (backend torch) beside them.
 
     python scripts/benchmark_fused.py                              # 224 px, batch 256
     python scripts/benchmark_fused.py --img-size 448 --batch-size 64 --backward 64,32,8 32,32,4
@@ -10,13 +10,13 @@ FORWARD, BACKWARD), forward, and forward and backward, at one layer's shapes, as
 One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (feature map silu_norm, which
 the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
 LION-s-natural (two snake scans, class token first), decays in (0.5, 1), and LION-lit, whose code runs
-Q (K^T V) in torch matmuls ("linear"; both kernels forced beside it, every decay 1). Settings as
+Q (K^T V) in torch matmuls ("linear"; the kernel forced beside it, every decay 1). Settings as
 own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (powers of two, at least 16),
-warps. Each row's outputs and gradients are compared with FLA's route's (diff: the largest relative
-difference). Times from
-triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it runs on a CPU, the comparison without
-the times (use a small --img-size and --batch-size). A kernel that fails (its compiler's or the driver's error) is
-a row of status "error", its reason printed; the rows after it still run, and the exit code is 1.
+warps. Each row's outputs and gradients are compared with those of the kernel in the code's settings (diff: the
+largest relative difference). Times from triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it
+runs on a CPU, the comparison without the times (use a small --img-size and --batch-size). A kernel that fails
+(its compiler's or the driver's error) is a row of status "error", its reason printed; the rows after it still
+run, and the exit code is 1.
 """
 from __future__ import annotations
 
@@ -53,12 +53,10 @@ def setting(text: str) -> Setting:
 
 
 @contextlib.contextmanager
-def route(fused: str, forward: Optional[Setting] = None, backward: Optional[Setting] = None) -> Iterator[None]:
-    """dispatch.FUSED_ATTENTION and the bidirectional kernel's settings inside the block (None: the code's)."""
-    from lion_vit.ops import dispatch
+def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None) -> Iterator[None]:
+    """The bidirectional kernel's settings inside the block (None: the code's)."""
     from lion_vit.ops.triton import bidirectional
-    with attributes_set(dispatch, FUSED_ATTENTION=fused), \
-            attributes_set(bidirectional, FORWARD=forward, BACKWARD=backward):
+    with attributes_set(bidirectional, FORWARD=forward, BACKWARD=backward):
         yield
 
 
@@ -87,7 +85,7 @@ def main(argv=None) -> int:
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
     code = bidirectional.FORWARD, bidirectional.BACKWARD
-    kernels = [("fla", None, None), ("bidirectional", *code)]
+    kernels = [("bidirectional", *code)]
     kernels += [("bidirectional", forward, code[1]) for forward in args.forward if forward != code[0]]
     kernels += [("bidirectional", code[0], backward) for backward in args.backward if backward != code[1]]
     rows = []
@@ -103,10 +101,9 @@ def main(argv=None) -> int:
         upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
 
         def attention(backend: str = "triton", kernel: Optional[str] = None):
-            """The layer's call; kernel: a fused kernel forced (LION-lit's plan runs torch matmuls)."""
+            """The layer's call; kernel: the fused kernel forced (LION-lit's plan runs torch matmuls)."""
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
-            plan = Plan("attention", "triton", whole=True, bidirectional=kernel == "bidirectional") \
-                if kernel and case == "lion_lit" else None
+            plan = Plan("attention", "triton", whole=True) if kernel and case == "lion_lit" else None
             return lion_attention(q, k, v, leaves[1] if len(leaves) > 1 else None, orders, form="attention",
                                   backend=backend, feature_map="silu_norm", plan=plan)
 
@@ -119,7 +116,7 @@ def main(argv=None) -> int:
         runs += [("linear", None, None, attention) if case == "lion_lit" else
                  ("torch", None, None, partial(attention, "torch"))]
         for name, forward, backward, call in runs:
-            with route(name if name in ("fla", "bidirectional") else "fla", forward, backward):
+            with launch_settings(forward, backward):
                 try:
                     out = call()
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
@@ -133,7 +130,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()  # (nothing to free where CUDA never started: the interpreter's)
                     continue
                 diff = None
-                if name == "fla":
+                if expected is None and name == "bidirectional":  # (the code's settings: the first kernel row)
                     expected = results
                 elif expected is not None and name != "sdpa":
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
@@ -142,12 +139,12 @@ def main(argv=None) -> int:
                                                                                        allow_unused=True)))
             rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward),
                              status="ok", forward_us=times[0], train_us=times[1], diff=diff))
-        if not interpreted:  # ratios to this case's FLA row
-            fla = next(row for row in rows[first:] if row["kernel"] == "fla")
+        if not interpreted:  # ratios to this case's SDPA row
+            baseline = rows[first]
             for row in rows[first:]:
-                if row["status"] == "ok" and fla["status"] == "ok":
-                    row["forward_x"] = row["forward_us"] / fla["forward_us"]
-                    row["train_x"] = row["train_us"] / fla["train_us"]
+                if row["status"] == "ok" and baseline["status"] == "ok":
+                    row["forward_x"] = row["forward_us"] / baseline["forward_us"]
+                    row["train_x"] = row["train_us"] / baseline["train_us"]
     print(f"{args.img_size} px ({length} tokens), batch {batch}, {heads} heads of {width}, {dtype}, "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU, interpreted: no times'}\n")
     print(markdown_table(rows, ["case", "kernel", "forward", "backward", "status", "forward_us", "forward_x",

@@ -13,8 +13,8 @@ One attention module of a one-block lion_d (qkv projection, LION op, output proj
 lion_d_natural, on a square grid) runs a training-mode forward (--inference: an evaluation forward
 without autograd, whose batch runs in groups of images on the triton backend: --batch) on the triton
 backend under Triton's interpreter, or on the portable torch forms (--backend torch). Form "deit" is
-timm's softmax Attention (SDPA) of the same width, the baseline; "bidirectional" and "fla" the attention form
-on that fused kernel (dispatch.FUSED_ATTENTION), "attention" on the code's. --autocast keeps the weights in float32
+timm's softmax Attention (SDPA) of the same width, the baseline; "attention" the attention form (on the triton
+backend the bidirectional kernel, fused). --autocast keeps the weights in float32
 and runs under CPU autocast to --dtype, as training on a GPU does. --fallback trains as where FLA's chunk
 backward fails (Hopper with Triton 3.4.0-3.7.0), through that dispatch.CHUNK_BACKWARD_FALLBACK. Byte
 counts, as multiples of
@@ -165,11 +165,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
     (form "deit": timm's Attention) as multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens
     (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype; chunk_size: the
     torch backend's chunk form's (None: one chunk); fallback: train as where FLA's chunk backward fails, through
-    this dispatch.CHUNK_BACKWARD_FALLBACK. Forms "bidirectional", "fla": the attention form on that fused kernel."""
-    if form in dispatch.FUSED_ATTENTIONS:
-        with attributes_set(dispatch, FUSED_ATTENTION=form):
-            return measure_traffic("attention", tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,
-                                   autocast, chunk_size, fallback)
+    this dispatch.CHUNK_BACKWARD_FALLBACK."""
     if fallback is not None:
         with _chunk_backward_failing(fallback):
             return measure_traffic(form, tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,
@@ -227,10 +223,8 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--forms", nargs="+", choices=["attention", *dispatch.FUSED_ATTENTIONS, "chunk", "rnn",
-                                                       "deit"],
-                        default=["chunk", "rnn"], help="LION forms (bidirectional, fla: the attention form on that "
-                                                       "fused kernel), or deit: timm's softmax Attention, the baseline")
+    parser.add_argument("--forms", nargs="+", choices=["attention", "chunk", "rnn", "deit"],
+                        default=["chunk", "rnn"], help="LION forms, or deit: timm's softmax Attention, the baseline")
     parser.add_argument("--backend", choices=["triton", "torch"], default="triton")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="the torch backend's chunk form's (default: one chunk; the triton kernels tile 64)")

@@ -66,10 +66,6 @@ def main() -> None:
                         default=dispatch.CHUNK_BACKWARD_FALLBACK,
                         help="what trains in the chunk form where flash-linear-attention's chunk backward fails "
                              "(Hopper with Triton 3.4.0-3.7.0): dispatch.CHUNK_BACKWARD_FALLBACK")
-    parser.add_argument("--fused-attention", choices=sorted(dispatch.FUSED_ATTENTIONS),
-                        default=dispatch.FUSED_ATTENTION,
-                        help="the triton backend's fused attention form: FLA's kernel or the bidirectional one of "
-                             "ours (dispatch.FUSED_ATTENTION)")
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
                              "or glibc's 'default' (large tensors page-faulted in again every step)")
@@ -82,7 +78,6 @@ def main() -> None:
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
     dispatch.CHUNK_BACKWARD_FALLBACK = args.chunk_backward_fallback
-    dispatch.FUSED_ATTENTION = args.fused_attention
     if args.device == "cpu" and args.malloc == "keep":
         keep_freed_memory()
 

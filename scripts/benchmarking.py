@@ -157,7 +157,6 @@ def kernel_time_us(fn: Callable[[], Any]) -> float:
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
     """The measurement options of the inference benchmarks (benchmark_resolution.py, benchmark_chunk.py)."""
-    from lion_vit.ops.dispatch import FUSED_ATTENTIONS
     parser.add_argument("--batch-size", type=positive_int, default=1)
     parser.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -180,9 +179,6 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the triton backend's inference groups of images: a group's kernel buffers at most this "
                              "share of the batch's q, k, v (default: the code's, lion_vit.ops.triton.fla.GROUP_SHARE); "
                              "a large value runs the batch in one call")
-    parser.add_argument("--fused-attention", choices=sorted(FUSED_ATTENTIONS), default=None,
-                        help="the triton backend's fused attention form: FLA's kernel or the bidirectional one of "
-                             "ours (default: the code's, lion_vit.ops.dispatch.FUSED_ATTENTION)")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
 
 
@@ -198,8 +194,7 @@ def inference_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The row fields that add_inference_arguments' options set (measure_rows reads them)."""
     return dict(batch_size=args.batch_size, device=args.device, dtype=args.dtype, memory=args.memory,
                 compile=args.compile, attn_backend=args.attn_backend,
-                **({"group_share": args.group_share} if args.group_share is not None else {}),
-                **({"fused_attention": args.fused_attention} if args.fused_attention is not None else {}))
+                **({"group_share": args.group_share} if args.group_share is not None else {}))
 
 
 def describe_settings(args: argparse.Namespace) -> str:
@@ -277,12 +272,10 @@ def attributes_set(owner: Any, **values: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _tuned(share: Optional[float], fused_attention: Optional[str]) -> Iterator[None]:
-    """lion_vit.ops.triton.fla.GROUP_SHARE and lion_vit.ops.dispatch.FUSED_ATTENTION set inside the block
-    (None: the code's)."""
-    from lion_vit.ops import dispatch
+def _group_share(share: Optional[float]) -> Iterator[None]:
+    """lion_vit.ops.triton.fla.GROUP_SHARE set inside the block (None: the code's)."""
     from lion_vit.ops.triton import fla
-    with attributes_set(fla, GROUP_SHARE=share), attributes_set(dispatch, FUSED_ATTENTION=fused_attention):
+    with attributes_set(fla, GROUP_SHARE=share):
         yield
 
 
@@ -293,8 +286,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
                       batch_size: int, device: str, dtype: str, repeats: int,
                       memory: str = "steady", compile: Optional[str] = None,
-                      attn_backend: str = "auto", group_share: Optional[float] = None,
-                      fused_attention: Optional[str] = None) -> Dict[str, Any]:
+                      attn_backend: str = "auto", group_share: Optional[float] = None) -> Dict[str, Any]:
     """Time (median of `repeats` after one warm-up) and peak memory of one forward, in this process
     (and, for a LION model's chunk form, its chunks per sequence).
 
@@ -302,8 +294,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     compile: None, or the torch.compile backend for the model ("inductor", "aot_eager"); its compiling
     first call is timed as compile_s.
     attn_backend: the LION models' (lion_vit.ops.dispatch). group_share: the triton backend's
-    lion_vit.ops.triton.fla.GROUP_SHARE for this measurement (None: the code's); fused_attention: its
-    lion_vit.ops.dispatch.FUSED_ATTENTION (None: the code's).
+    lion_vit.ops.triton.fla.GROUP_SHARE for this measurement (None: the code's).
     """
     if memory not in MEMORY_MODES:
         raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")
@@ -323,7 +314,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
         else torch.autocast(dev.type, enabled=False)
 
     def forward() -> None:
-        with torch.no_grad(), autocast, _tuned(group_share, fused_attention):
+        with torch.no_grad(), autocast, _group_share(group_share):
             model(x)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -468,7 +459,7 @@ def measure_rows(rows: Sequence[Dict[str, Any]], repeats: int, rounds: int, time
     configs = [dict(model_name=r["model"], form=r["form"], chunk_size=r["chunk_size"], img_size=r["resolution"],
                     batch_size=r["batch_size"], device=r["device"], dtype=r["dtype"], repeats=repeats,
                     memory=r["memory"], compile=r.get("compile"), attn_backend=r.get("attn_backend", "auto"),
-                    group_share=r.get("group_share"), fused_attention=r.get("fused_attention")) for r in rows]
+                    group_share=r.get("group_share")) for r in rows]
     results = measure_round_robin(configs, rounds, timeout_s, lambda i, result: print(
         progress_prefix(rows[i]) + status_line(dict(rows[i], **result)), flush=True))
     for row, result in zip(rows, results):

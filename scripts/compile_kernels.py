@@ -47,12 +47,10 @@ def calls(quick: bool):
         q, k, v = (torch.randn(2, 2, length, width, generator=g).to(dtype).requires_grad_(training) for _ in "qkv")
         logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
         log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
-        # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product); form
-        # "bidirectional": the attention form on the bidirectional kernel (dispatch.FUSED_ATTENTION)
-        bidirectional = form == "bidirectional"
-        plan = Plan("attention" if bidirectional else form, "triton", whole=form in ("attention", "bidirectional"),
-                    chunks=2 if form == "chunk" else 1, grouped=not training and not bidirectional,
-                    bidirectional=bidirectional)
+        # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product); the attention
+        # form: the bidirectional kernel
+        plan = Plan(form, "triton", whole=form == "attention", chunks=2 if form == "chunk" else 1,
+                    grouped=not training and form != "attention")
         with torch.set_grad_enabled(training):
             if scans == 1:
                 y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
@@ -66,24 +64,24 @@ def calls(quick: bool):
 
     cases = [(decay, scans, form, feature_map, training)
              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
-             for form in ("attention", "bidirectional", "chunk", "rnn")
+             for form in ("attention", "chunk", "rnn")
              for feature_map in ("silu", "silu_norm", "elu", None) for training in (True, False)
-             if (form, decay) != ("bidirectional", "lit")]  # (LION-lit's attention form: torch matmuls)
+             if (form, decay) != ("attention", "lit")]  # (LION-lit's attention form: torch matmuls)
     cases += [(decay, scans, form, "identity", training, scaling)  # the other scalings (ops/scalings.py)
               for decay, scans in [("fixed", 1), ("selective", 2)]
-              for form in ("attention", "bidirectional", "chunk", "rnn")
+              for form in ("attention", "chunk", "rnn")
               for training in (True, False) for scaling in ("none", "max")]
     # the bidirectional kernel's float64 exponents (bidirectional.FLOAT64_EXPONENTS_ABOVE: longer sequences)
-    long = [("selective", 1, "bidirectional", "silu_norm", True, "sum", 1100),
-            ("fixed", 1, "bidirectional", None, False, "sum", 1100)]
+    long = [("selective", 1, "attention", "silu_norm", True, "sum", 1100),
+            ("fixed", 1, "attention", None, False, "sum", 1100)]
     cases += long
     if quick:  # every kernel and every value of its flags at least once
         cases = [("lit", 1, "rnn", "silu_norm", True), ("selective", 2, "chunk", "elu", True),
                  ("fixed", 1, "chunk", None, False), ("selective", 2, "attention", "silu_norm", False),
                  ("fixed", 1, "chunk", "identity", True, "none"), ("selective", 2, "rnn", "identity", True, "max"),
-                 ("selective", 2, "bidirectional", "silu_norm", True), ("fixed", 1, "bidirectional", None, False),
-                 ("fixed", 1, "bidirectional", "identity", True, "none"),
-                 ("selective", 2, "bidirectional", "identity", True, "max"), *long]
+                 ("selective", 2, "attention", "silu_norm", True), ("fixed", 1, "attention", None, False),
+                 ("fixed", 1, "attention", "identity", True, "none"),
+                 ("selective", 2, "attention", "identity", True, "max"), *long]
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)

@@ -4,12 +4,13 @@
 #
 #   scripts/gpu_check.sh [--out DIR] [--bundle FILE.tar.gz] [--commit REV] [--deadline S] [--dry-run] [PART ...]
 #
-# PART: tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu
+# PART: tests equivalence inference graphs fused fused_tests fallback normaliser forms compile compile_natural input
+# input_gpu
 # (all by default, in this order), then the table of the targets met and the settings the timings pick
 # (scripts/gpu_targets.py). Each part fits a 10-minute call on a cold H100 (its estimate is printed
 # before it runs, and by --dry-run); the calls documented in docs/benchmarks.md are
-#   fused | tests inference | equivalence fallback | normaliser forms | graphs compile | compile_natural | input
-#   | input_gpu
+#   fused | fused_tests | tests inference | equivalence fallback | normaliser forms | graphs compile
+#   | compile_natural | input | input_gpu
 # Each part's CSVs, PNGs and logs go to DIR (default docs/benchmarks/gpu); Triton's and Inductor's
 # caches go to DIR/cache, so that a warm machine reuses them (never packed, nor are checkpoints). --bundle packs
 # DIR into one archive after every measurement, so that a run cut short still returns what it finished. --commit
@@ -20,16 +21,18 @@
 # (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
-all_parts="tests equivalence inference graphs fused fallback normaliser forms compile compile_natural input input_gpu"
+all_parts="tests equivalence inference graphs fused fused_tests fallback normaliser forms compile"
+all_parts+=" compile_natural input input_gpu"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, inference and fallback as measured on a cold H100, equivalence
 # on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
 # 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
-# fused: its tests, the kernels op by op, then eleven short eager runs of which the old train part's two took
-# 37 s; input_gpu: the device decoding's tests, then input's runs with data.decode=gpu)
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=9 [fallback]=2 [normaliser]=3 [forms]=6
-                    [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
+# fused: the kernel op by op, then seven short eager runs, one of which took 33 s on a cold H200; fused_tests: 47
+# tests, FLA's route's since deleted among them, ran past 517 s on a cold H200; input_gpu: the device decoding's
+# tests, then input's runs with data.decode=gpu)
+declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=7 [fused_tests]=9 [fallback]=2
+                    [normaliser]=3 [forms]=6 [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" deadline="" dry="" parts=()
 while (($#)); do
     case $1 in
@@ -123,27 +126,17 @@ for part in "${parts[@]}"; do
             done ;;
         graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
             run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
-        fused)  # the fused attention form (the bidirectional kernel of ours, the code's; FLA's parallel kernel beside
-            # it): its tests natively, the kernels op by op, then a training step, eager, --attn-form auto (the
-            # default: the fused attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256, 448 px batch 64 and
-            # 896 px batch 32 (there beside both forms by name); the portable attention form (--attn-backend torch) at
-            # 224 px in the same part; inference at 224 px, batch 16 and 256. The 224 and 448 px steps and inference
-            # run on each kernel by name (--fused-attention; FLA's: the _fla runs): dispatch.FUSED_ATTENTION
-            run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider \
-                tests/test_triton.py -k "attention or fused or same_bits or bidirectional"
-            # op by op: the two kernels and the bidirectional kernel's launch settings; then the steps, 224 px on
-            # both kernels first (the runs that pick between them, should a --deadline cut the part short)
+        fused)  # the fused attention form (the bidirectional kernel): the kernel op by op at 224 px (its launch
+            # settings, LION-lit's Q (K^T V) against it), then a training step, eager, --attn-form auto (the fused
+            # attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256 (with each model's costliest GPU kernels,
+            # --profile) and 448 px batch 64, the same op by op at 448 px, the portable attention form
+            # (--attn-backend torch) at 224 px, 896 px batch 32 (there beside both forms by name); inference at
+            # 224 px, batch 16 and 256
             run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256 \
                 --out "$out/fused_kernels"
-            declare -A steps=([train]="--batch-size 256 --steps 10"
-                              [train_448]="--batch-size 64 --img-size 448 --steps 5")
-            for name in train train_448; do
-                for kernel in bidirectional fla; do
-                    suffix=${kernel/#bidirectional/}  # (FLA's runs: train_fla, train_448_fla)
-                    run "$name${suffix:+_$suffix}" "${train[@]}" ${steps[$name]} --fused-attention "$kernel" \
-                        --models $deit $lion --out "$out/$name${suffix:+_$suffix}"
-                done
-            done
+            run train "${train[@]}" --batch-size 256 --steps 10 --profile --models $deit $lion --out "$out/train"
+            run train_448 "${train[@]}" --batch-size 64 --img-size 448 --steps 5 --models $deit $lion \
+                --out "$out/train_448"
             run fused_kernels_448 python3 scripts/benchmark_fused.py --img-size 448 --batch-size 64 \
                 --out "$out/fused_kernels_448"
             run train_torch "${train[@]}" --batch-size 256 --steps 10 --attn-backend torch \
@@ -151,14 +144,14 @@ for part in "${parts[@]}"; do
             run train_896 "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --models $deit lion_d_small \
                 lion_d_natural_small lion_d_small:attention lion_d_small:chunk --out "$out/train_896"
             for batch in 16 256; do
-                for kernel in bidirectional fla; do
-                    suffix=${kernel/#bidirectional/}
-                    name=inference_224_b$batch${suffix:+_$suffix}
-                    run "$name" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
-                        --batch-size "$batch" --rounds 5 --resolutions 224 --fused-attention "$kernel" --runs $deit \
-                        lion_d_small:attention lion_d_natural_small:attention --out "$out/$name"
-                done
+                run "inference_224_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
+                    --batch-size "$batch" --rounds 5 --resolutions 224 --runs $deit lion_d_small:attention \
+                    lion_d_natural_small:attention --out "$out/inference_224_b$batch"
             done ;;
+        fused_tests)  # the fused attention form's tests natively, IEEE float32 dots; each test's outcome as it ends
+            # (-v: a deadline leaves the names), the slowest at the end
+            run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -v -n 8 -p no:cacheprovider --durations=20 \
+                tests/test_triton.py -k "attention or fused or same_bits or bidirectional" ;;
         fallback)  # where FLA's chunk backward fails: dispatch.CHUNK_BACKWARD_FALLBACK, 896 px batch 32
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"

@@ -68,8 +68,6 @@ def target_lines(folder: Path) -> List[str]:
     for csv_names, limits, what in (
             (("train/train.csv",), EAGER_TRAINING, "train 224 px b256 eager"),
             (("train_448/train.csv",), EAGER_TRAINING, "train 448 px b64 eager"),
-            (("train_fla/train.csv",), EAGER_TRAINING, "train 224 px b256 eager, FLA kernel"),
-            (("train_448_fla/train.csv",), EAGER_TRAINING, "train 448 px b64 eager, FLA kernel"),
             (("train_compile/train.csv", "train_compile_natural/train.csv"), COMPILED_TRAINING,
              "train 224 px b256 compiled"),
             (("train_896/train.csv",), TRAINING_896, "train 896 px b32")):
@@ -83,11 +81,10 @@ def target_lines(folder: Path) -> List[str]:
             lines.append(line(f"{what}, {model} x DeiT-S", number(rows.get(model), "x_baseline"), limit))
             if "896" not in what:
                 lines.append(line(f"{what}, {model} peak memory x DeiT-S", peaks.get(model), PEAK_MEMORY))
-    for batch, kernel in ((16, ""), (256, ""), (16, "_fla"), (256, "_fla")):
-        rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}{kernel}" / "resolution.csv")}
+    for batch in (16, 256):
+        rows = {r["model"]: r for r in read(folder / f"inference_224_b{batch}" / "resolution.csv")}
         for model, limit in INFERENCE_224.items():
-            lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S"
-                              + (", FLA kernel" if kernel else ""),
+            lines.append(line(f"inference 224 px b{batch}, {model} attention time x DeiT-S",
                               number(rows.get(model), "time_x_baseline"), limit))
     for run, decode in INPUT_RUNS:
         rows = input_rows(folder, run)
@@ -226,41 +223,25 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + fused_lines(folder) + launch_lines(folder) + group_lines(folder) + decode_lines(folder)
+    return lines + launch_lines(folder) + lit_lines(folder) + group_lines(folder) + decode_lines(folder)
 
 
-# dispatch.FUSED_ATTENTION's comparisons: the runs on the bidirectional kernel (the fused part's plain names) and on
-# FLA's (the same with _fla), and their column
-FUSED_RUNS = (("train", "224 px b256", "x_baseline"), ("train_448", "448 px b64", "x_baseline"),
-              ("inference_224_b16", "inference 224 px b16", "time_x_baseline"),
-              ("inference_224_b256", "inference 224 px b256", "time_x_baseline"))
-
-
-def fused_lines(folder: Path) -> List[str]:
-    """dispatch.FUSED_ATTENTION: each LION model's time against DeiT-S on the bidirectional kernel over that on
-    FLA's (x < 1: the bidirectional kernel is faster), training at 224 and 448 px and inference at 224 px; where
-    one kernel failed (or ran out of memory) and the other ran, the other is faster. The pick is the kernel
-    faster in most of them."""
-    results = []  # (what, bidirectional faster)
-    for run, what, column in FUSED_RUNS:
-        name = "train.csv" if run.startswith("train") else "resolution.csv"
-        ours, fla = ({r["model"]: r for r in read(folder / folder_name / name)} for folder_name in (run, run + "_fla"))
-        for model in EAGER_TRAINING:
-            if model == "lion_lit_small":  # (torch matmuls on either kernel)
-                continue
-            a, b = number(fla.get(model), column), number(ours.get(model), column)
-            label = f"{what} {model[5:-6]}"  # (lion_d_natural_small: d_natural)
-            if a and b:
-                results.append((f"{label} x{b / a:.2f}", b < a))
-            elif (a or b) and model in (fla if b else ours):  # one failed where the other ran
-                results.append((f"{label} {'FLA' if b else 'ours'} failed", bool(b)))
-    if not results:
-        return ["| FUSED_ATTENTION | not measured | - |"]
-    faster = sum(ours_faster for _, ours_faster in results)
-    measured = ", ".join(what for what, _ in results)
-    pick = '"bidirectional"' if 2 * faster > len(results) else '"fla"'
-    return [f"| FUSED_ATTENTION (bidirectional kernel's time over FLA's) | {measured} | {pick} "
-            f"(faster in {faster} of {len(results)}) |"]
+def lit_lines(folder: Path) -> List[str]:
+    """LION-lit's attention form: Q (K^T V) in torch matmuls (the code's, benchmark_fused.py's "linear" rows) or the
+    bidirectional kernel with every decay 1 (its rows in the code's settings), forward and backward, by
+    benchmark_fused.py's lion_lit rows; the pick, the faster."""
+    lines = []
+    for run, what in (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64")):
+        rows = [row for row in read(folder / run / "fused.csv") if row["case"] == "lion_lit"]
+        linear = next((number(row, "train_us") for row in rows if row["kernel"] == "linear"), None)
+        kernel = next((number(row, "train_us") for row in rows if row["kernel"] == "bidirectional"), None)
+        label = f"LION-lit's attention form ({what})"
+        if linear is None or kernel is None:
+            lines.append(f"| {label} | not measured | - |")
+            continue
+        pick = "Q (K^T V)" if linear <= kernel else "the bidirectional kernel"
+        lines.append(f"| {label} | bidirectional kernel x{kernel / linear:.2f} of Q (K^T V) | {pick} |")
+    return lines
 
 
 def launch_lines(folder: Path) -> List[str]:

@@ -47,33 +47,30 @@ def test_steady_memory_leaves_out_first_call_costs():
     assert 0 <= steady["peak_mem_mb"] < 3 < first["peak_mem_mb"] - steady["peak_mem_mb"]
 
 
-def test_group_share_and_fused_attention_hold_for_the_measured_forwards_only(monkeypatch, tmp_path):
-    """--group-share sets the triton backend's GROUP_SHARE (its inference groups of images) and --fused-attention
-    dispatch.FUSED_ATTENTION while each configuration runs, and the code's values are back afterwards; without
-    them the code's values run."""
+def test_group_share_holds_for_the_measured_forwards_only(monkeypatch, tmp_path):
+    """--group-share sets the triton backend's GROUP_SHARE (its inference groups of images) while each configuration
+    runs, and the code's value is back afterwards; without it the code's value runs."""
     import benchmarking
     from benchmarking import add_inference_arguments, inference_settings
-    from lion_vit.ops import dispatch
     from lion_vit.ops.triton import fla
     seen = []
 
     class Probe(torch.nn.Module):
         def forward(self, x):
-            seen.append((fla.GROUP_SHARE, dispatch.FUSED_ATTENTION))
+            seen.append(fla.GROUP_SHARE)
             return x
 
     monkeypatch.setattr(benchmarking, "build", lambda *args: Probe())
     parser = argparse.ArgumentParser()
     add_inference_arguments(parser)
-    code = fla.GROUP_SHARE, dispatch.FUSED_ATTENTION
-    other = next(name for name in dispatch.FUSED_ATTENTIONS if name != code[1])
-    for argv, settings_seen in ((["--group-share", "1000", "--fused-attention", other], (1000.0, other)), ([], code)):
+    code = fla.GROUP_SHARE
+    for argv, share_seen in ((["--group-share", "1000"], 1000.0), ([], code)):
         settings = inference_settings(parser.parse_args([*argv, "--out", str(tmp_path)]))
         seen.clear()
         measure_inference("lion_d_tiny", "chunk", None, 32, repeats=2, **settings)
-        assert seen == [settings_seen] * 4  # warm-up, memory, two timed
-        assert (fla.GROUP_SHARE, dispatch.FUSED_ATTENTION) == code
-    assert "group_share" not in settings and "fused_attention" not in settings  # (nor in the CSV's columns)
+        assert seen == [share_seen] * 4  # warm-up, memory, two timed
+        assert fla.GROUP_SHARE == code
+    assert "group_share" not in settings  # (nor in the CSV's columns)
 
 
 def test_unknown_memory_mode_raises():

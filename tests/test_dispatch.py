@@ -41,29 +41,21 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="torch").backend == "torch"
 
 
-def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels, monkeypatch):
-    """On the triton backend the attention form (and the chunk form's one-product case) is a fused kernel: the
-    bidirectional one of ours (the code's FUSED_ATTENTION; without groups of images, which it needs none of), or
-    FLA's, grouped without autograd; past two scans FLA's. LION-lit's Q (K^T V) is torch matmuls everywhere; the
-    portable product elsewhere."""
+def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels):
+    """On the triton backend the attention form (and the chunk form's one-product case) of one or two scans is the
+    bidirectional kernel, without groups of images (it keeps no buffers); past two scans, which it does not read,
+    the portable product. LION-lit's Q (K^T V) is torch matmuls everywhere; the portable product elsewhere."""
     kernels(True)
-    assert dispatch.FUSED_ATTENTION == "bidirectional"
     for training in (True, False):
         for scans in (1, 2):
             assert plan("attention", None, 197, 64, 64, num_scans=scans, device=CUDA, training=training) == \
-                dispatch.Plan("attention", "triton", whole=True, bidirectional=True)
+                dispatch.Plan("attention", "triton", whole=True)
         assert plan("attention", None, 197, 64, 64, num_scans=3, device=CUDA, training=training) == \
-            dispatch.Plan("attention", "triton", whole=True, grouped=not training)
+            dispatch.Plan("attention", "torch", whole=True)
     assert plan("chunk", 64, 196, 64, 64, num_scans=2, device=CUDA, training=True) == \
-        dispatch.Plan("chunk", "triton", whole=True, bidirectional=True)
+        dispatch.Plan("chunk", "triton", whole=True)
     assert str(plan("attention", None, 197, 64, 64, device=CUDA, training=True)) == \
         "attention form, triton backend: one fused masked product (bidirectional kernel)"
-    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", "fla")
-    for training in (True, False):
-        assert plan("attention", None, 197, 64, 64, num_scans=2, device=CUDA, training=training) == \
-            dispatch.Plan("attention", "triton", whole=True, grouped=not training)
-    assert str(plan("attention", None, 197, 64, 64, device=CUDA, training=True)) == \
-        "attention form, triton backend: one fused masked product (FLA kernel)"
     assert plan("attention", None, 3136, 64, 64, device=CUDA, backend="torch") == \
         dispatch.Plan("attention", "torch", whole=True)
     assert plan("attention", None, 197, 64, 64, device=CPU) == dispatch.Plan("attention", "torch", whole=True)

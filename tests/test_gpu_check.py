@@ -15,8 +15,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["tests", "equivalence", "inference", "graphs", "fused", "fallback", "normaliser", "forms", "compile",
-         "compile_natural", "input", "input_gpu"]
+PARTS = ["tests", "equivalence", "inference", "graphs", "fused", "fused_tests", "fallback", "normaliser", "forms",
+         "compile", "compile_natural", "input", "input_gpu"]
 
 
 def gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -56,7 +56,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert len(tests) == 3 and {"tests/test_triton.py", "tests/test_dispatch.py"} <= set(tests[0])
     assert tests[2][-1] == "tests/test_gpu_decode.py"  # input_gpu's: the device decoding, natively
     assert all((ROOT / arg).is_file() for test in tests for arg in test if arg.startswith("tests/"))
-    fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused part's: the fused attention form's tests, natively
+    fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused attention form's tests, natively
     assert fused_tests == "attention or fused or same_bits or bidirectional" and "tests/test_triton.py" in tests[1]
 
     seen, fused_kernels = [], []
@@ -110,15 +110,13 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     five = {"lion_lit_small", "lion_d_small", "lion_s_small", "lion_d_natural_small", "lion_s_natural_small"}
     at_224 = [a for a in train if a.img_size == 224]  # the training targets, eager and both sides compiled
     eager, compiled = [a for a in at_224 if not a.compile], [a for a in at_224 if a.compile]
-    default = [a for a in eager if a.attn_backend == "auto"]  # the fused attention form on a GPU, on either kernel
-    assert sorted(a.fused_attention for a in default) == ["bidirectional", "fla"]
-    assert all({m for m, _, _ in a.models[1:]} == five for a in default)
+    default = [a for a in eager if a.attn_backend == "auto"]  # the fused attention form on a GPU
+    assert len(default) == 1 and {m for m, _, _ in default[0].models[1:]} == five
+    assert default[0].profile  # (where the step's time goes, kernel by kernel)
     assert [a.attn_backend for a in eager if a not in default] == ["torch"]  # the portable form beside them
-    assert sorted(a.fused_attention for a in train if a.img_size == 448 and a.batch_size == 64 and
-                  {m for m, _, _ in a.models[1:]} == five) == ["bidirectional", "fla"]
+    assert [a.batch_size for a in train if a.img_size == 448 and {m for m, _, _ in a.models[1:]} == five] == [64]
     inference = [a for a in by_script["scripts/benchmark_resolution.py"] if a.resolutions == [224]]
-    assert sorted((a.batch_size, a.fused_attention) for a in inference) == [
-        (16, "bidirectional"), (16, "fla"), (256, "bidirectional"), (256, "fla")]
+    assert sorted(a.batch_size for a in inference) == [16, 256]
     assert {m for a in compiled for m, _, _ in a.models[1:]} == five  # in parts that fit a call each
     assert all(a.batch_size == 256 for a in at_224)
     assert any(a.img_size == 896 and a.batch_size == 32 and ("lion_d_small", None, None) in a.models for a in train)
@@ -170,13 +168,13 @@ def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
     (run / "checkpoint-last.pt").write_bytes(b"weights")
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", str(out), "--bundle",
-                           str(bundle), "--deadline", "3", "tests", "fused"], capture_output=True, text=True,
-                          env=env, timeout=60)
+                           str(bundle), "--deadline", "3", "tests", "fused_tests", "fused"], capture_output=True,
+                          text=True, env=env, timeout=60)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "STOPPED at the deadline: fused_kernels (their logs are in %s)" % out in lines
     skipped = next(line for line in lines if line.startswith("SKIPPED, past the deadline: ")).split(": ")[1].split()
-    assert skipped[:2] == ["train", "train_fla"] and skipped[-1] == "inference_224_b256_fla"  # 224 px first
+    assert skipped[:2] == ["train", "train_448"] and skipped[-1] == "inference_224_b256"  # 224 px first
     assert not any(line.startswith("FAILED") for line in lines)
     assert (out / "fused_kernels.log").read_text() == "timing\n"  # what it printed before it was stopped
     with tarfile.open(bundle) as packed:
@@ -224,30 +222,8 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
     assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
     assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
-    assert row["FUSED_ATTENTION"] == ["not measured", "-"]
     assert row["bidirectional FORWARD / BACKWARD (224 px b256)"] == ["not measured", "-"]
-    # the fused attention form's kernel: the one faster in most comparisons (LION-lit's torch matmuls left out)
-    write("train_fla/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.9", "lion_d_small,ok,1.2",
-          "lion_s_small,ok,1.4")
-    write("train/train.csv", "model,status,x_baseline", "lion_lit_small,ok,0.8", "lion_d_small,ok,0.96",
-          "lion_s_small,ok,1.54")  # (the bidirectional kernel's: the code's)
-    write("inference_224_b16_fla/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,2.0")
-    write("inference_224_b16/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
-    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
-    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
-        "224 px b256 d x0.80, 224 px b256 s x1.10, inference 224 px b16 d x0.50",
-        '"bidirectional" (faster in 2 of 3)']
-    # a kernel that failed (or ran out of memory) where the other ran loses that comparison
-    write("train_448_fla/train.csv", "model,status,x_baseline", "lion_d_small,ok,1.0", "lion_s_small,error,")
-    write("train_448/train.csv", "model,status,x_baseline", "lion_d_small,ok,0.9", "lion_s_small,ok,1.3")
-    write("inference_224_b256_fla/resolution.csv", "model,status,time_x_baseline", "lion_d_small,ok,1.0")
-    write("inference_224_b256/resolution.csv", "model,status,time_x_baseline", "lion_d_small,OOM,")
-    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
-    row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    assert row["FUSED_ATTENTION (bidirectional kernel's time over FLA's)"] == [
-        "224 px b256 d x0.80, 224 px b256 s x1.10, 448 px b64 d x0.90, 448 px b64 s FLA failed, inference 224 px "
-        "b16 d x0.50, inference 224 px b256 d ours failed", '"bidirectional" (faster in 4 of 6)']
+    assert row["LION-lit's attention form (224 px b256)"] == ["not measured", "-"]
     # data.decode on CUDA: "gpu" only where it trained faster end to end in every run measured both ways
     assert row["data.decode on CUDA (images/s, gpu over cpu)"] == ["not measured", "-"]
     columns = "model,compile,decode,status,imgs_per_s"
@@ -279,24 +255,29 @@ def test_settings_table_picks_from_the_timings(tmp_path):
         "one call (a large RECURRENT_GROUP_PROGRAMS)"]
 
 
-def test_launch_settings_pick_the_least_time_over_the_cases(tmp_path):
+def test_launch_settings_and_lits_form_pick_the_least_time(tmp_path):
     """The bidirectional kernel's FORWARD / BACKWARD from benchmark_fused.py's CSV (as write_table writes it): each
     pair's time summed over the cases against the code's pair (the first), a pair that ran out of memory in any
-    case left out, and the least the pick."""
+    case left out, and the least the pick; LION-lit's form: Q (K^T V) ("linear") or the kernel in the code's
+    settings, the faster."""
     import csv
     (tmp_path / "fused_kernels").mkdir()
     with open(tmp_path / "fused_kernels" / "fused.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["case", "kernel", "forward", "backward", "status", "train_us"])
-        for case, times in (("lion_d", (100, 80, 70)), ("lion_s", (100, 85, None))):
-            writer.writerow([case, "fla", "", "", "ok", 90])
+        for case, times in (("lion_lit", (100, 90, 95)), ("lion_d", (100, 80, 70)), ("lion_s", (100, 85, None))):
+            writer.writerow([case, "sdpa", "", "", "ok", 90])
             for (forward, backward), time in zip((("64,64,4", "64,32,8"), ("128,64,8", "64,32,8"),
                                                   ("64,64,4", "32,32,4")), times):
                 writer.writerow([case, "bidirectional", forward, backward, "ok" if time else "out of memory", time])
-    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["launch_lines"](tmp_path)
-    assert lines == ["| bidirectional FORWARD / BACKWARD (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 "
-                     "x0.82 of the code's | 128,64,8 / 64,32,8 |",
-                     "| bidirectional FORWARD / BACKWARD (448 px b64) | not measured | - |"]
+            writer.writerow([case, "linear" if case == "lion_lit" else "torch", "", "", "ok", 125])
+    targets = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))
+    assert targets["launch_lines"](tmp_path) == [
+        "| bidirectional FORWARD / BACKWARD (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 x0.85 of the "
+        "code's | 128,64,8 / 64,32,8 |", "| bidirectional FORWARD / BACKWARD (448 px b64) | not measured | - |"]
+    assert targets["lit_lines"](tmp_path) == [
+        "| LION-lit's attention form (224 px b256) | bidirectional kernel x0.80 of Q (K^T V) | the bidirectional "
+        "kernel |", "| LION-lit's attention form (448 px b64) | not measured | - |"]
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
@@ -348,11 +329,11 @@ def test_targets_table_reads_the_measurements(tmp_path):
         assert row[missing][1] == "not measured", missing
     assert row["1248 px b1, lion_d_small chunk peak memory x DeiT-S"][1:] == ["1.2", "NO"]
     assert row["1248 px b1, lion_d_small rnn time x chunk"][1:] == ["5", "NO"]
-    # every target has its line: training (time and memory, five runs of five: 224 and 448 px eager on each kernel,
-    # 224 px compiled; 896 px: two), inference at 224 px (two batches, two kernels), end to end (two decodings,
-    # three runs), then per batch (1, 16), size (1248, 1792) and model (two): the rnn's time, the chunk form's
-    # memory at 1248 px, and at batch 16 the attention's share
-    assert len(lines) == 2 + 5 * 5 * 2 + 2 + 2 * 2 + 2 * 3 + 2 * 2 * 2 + 2 * 2 + 2 * 2
+    # every target has its line: training (time and memory, three runs of five: 224 and 448 px eager, 224 px
+    # compiled; 896 px: two), inference at 224 px (two batches), end to end (two decodings, three runs), then per
+    # batch (1, 16), size (1248, 1792) and model (two): the rnn's time, the chunk form's memory at 1248 px, and at
+    # batch 16 the attention's share
+    assert len(lines) == 2 + 3 * 5 * 2 + 2 + 2 + 2 * 3 + 2 * 2 * 2 + 2 * 2 + 2 * 2
 
 
 def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_path):
@@ -377,8 +358,8 @@ def test_floor_table_splits_the_baselines_time_into_attention_and_the_rest(tmp_p
 
 
 @pytest.mark.parametrize("args, message", [
-    (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs fused fallback normaliser forms compile "
-              "compile_natural input input_gpu)"),
+    (["bench"], "unknown part 'bench' (parts: tests equivalence inference graphs fused fused_tests fallback normaliser "
+              "forms compile compile_natural input input_gpu)"),
     (["--out"], "--out needs a value"),
     (["--fast"], "unknown option --fast"),
     (["--deadline", "9m"], "--deadline takes whole seconds, not '9m'"),

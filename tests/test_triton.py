@@ -38,14 +38,6 @@ def kernels_here(monkeypatch):
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
-def fused_route(form, monkeypatch) -> str:
-    """The form to ask for, the fused kernel set (dispatch.FUSED_ATTENTION): "bidirectional" is the attention form
-    on the bidirectional kernel of ours, "attention" on FLA's (as the chunk form's one product is)."""
-    from lion_vit.ops import dispatch
-    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", "bidirectional" if form == "bidirectional" else "fla")
-    return "attention" if form == "bidirectional" else form
-
-
 def _check(fn, reference, tensors, tol=TOL, value_shape=None):
     """fn's output and gradients (of every tensor given) against reference's, for one random upstream.
     value_shape: the output's, where it is not the third tensor's (v)."""
@@ -64,13 +56,11 @@ def _check(fn, reference, tensors, tol=TOL, value_shape=None):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", d) for d in ("lit", "fixed", "selective", "near0", "near1")]
-                         + [(f, d) for f in ("attention", "bidirectional") for d in ("fixed", "selective", "near0",
-                                                                                       "near1")]
+                         + [("attention", d) for d in ("fixed", "selective", "near0", "near1")]
                          + [("rnn", d) for d in ("lit", "fixed", "selective")])
 def test_triton_forms_match_the_reference(form, decay, monkeypatch):
     """(The recurrent kernel, serial over tokens, is slow under the interpreter: one image; two in the
     feature-map test below.)"""
-    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(2 if form == "chunk" else 1, 2, 70, 16, decay, torch.float32)
     tensors = [q, k, v] + ([] if lam is None else [torch.log(lam).float()])
 
@@ -81,13 +71,11 @@ def test_triton_forms_match_the_reference(form, decay, monkeypatch):
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
-                                         ("attention", "fixed"), ("attention", "selective"),
-                                         ("bidirectional", "fixed"), ("bidirectional", "selective")])
+                                         ("attention", "fixed"), ("attention", "selective")])
 def test_triton_multiscan_matches_the_reference(form, decay, monkeypatch):
     """Two snake scans over a grid with a class token: 11x18 for the chunk form (199 tokens, chunks of 64
     and 7: long enough that it runs the kernels, not one product), 7x10 for the rnn form."""
     height, width = (11, 18) if form == "chunk" else (7, 10)
-    form = fused_route(form, monkeypatch)
     length = height * width + 1
     orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE)
     assert plan(form, None, length, 16, 16, num_scans=2, device=DEVICE, backend="triton").backend == "triton"
@@ -102,15 +90,13 @@ def test_triton_multiscan_matches_the_reference(form, decay, monkeypatch):
 
 @pytest.mark.parametrize("form, feature_map", [("chunk", "silu_norm"), ("chunk", "silu"), ("chunk", "elu"),
                                                ("chunk", "unfused"), ("rnn", "silu_norm"), ("attention", "silu_norm"),
-                                               ("bidirectional", "silu_norm"), ("bidirectional", "elu"),
-                                               ("bidirectional", "unfused")])
+                                               ("attention", "elu"), ("attention", "unfused")])
 def test_triton_maps_raw_queries_and_keys_as_it_reads_them(form, feature_map, monkeypatch):
     """Raw q, k (any sign, token-major views of one projection) with a feature map's name: the outputs and the
     gradients of raw q, k, v and the decays are the reference's on the mapped features. A map the fused
     step does not know is applied before it."""
     import torch.nn.functional as F
     from lion_vit.ops.features import FEATURE_MAPS
-    form = fused_route(form, monkeypatch)
     if feature_map == "unfused":
         monkeypatch.setitem(FEATURE_MAPS, "unfused", (F.softplus, lambda x: F.softplus(x) ** 2))
     query_map, key_map = FEATURE_MAPS[feature_map]
@@ -141,16 +127,13 @@ def test_triton_reads_inputs_whose_rows_are_not_contiguous():
     _check(triton, lion_reference, [q, k, v, torch.log(lam).float()])
 
 
-@pytest.mark.parametrize("route", ["fla", "bidirectional"])
 @pytest.mark.parametrize("scans, length", [(2, 197), (1, 197), (1, 785)], ids=["natural197", "s197", "s785"])
 @pytest.mark.slow
-def test_fused_attention_form_at_vit_lengths(scans, length, route, monkeypatch):
-    """The fused attention form (FLA's tiled kernel, or the bidirectional one of ours) as a ViT-S/16 runs it:
+def test_fused_attention_form_at_vit_lengths(scans, length):
+    """The fused attention form (the bidirectional kernel) as a ViT-S/16 runs it:
     197 tokens (224 px) whose class token has the decay 1 (prefix_decay_one), odd, across the kernels' tiles,
     two snake scans of the 14 x 14 grid or one raster scan; 785 tokens (448 px) once. Outputs and gradients of
     q, k, v and the decays against the float64 reference; the plan names the kernel."""
-    from lion_vit.ops import dispatch
-    monkeypatch.setattr(dispatch, "FUSED_ATTENTION", route)
     q, k, v, lam = make_inputs(1, 1, length, 16, "selective", torch.float32, seed=5)
     lam[..., 0] = 1.0  # the class token
     if scans == 2:
@@ -162,8 +145,7 @@ def test_fused_attention_form_at_vit_lengths(scans, length, route, monkeypatch):
         orders, log_decays, reference = None, torch.log(lam).float()[None], \
             lambda q, k, v, a: lion_reference(q, k, v, a[0])
     run = plan("attention", None, length, 16, 16, num_scans=scans, device=DEVICE, backend="triton", training=True)
-    assert run.backend == "triton" and run.bidirectional == (route == "bidirectional")
-    assert str(run).endswith(f"({dispatch.FUSED_ATTENTIONS[route]})")
+    assert run.backend == "triton" and run.whole and str(run).endswith("(bidirectional kernel)")
 
     def triton(q, k, v, log_decays):
         return lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton")
@@ -171,14 +153,13 @@ def test_fused_attention_form_at_vit_lengths(scans, length, route, monkeypatch):
     _check(triton, reference, [q, k, v, log_decays])
 
 
-@pytest.mark.parametrize("form", ["attention", "bidirectional", "chunk", "rnn"])
+@pytest.mark.parametrize("form", ["attention", "chunk", "rnn"])
 @pytest.mark.parametrize("scaling", ["none", "max"])
 def test_triton_scalings_match_the_reference(form, scaling, chunks_always, monkeypatch):
     """The finishing step's other scalings (none; max(|n|, 1)) on features of both signs, mapped by the fused
     step's identity map, two scans, 70 tokens (two tiles of the chunk kernels): outputs and gradients of q, k,
     v and the decays against the float64 reference."""
     length = 70
-    form = fused_route(form, monkeypatch)
     orders = snake_orders(3, 23, num_prefix_tokens=1)
     g = torch.Generator().manual_seed(42)
     q = (torch.rand(1, 2, length, 16, generator=g) - 0.5) * torch.linspace(0.05, 6, length)[:, None]
@@ -195,17 +176,17 @@ def test_triton_scalings_match_the_reference(form, scaling, chunks_always, monke
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
-def test_the_bidirectional_kernel_reads_projection_views_of_other_widths(monkeypatch):
+def test_the_bidirectional_kernel_reads_projection_views_of_other_widths():
     """The bidirectional kernel on q, k, v as token-major views of one projection, value width 24 beside key
     width 16, one decay per head over two snake scans: outputs and gradients of q, k, v and the decays against
     the reference. Inference plans it whole, without groups of images: it keeps no buffers."""
-    form = fused_route("bidirectional", monkeypatch)
+    form = "attention"
     orders = snake_orders(5, 6, num_prefix_tokens=1)
     g = torch.Generator().manual_seed(8)
     projection = torch.rand(2, 31, 2, 56, generator=g) + 0.05  # [B, L, H, q | k | v]
     log_decays = torch.log(torch.rand(2, 1, 2, 1, generator=g) * 0.9 + 0.05)
     run = plan(form, None, 31, 16, 24, num_scans=2, device=DEVICE, backend="triton")
-    assert run.bidirectional and run.whole and not run.grouped
+    assert run.backend == "triton" and run.whole and not run.grouped
 
     def split(projection):
         return [part.transpose(1, 2) for part in projection.split([16, 16, 24], -1)]
@@ -225,7 +206,7 @@ def test_the_bidirectional_kernel_subtracts_long_sequences_sums_in_float64(monke
     (gradients within the tests' bound); with the sums rounded to float32 first (the threshold raised), the same
     call errs past 1e-6."""
     from lion_vit.ops.triton import bidirectional
-    form = fused_route("bidirectional", monkeypatch)
+    form = "attention"
     length = 1100
     g = torch.Generator().manual_seed(9)
     q, k = (torch.rand(1, 1, length, 16, generator=g) + 0.1 for _ in "qk")
@@ -269,11 +250,10 @@ def test_triton_vector_decays_match_the_reference(form, scans, scaling, value_di
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
-@pytest.mark.parametrize("form", ["attention", "bidirectional", "chunk"])
+@pytest.mark.parametrize("form", ["attention", "chunk"])
 def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always, monkeypatch):
     """Two backward passes of the same call give bitwise equal gradients of q, k, v and the decays: no
     atomics, no order of accumulation that changes from run to run."""
-    form = fused_route(form, monkeypatch)
     orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32, seed=6)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(torch.stack([lam, lam.flip(-1)])))]
@@ -333,15 +313,13 @@ def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always
             assert rel_err(model(x), expected) < TOL, form
 
 
-@pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch"),
-                                                ("attention", 2, "selective")])
+@pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch")])
 def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkeypatch):
     """Without autograd the plan groups the images (Plan.grouped); one image per group (GROUP_SHARE 0) is
     the same function, with decays per image; a grouped call that autograd would record is an error."""
     from lion_vit.ops import dispatch
     from lion_vit.ops.triton import fla
     monkeypatch.setattr(fla, "GROUP_SHARE", 0)
-    form = fused_route(form, monkeypatch)  # (the attention form's groups: FLA's kernel's)
     height, width = (7, 10) if scans == 2 else (1, 70)
     length = height * width + (scans == 2)
     orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE) if scans == 2 else None
@@ -384,13 +362,12 @@ HALF = torch.bfloat16 if interpret.ON_GPU else torch.float16  # (the interpreter
 
 @pytest.mark.parametrize("form, head_dim, decay_dtype", [("chunk", 16, torch.float32), ("chunk", 15, HALF),
                                                          ("rnn", 16, HALF), ("attention", 16, HALF),
-                                                         ("bidirectional", 15, HALF)])
+                                                         ("attention", 15, HALF)])
 def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatch):
     """16-bit q, k, v as autocast makes them, decays in float32 (LION-d's parameter) or 16-bit (LION-s's
     projection): outputs and gradients within half precision's rounding of the same inputs in float64.
     FLA's 16-bit backward refuses odd key or value widths, and the normaliser's column makes the value
     width odd for every even head width."""
-    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(1, 2, 70, head_dim, "selective", torch.float32)
     tensors = [t.to(HALF) for t in (q, k, v)] + [torch.log(lam).to(decay_dtype)]
 
@@ -400,14 +377,13 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatc
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-@pytest.mark.parametrize("form", ["chunk", "bidirectional"])
+@pytest.mark.parametrize("form", ["chunk", "attention"])
 @pytest.mark.slow
 def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form, chunks_always, monkeypatch):
     """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
     CPU), compiled (graph breaks around FLA's calls; the bidirectional kernel's are custom ops of the graph),
     through the chunk kernels (with a backward of their forward pass where FLA's own fails) or the bidirectional
     kernel, against the torch backend's form, eager, on the same weights, at 82 tokens."""
-    form = fused_route(form, monkeypatch)
     model = grid_model("lion_s_natural_tiny")
     x = grid_images(2)
     y = torch.tensor([0, 2], device=DEVICE)
@@ -432,15 +408,14 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form
     assert rel_err(grads[1][qkv], grads[0][qkv]) < tol
 
 
-@pytest.mark.parametrize("form", ["chunk", "bidirectional"])
+@pytest.mark.parametrize("form", ["chunk", "attention"])
 def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(form, chunks_always, monkeypatch):
     """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
     graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
     eager's logits. Training breaks the graph around FLA's autograd Functions; the bidirectional kernel's
     training is a custom op with its backward, so it compiles whole too, with eager's loss and gradients."""
-    form = fused_route(form, monkeypatch)
     model = grid_model("lion_s_natural_tiny", attn_form=form, attn_backend="triton").eval()
-    bidirectional = model.attn_plan(GRID).bidirectional
+    bidirectional = model.attn_plan(GRID).whole  # (the attention form: the bidirectional kernel)
     assert model.attn_plan(GRID).grouped or bidirectional
     x = grid_images(2)
     torch._dynamo.reset()
@@ -547,15 +522,14 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
 @pytest.mark.slow
-def test_the_fused_kernels_benchmark_compares_each_setting_with_fla(capsys):
-    """scripts/benchmark_fused.py (the GPU comparison of the two fused routes and the bidirectional kernel's launch
-    settings) under the interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the
-    bidirectional kernel in the code's settings and in another of each kernel matches FLA's route within
+def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys):
+    """scripts/benchmark_fused.py (the GPU timing of the bidirectional kernel's launch settings) under the
+    interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the bidirectional kernel in
+    another setting of each kernel, and the portable form, match the kernel in the code's settings within
     float16's rounding, outputs and gradients, and the code's settings are left as they were."""
     import runpy
-    from lion_vit.ops import dispatch
     from lion_vit.ops.triton import bidirectional
-    before = (dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD)
+    before = (bidirectional.FORWARD, bidirectional.BACKWARD)
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
     assert main(["--img-size", "96", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
                  "--cases", "lion_s", "lion_s_natural"]) == 0
@@ -565,31 +539,38 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_fla(capsys):
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
         assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"]]
-        assert all(float(row[-1]) < 3e-3 for row in ours)
-        assert [row[1] for row in rows if row[0] == case] == ["sdpa", "fla"] + ["bidirectional"] * 3 + ["torch"]
-    assert (dispatch.FUSED_ATTENTION, bidirectional.FORWARD, bidirectional.BACKWARD) == before
+        compared = ours[1:] + [row for row in rows if row[:2] == [case, "torch"]]
+        assert ours[0][-1] == "" and len(compared) == 3 and all(float(row[-1]) < 3e-3 for row in compared)
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 3 + ["torch"]
+    assert (bidirectional.FORWARD, bidirectional.BACKWARD) == before
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
 def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, monkeypatch):
-    """A route that fails on a GPU (FLA's parallel kernel crashed on H100 with some Tritons) is a row of status
-    error with its reason printed; the bidirectional kernel's rows are still measured, and the exit code is 1."""
+    """A launch setting that fails on a GPU (its compiler's or the driver's error) is a row of status error with its
+    reason printed; the other settings' rows are still measured, and the exit code is 1."""
     import runpy
     from lion_vit.ops import triton as triton_backend
+    from lion_vit.ops.triton import bidirectional
+    kernel = triton_backend.bidirectional_form
 
-    def fails(*args, **kwargs):
-        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+    def fails_in_one_setting(*args, **kwargs):
+        if bidirectional.FORWARD == (32, 16, 2):
+            raise RuntimeError("Triton Error [CUDA]: invalid argument")
+        return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(triton_backend, "attention_form", fails)
+    monkeypatch.setattr(triton_backend, "bidirectional_form", fails_in_one_setting)
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
     assert main(["--img-size", "64", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
                  "--cases", "lion_d"]) == 1
     out = capsys.readouterr().out
-    assert "lion_d fla: RuntimeError: Triton Error [CUDA]: invalid argument" in out.splitlines()
+    backward = ",".join(map(str, bidirectional.BACKWARD))
+    assert f"lion_d bidirectional 32,16,2 {backward}: RuntimeError: Triton Error [CUDA]: invalid argument" \
+        in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| lion_d")]
-    assert [row[1] for row in rows] == ["sdpa", "fla"] + ["bidirectional"] * 3 + ["torch"]
-    assert [row[4] for row in rows] == ["ok", "error"] + ["ok"] * 4
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 3 + ["torch"]
+    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok"]
 
 
 # A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses
@@ -696,9 +677,8 @@ def test_triton_refuses_float64():
 
 
 @pytest.mark.skipif(not interpret.ON_GPU, reason="bfloat16 kernels need a GPU (the interpreter computes through numpy)")
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_triton_bfloat16_is_within_its_rounding(form, monkeypatch):
-    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(2, 4, 1000, 64, "selective", torch.float32)
     log_decay = torch.log(lam).float()
     out = lion_attention(*(t.to(DEVICE, torch.bfloat16) for t in (q, k, v)), log_decay[None].to(DEVICE),
@@ -707,11 +687,10 @@ def test_triton_bfloat16_is_within_its_rounding(form, monkeypatch):
     assert rel_err(out.cpu(), lion_reference(q, k, v, log_decay)) < 3e-2
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_triton_backend_refuses_double_backward_in_one_line(form, monkeypatch):
     """The kernels' hand-written backwards have no double backward: a second-order gradient is one clear
     error, while first-order gradients (and backward twice) still work."""
-    form = fused_route(form, monkeypatch)
     q, k, v, lam = make_inputs(1, 1, 20, 16, "selective", torch.float32)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam)[None])]
     out = lion_attention(*leaves, form=form, backend="triton")
@@ -725,13 +704,12 @@ def test_triton_backend_refuses_double_backward_in_one_line(form, monkeypatch):
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.square().sum(), leaves))
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "bidirectional"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
 def test_float16_normalisers_of_long_sequences_stay_finite(form, monkeypatch):
     """Decays near 1 make the normaliser grow like L (here past float16's 65,504, asserted below); the
     kernels' power-of-two scale on q keeps numerator and normaliser finite (docs/design.md, "float16").
     1,024 tokens is what the interpreter affords (seconds), with queries large enough to overflow float16
     there; the bound covers 12,544. (The bidirectional kernel keeps both in float32 registers.)"""
-    form = fused_route(form, monkeypatch)
     q, k, v = float16_overflowing_inputs(1024)
     log_decay = torch.full((1, 1, 1), -1e-5)
     out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)), log_decay[None].to(DEVICE), form=form,
@@ -743,7 +721,7 @@ def test_float16_normalisers_of_long_sequences_stay_finite(form, monkeypatch):
 @pytest.mark.skipif(interpret.ON_GPU, reason="the proxy counts operators around the interpreter's kernel launches")
 @pytest.mark.parametrize("form, tokens, dtype, written, saved, backward", [
     ("chunk", 256, torch.float16, 6.5, 3.5, 13.5), ("rnn", 128, torch.float32, 4.5, 4.2, 10.5),
-    ("bidirectional", 197, torch.float16, 1.8, 1.5, 5.0)])
+    ("attention", 197, torch.float16, 1.8, 1.5, 5.0)])
 @pytest.mark.slow
 def test_memory_traffic_proxy_around_the_kernels(form, tokens, dtype, written, saved, backward):
     """scripts/benchmark_traffic.py on one attention module (qkv, LION op, proj) at 256 tokens (rnn: 128, where

@@ -5,9 +5,9 @@ exact way to get it:
 - backend "auto" is "triton" on CUDA when flash-linear-attention is installed (not for float64, nor
   under torch.export, whose programs are torch ops), "torch" otherwise; "torch" is the portable
   PyTorch forms (attention.py, recurrent.py, chunk.py: plain autograd, any device), "triton" the GPU
-  kernels of lion_vit.ops.triton, for every form: the attention form fused (a bidirectional kernel of
-  ours or FLA's tiled quadratic kernel, FUSED_ATTENTION; nothing L x L in memory), the chunk and rnn
-  forms; on a CPU without autograd, eagerly,
+  kernels of lion_vit.ops.triton, for every form: the attention form fused in a bidirectional kernel of
+  ours (one or two scans; nothing L x L in memory; more scans run the portable attention form), the chunk
+  and rnn forms on FLA's; on a CPU without autograd, eagerly,
   "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
   AUTO_CHUNK_MIN_TOKENS tokens (by training and number of scans), where the chunk kernels run;
@@ -63,14 +63,10 @@ CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fuse
                             "forward": "the chunk kernels with a backward of their forward passes"}
 CHUNK_BACKWARD_FALLBACK = "forward"
 
-# The fused attention form on the triton backend: "bidirectional" (one kernel of ours: both directions, the scans
-# and the normaliser in one pass; triton/bidirectional.py) or "fla" (FLA's causal tiled kernel on each scan forward
-# and mirrored, stacked, the normaliser by a scan of ours; triton/fla.py), the same function. "bidirectional" until
-# a GPU has timed both: around it PyTorch writes and keeps about what it does around DeiT-S's SDPA, around FLA's
-# 2.5 times as much (docs/benchmarks.md, "Traffic"), and it runs none of FLA's kernels. The fused part of
-# `make gpu-check` times both (docs/benchmarks.md, "Fused attention form"); the slower goes.
-FUSED_ATTENTIONS = {"bidirectional": "bidirectional kernel", "fla": "FLA kernel"}
-FUSED_ATTENTION = "bidirectional"
+# The fused attention form on the triton backend reads at most this many scans (the bidirectional kernel's).
+# It was chosen over FLA's tiled quadratic kernel run on each scan forward and mirrored: timed side by side on an
+# H200, it trained faster within less memory (docs/benchmarks.md, "Fused attention form").
+FUSED_MAX_SCANS = 2
 
 # The tile of flash-linear-attention's chunk kernels: the triton backend's chunk size.
 TRITON_CHUNK = 64
@@ -94,8 +90,7 @@ class Plan:
     of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
     backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
     vector: the decays are vectors, one per key channel (vector.py; triton/vector.py); hand_backward: the cpu
-    backend trains them through chunks with a hand-written backward (cpu/chunks.py); bidirectional: the fused
-    product is the bidirectional kernel (FUSED_ATTENTION), which needs no groups of images.
+    backend trains them through chunks with a hand-written backward (cpu/chunks.py).
     """
 
     form: str
@@ -107,7 +102,6 @@ class Plan:
     backward_by_forward: bool = False
     vector: bool = False
     hand_backward: bool = False
-    bidirectional: bool = False
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -120,8 +114,7 @@ class Plan:
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
             if self.backend == "triton":
-                kernel = FUSED_ATTENTIONS["bidirectional" if self.bidirectional else "fla"]
-                what = f"one fused masked product ({kernel})"
+                what = "one fused masked product (bidirectional kernel)"
         return f"{self.form} form, {self.backend} backend: {what}" + (", in groups of images" if self.grouped else "") \
             + (", vector decays" if self.vector else "")
 
@@ -201,13 +194,9 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         form = "chunk" if backend == "triton" and decayed and \
             length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
     grouped = backend == "triton" and not training
-    # (the bidirectional kernel reads one or two scans)
-    fused = dict(bidirectional=True) if FUSED_ATTENTION == "bidirectional" and num_scans <= 2 else \
-        dict(grouped=grouped)
+    fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
     if form == "attention":
-        if backend == "triton" and decayed:
-            return Plan("attention", "triton", whole=True, **fused)
-        return Plan("attention", "torch", whole=True)
+        return Plan("attention", "triton" if fused else "torch", whole=True)
     if form == "rnn":
         return Plan("rnn", backend, grouped=grouped)
     if backend == "triton":
@@ -215,9 +204,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
-        if backend == "triton" and decayed:
-            return Plan("chunk", "triton", whole=True, **fused)
-        return Plan("chunk", "torch", whole=True)
+        return Plan("chunk", "triton" if fused else "torch", whole=True)
     if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
         instead = CHUNK_BACKWARD_FALLBACKS[CHUNK_BACKWARD_FALLBACK]
         _warn_once(f"flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
@@ -253,10 +240,9 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
         return _portable(cpu_form if run.backend == "cpu" else vector_form,
                          1 if run.form == "rnn" else run.chunk_size, in_rows=run.backend == "cpu")
     if run.backend == "triton":
-        if run.whole and run.bidirectional:
+        if run.whole:
             return triton_backend.bidirectional_form
-        kernels = triton_backend.attention_form if run.whole else \
-            {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+        kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
         if run.backward_by_forward:
             return partial(kernels, backward_by_forward=True)
         return partial(kernels, grouped=True) if run.grouped else kernels

@@ -1,13 +1,13 @@
 """GPU kernels for the attention, chunk and rnn forms (docs/design.md, "The Triton backend").
 
-LION is two causal scalar-gated linear attentions, one over the sequence and one over its mirror,
-with the decays shifted by one token and the diagonal counted once; flash-linear-attention's Triton
-kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written backwards (fla.py), and
-two fused steps of ours build their operands and finish their outputs (operands.py); a bidirectional
-kernel of ours computes the attention form in one pass instead (bidirectional.py). Nothing here is
-imported until a call picks the triton backend.
+The attention form is one bidirectional kernel of ours (bidirectional.py): both directions, the scans and the
+normaliser in one pass. For the chunk and rnn forms, LION is two causal scalar-gated linear attentions, one over
+the sequence and one over its mirror, with the decays shifted by one token and the diagonal counted once;
+flash-linear-attention's Triton kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written
+backwards (fla.py), and two fused steps of ours build their operands and finish their outputs (operands.py).
+Nothing here is imported until a call picks the triton backend.
 """
-from .fla import attention_form, available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
+from .fla import available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
 
 
 def bidirectional_form(*args, **kwargs):
@@ -22,5 +22,5 @@ def vector_form(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ["attention_form", "available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "recurrent_form",
+__all__ = ["available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "recurrent_form",
            "unavailable_reason", "vector_form"]

@@ -1,6 +1,6 @@
 """The attention form fused in one bidirectional kernel of ours: both directions, every scan and the normaliser
-in one pass over the key tiles, with no flips, no stacking and no normaliser scan (FLA's route, fla.py, runs a
-causal kernel on each scan forward and mirrored, and the normaliser apart).
+in one pass over the key tiles, with no flips, no stacking and no normaliser scan (the chunk and rnn forms, fla.py,
+run FLA's causal kernels on each scan forward and mirrored, and the normaliser apart).
 
 Per scan s and token t (token order) the kernel reads p_t, the token's scan position, and the cumulative log
 decays along the scan E_t = a(scan positions < p_t) and I_t = E_t + a_t, from which (masks.py)

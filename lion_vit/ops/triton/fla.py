@@ -1,4 +1,4 @@
-"""LION's attention, chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
+"""LION's chunk and rnn forms on flash-linear-attention's causal kernels, token-major end to end.
 
 FLA's scalar-gated recurrence is  S_p = exp(g_p) S_{p-1} + k_p v_p^T,  o_p = scale q_p^T S_p,  over
 [B, L, H, D] tensors. With a_t = log lam_t and a scan order o (o[p]: the token at scan position p),
@@ -52,14 +52,14 @@ def unavailable_reason() -> str:
 
 @lru_cache(maxsize=None)
 def _kernels():
-    """FLA's three entry points used here, or the reason they do not import."""
+    """FLA's two entry points used here, or the reason they do not import."""
     if importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None:
         return "is not installed"
     try:
-        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
+        from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
     except Exception as error:  # any failure of a third-party import
         return f"is installed but does not import ({type(error).__name__}: {str(error).partition(chr(10))[0]})"
-    return chunk_simple_gla, fused_recurrent_simple_gla, parallel_simple_gla
+    return chunk_simple_gla, fused_recurrent_simple_gla
 
 
 @lru_cache(maxsize=None)
@@ -155,13 +155,6 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: O
 def _recurrent(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
     """FLA's fused_recurrent_simple_gla, (o, final state), looked up as _chunk's."""
     return _kernels()[1](q, k, v, g=g, scale=scale)
-
-
-def _parallel(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor] = None, scale: Optional[float] = None):
-    """FLA's parallel_simple_gla, (o, None): the causal masked product tile by tile, its mask made from the
-    gates' cumulative sums in registers; nothing of size L x L is written, forward or backward (whose gate
-    gradient is a reverse cumulative sum, no atomics). Looked up as _chunk's."""
-    return _kernels()[2](q, k, v, g=g, scale=scale)
 
 
 class _ForwardBackward(torch.autograd.Function):
@@ -286,16 +279,8 @@ def recurrent_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     return _run(_recurrent, q, k, v, log_decays, orders, feature_map, grouped, "rnn", scaling)
 
 
-def attention_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
-                   chunk_size: Optional[int] = None, feature_map: Optional[str] = None,
-                   grouped: bool = False, scaling: str = "sum") -> Tensor:
-    """Y by FLA's tiled quadratic kernel (`parallel_simple_gla`): the attention form fused, every scan and
-    direction in one launch, nothing L x L in memory. Arguments as chunk_form's."""
-    return _run(_parallel, q, k, v, log_decays, orders, feature_map, grouped, "attention", scaling)
-
-
 # what inference traced by a compiler runs (_INFERENCE_OP), by form
-_KERNELS = {"chunk": _chunk, "rnn": _recurrent, "attention": _parallel}
+_KERNELS = {"chunk": _chunk, "rnn": _recurrent}
 
 
 def _run(kernel: Callable[..., Tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
@@ -391,8 +376,8 @@ _INFERENCE_OP = _inference_op()
 def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequences: int, dtype: torch.dtype,
                       form: str, device: torch.device) -> int:
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
-    the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, the parallel kernel's
-    outputs and float32 cumulative gates, or the recurrent kernel's float32 outputs and their cast), within
+    the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
+    float32 outputs and their cast), within
     GROUP_SHARE of the batch's q, k, v; for the recurrent kernel, at least the images whose programs
     (sequences x heads x its tiles) cover the multiprocessors."""
     from ..dispatch import TRITON_CHUNK
@@ -400,7 +385,7 @@ def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequ
     itemsize = torch.finfo(dtype).bits // 8
     key_width, value_width = even(key_dim), even(value_dim)
     kernels = {"chunk": (value_width + key_width * value_width // TRITON_CHUNK) * itemsize,
-               "attention": value_width * itemsize + 4, "rnn": value_width * (4 + itemsize)}[form]
+               "rnn": value_width * (4 + itemsize)}[form]
     per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
     images = max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
     if form != "rnn":
