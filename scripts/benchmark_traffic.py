@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--batch", type=int, default=1, help="images (with --inference: run in groups)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--decay", choices=["fixed", "selective"], default="fixed")
+    parser.add_argument("--decay", choices=["lit", "fixed", "selective"], default="fixed")
     parser.add_argument("--scans", type=int, choices=[1, 2], default=1, help="2: lion_d_natural's two snakes")
     parser.add_argument("--inference", action="store_true", help="an evaluation forward, without autograd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
