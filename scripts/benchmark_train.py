@@ -181,23 +181,37 @@ def main() -> None:
                                 "peak_mem_mb", "mem_x_baseline"]))
     if args.profile:
         for name in setups:
-            _print_profile(name, lambda: step(name))
+            _print_profile(name, lambda: step(name), device)
     errors = [name for name, status in failed.items() if status == STATUS_ERROR]
     if errors:
         sys.exit(f"benchmark_train.py: {', '.join(errors)} failed (above); the table holds the others")
 
 
-def _print_profile(name: str, run_step) -> None:
-    """One step under torch.profiler: the ops with the most self time, as a share of the step."""
-    from torch.profiler import profile
-    with profile() as prof:
+def _print_profile(name: str, run_step, device: torch.device) -> None:
+    """One step under torch.profiler: the ops (on CUDA, the GPU's kernels) with the most self time, as a share of
+    the step's."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run_step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events)
-    print(f"\n{name}: {total / 1e6:.2f} s profiled (self time, profiler overhead included)")
-    for event in events[:10]:
-        print(f"  {event.self_cpu_time_total / total:6.1%}  {event.self_cpu_time_total / 1e6:7.3f} s  "
-              f"x{event.count:<4d} {event.key}")
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def self_time(event) -> float:  # (microseconds; self_cuda_time_total before torch 2.4)
+        if not cuda:
+            return event.self_cpu_time_total
+        attribute = "self_device_time_total" if hasattr(event, "self_device_time_total") else "self_cuda_time_total"
+        return getattr(event, attribute)
+
+    events = prof.key_averages()
+    if cuda:  # the kernels themselves (an operator's row would count its kernels' time once more)
+        events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    events = sorted(events, key=self_time, reverse=True)
+    total = sum(self_time(e) for e in events) or 1.0
+    print(f"\n{name}: {total / 1e6:.3f} s profiled ({'GPU' if cuda else 'CPU'} self time, profiler overhead "
+          "included)")
+    for event in events[:15 if cuda else 10]:
+        print(f"  {self_time(event) / total:6.1%}  {self_time(event) / 1e6:7.3f} s  x{event.count:<4d} {event.key}")
 
 
 def _plot(ratios, baseline: str, path: Path, title: str) -> None:
