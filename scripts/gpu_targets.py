@@ -226,12 +226,16 @@ def setting_lines(folder: Path) -> List[str]:
     return lines + launch_lines(folder) + lit_lines(folder) + group_lines(folder) + decode_lines(folder)
 
 
+# benchmark_fused.py's runs in the fused part (their folders) and their shapes
+FUSED_KERNEL_RUNS = (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64"))
+
+
 def lit_lines(folder: Path) -> List[str]:
     """LION-lit's attention form: Q (K^T V) in torch matmuls (the code's, benchmark_fused.py's "linear" rows) or the
     bidirectional kernel with every decay 1 (its rows in the code's settings), forward and backward, by
     benchmark_fused.py's lion_lit rows; the pick, the faster."""
     lines = []
-    for run, what in (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64")):
+    for run, what in FUSED_KERNEL_RUNS:
         rows = [row for row in read(folder / run / "fused.csv") if row["case"] == "lion_lit"]
         linear = next((number(row, "train_us") for row in rows if row["kernel"] == "linear"), None)
         kernel = next((number(row, "train_us") for row in rows if row["kernel"] == "bidirectional"), None)
@@ -249,7 +253,7 @@ def launch_lines(folder: Path) -> List[str]:
     (the fused_kernels runs): each pair tried, its forward-and-backward time summed over the cases against the
     code's pair (the first), and the pick, the least."""
     lines = []
-    for run, what in (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64")):
+    for run, what in FUSED_KERNEL_RUNS:
         totals: Dict[str, float] = {}
         failed = set()
         for row in read(folder / run / "fused.csv"):
