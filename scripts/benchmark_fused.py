@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The fused attention form's kernel op by op on a GPU: the bidirectional kernel of ours in its code's launch
-settings and in each other one given (ops/triton/bidirectional.py: FORWARD, BACKWARD), forward, and forward and
+settings and in each other one given (lion_vit.ops.Tuning: bidirectional_forward, bidirectional_backward), forward,
+and forward and
 backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v) in the same run; the
 portable attention form (backend torch) beside them.
 
@@ -25,15 +26,16 @@ import contextlib
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (STATUS_ERROR, HelpFormatter, attributes_set, error_detail, kernel_time_us, kernel_timing,
-                          markdown_table, output_folder, positive_int, write_table)
+from benchmarking import (STATUS_ERROR, HelpFormatter, error_detail, kernel_time_us, kernel_timing, markdown_table,
+                          output_folder, positive_int, write_table)
+from lion_vit.ops.tuning import check_launch_setting, tuned, tuning
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -42,22 +44,16 @@ CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
 def setting(text: str) -> Setting:
     """argparse type: own,loop,warps."""
     try:
-        own, loop, warps = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected own,loop,warps, e.g. 64,32,8") from None
-    tiles_ok = all(size >= 16 and not size & (size - 1) for size in (own, loop))
-    if not tiles_ok or warps < 1 or warps & (warps - 1):
-        raise argparse.ArgumentTypeError(f"{text!r}: tiles are powers of two of at least 16 tokens, warps a power "
-                                         "of two")
-    return own, loop, warps
+        return check_launch_setting(tuple(int(part) for part in text.split(",")), repr(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
-@contextlib.contextmanager
-def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None) -> Iterator[None]:
+def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None
+                    ) -> contextlib.AbstractContextManager:
     """The bidirectional kernel's settings inside the block (None: the code's)."""
-    from lion_vit.ops.triton import bidirectional
-    with attributes_set(bidirectional, FORWARD=forward, BACKWARD=backward):
-        yield
+    given = dict(bidirectional_forward=forward, bidirectional_backward=backward)
+    return tuned(**{name: value for name, value in given.items() if value is not None})
 
 
 def main(argv=None) -> int:
@@ -80,11 +76,10 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
-    from lion_vit.ops.triton import bidirectional
 
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
-    code = bidirectional.FORWARD, bidirectional.BACKWARD
+    code = tuning().bidirectional_forward, tuning().bidirectional_backward
     kernels = [("bidirectional", *code)]
     kernels += [("bidirectional", forward, code[1]) for forward in args.forward if forward != code[0]]
     kernels += [("bidirectional", code[0], backward) for backward in args.backward if backward != code[1]]

@@ -16,7 +16,7 @@ backend under Triton's interpreter, or on the portable torch forms (--backend to
 timm's softmax Attention (SDPA) of the same width, the baseline; "attention" the attention form (on the triton
 backend the bidirectional kernel, fused). --autocast keeps the weights in float32
 and runs under CPU autocast to --dtype, as training on a GPU does. --fallback trains as where FLA's chunk
-backward fails (Hopper with Triton 3.4.0-3.7.0), through that dispatch.CHUNK_BACKWARD_FALLBACK. Byte
+backward fails (Hopper with Triton 3.4.0-3.7.0), through that Tuning.chunk_backward_fallback. Byte
 counts, as multiples of
 |q| + |k| + |v| (the bytes of the three projections' outputs):
 - written: every PyTorch operator's outputs (allocations included: a kernel's output buffer is
@@ -51,9 +51,8 @@ from torch.utils._pytree import tree_leaves
 
 from timm.layers import Attention
 
-from benchmarking import attributes_set
 from lion_vit.layers import LionAttention
-from lion_vit.ops import dispatch
+from lion_vit.ops.tuning import CHUNK_BACKWARD_FALLBACKS, tuned
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -149,9 +148,7 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
 def _chunk_backward_failing(fallback: str) -> Iterator[None]:
     """dispatch's plans as on a Hopper GPU with Triton 3.4.0-3.7.0, training through `fallback` (its warning
     kept quiet)."""
-    with attributes_set(dispatch, CHUNK_BACKWARD_FALLBACK=fallback), \
-            attributes_set(dispatch.triton_backend, chunk_backward_fails=lambda device: True), \
-            warnings.catch_warnings():
+    with tuned(chunk_backward_fallback=fallback, chunk_backward_fails=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*chunk backward fails")
         yield
 
@@ -165,7 +162,7 @@ def measure_traffic(form: str, tokens: int = 256, heads: int = 6, head_dim: int 
     (form "deit": timm's Attention) as multiples of |q| + |k| + |v|; scans=2 needs a square number of tokens
     (the grid the snakes read). autocast: float32 weights, the call under autocast to dtype; chunk_size: the
     torch backend's chunk form's (None: one chunk); fallback: train as where FLA's chunk backward fails, through
-    this dispatch.CHUNK_BACKWARD_FALLBACK."""
+    this Tuning.chunk_backward_fallback."""
     if fallback is not None:
         with _chunk_backward_failing(fallback):
             return measure_traffic(form, tokens, heads, head_dim, dtype, decay, scans, training, batch, backend,
@@ -237,8 +234,8 @@ def main() -> None:
     parser.add_argument("--inference", action="store_true", help="an evaluation forward, without autograd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--autocast", action="store_true", help="float32 weights, the call under autocast to --dtype")
-    parser.add_argument("--fallback", choices=sorted(dispatch.CHUNK_BACKWARD_FALLBACKS),
-                        help="train as where FLA's chunk backward fails, through this CHUNK_BACKWARD_FALLBACK")
+    parser.add_argument("--fallback", choices=sorted(CHUNK_BACKWARD_FALLBACKS),
+                        help="train as where FLA's chunk backward fails, through this Tuning.chunk_backward_fallback")
     parser.add_argument("--by-operator", action="store_true",
                         help="also list the bytes written by each operator, and the float32 share")
     args = parser.parse_args()

@@ -34,7 +34,8 @@ from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, add_backend_ar
                           train_memory_in_subprocess, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
-from lion_vit.ops import FORM_CHOICES, dispatch
+from lion_vit.ops import FORM_CHOICES
+from lion_vit.ops.tuning import CHUNK_BACKWARD_FALLBACKS, tuned, tuning
 
 DEFAULT_MODELS = ["deit_small_patch16_224", "lion_lit_small", "lion_d_small", "lion_s_small",
                   "lion_d_natural_small", "lion_s_natural_small"]
@@ -62,10 +63,10 @@ def main() -> None:
     parser.add_argument("--attn-form", default="auto", choices=FORM_CHOICES,
                         help="the LION models' form (auto: attention, or the triton chunk kernels for long sequences)")
     add_backend_argument(parser)
-    parser.add_argument("--chunk-backward-fallback", choices=sorted(dispatch.CHUNK_BACKWARD_FALLBACKS),
-                        default=dispatch.CHUNK_BACKWARD_FALLBACK,
+    parser.add_argument("--chunk-backward-fallback", choices=sorted(CHUNK_BACKWARD_FALLBACKS),
+                        default=tuning().chunk_backward_fallback,
                         help="what trains in the chunk form where flash-linear-attention's chunk backward fails "
-                             "(Hopper with Triton 3.4.0-3.7.0): dispatch.CHUNK_BACKWARD_FALLBACK")
+                             "(Hopper with Triton 3.4.0-3.7.0): lion_vit.ops.Tuning.chunk_backward_fallback")
     parser.add_argument("--malloc", default="keep", choices=["keep", "default"],
                         help="CPU: 'keep' freed memory for reuse as train.py does (cpu_keep_freed_memory), "
                              "or glibc's 'default' (large tensors page-faulted in again every step)")
@@ -77,7 +78,12 @@ def main() -> None:
                              "(where the time goes: shared linear/MLP matmuls vs attention)")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
     args = parser.parse_args()
-    dispatch.CHUNK_BACKWARD_FALLBACK = args.chunk_backward_fallback
+    with tuned(chunk_backward_fallback=args.chunk_backward_fallback):
+        _measure(parser, args)
+
+
+def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Build, time (and profile) the models that args name; write and print the table."""
     if args.device == "cpu" and args.malloc == "keep":
         keep_freed_memory()
 

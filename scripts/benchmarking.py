@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -177,7 +177,7 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_argument(parser)
     parser.add_argument("--group-share", type=positive_float, default=None, metavar="SHARE",
                         help="the triton backend's inference groups of images: a group's kernel buffers at most this "
-                             "share of the batch's q, k, v (default: the code's, lion_vit.ops.triton.fla.GROUP_SHARE); "
+                             "share of the batch's q, k, v (default: the code's, lion_vit.ops.Tuning.group_share); "
                              "a large value runs the batch in one call")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV, JSON and PNG")
 
@@ -256,27 +256,10 @@ def build(model_name: str, form: Optional[str], chunk_size: Optional[int], img_s
     return model.to(dtype) if dtype == torch.float64 else model
 
 
-@contextlib.contextmanager
-def attributes_set(owner: Any, **values: Any) -> Iterator[None]:
-    """owner's attributes (a module's tuning hooks) set to the values given inside the block, then restored; a
-    value None leaves the code's: how a script tries a setting without patching the code."""
-    saved = {name: getattr(owner, name) for name in values}
-    for name, value in values.items():
-        if value is not None:
-            setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(owner, name, value)
-
-
-@contextlib.contextmanager
-def _group_share(share: Optional[float]) -> Iterator[None]:
-    """lion_vit.ops.triton.fla.GROUP_SHARE set inside the block (None: the code's)."""
-    from lion_vit.ops.triton import fla
-    with attributes_set(fla, GROUP_SHARE=share):
-        yield
+def _group_share(share: Optional[float]) -> contextlib.AbstractContextManager:
+    """lion_vit.ops.Tuning.group_share set inside the block (None: the code's)."""
+    from lion_vit.ops import tuned
+    return contextlib.nullcontext() if share is None else tuned(group_share=share)
 
 
 MEMORY_MODES = ("steady", "first")
@@ -294,7 +277,7 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
     compile: None, or the torch.compile backend for the model ("inductor", "aot_eager"); its compiling
     first call is timed as compile_s.
     attn_backend: the LION models' (lion_vit.ops.dispatch). group_share: the triton backend's
-    lion_vit.ops.triton.fla.GROUP_SHARE for this measurement (None: the code's).
+    lion_vit.ops.Tuning.group_share for this measurement (None: the code's).
     """
     if memory not in MEMORY_MODES:
         raise ValueError(f"unknown memory mode {memory!r}; choose one of {MEMORY_MODES}")

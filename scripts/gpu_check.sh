@@ -97,7 +97,7 @@ print(f"float32 dots: PyTorch matmul precision {torch.get_float32_matmul_precisi
       "the benchmarks in bfloat16")
 fails = triton.available() and triton.chunk_backward_fails(torch.device("cuda"))
 print(f"flash-linear-attention's chunk backward: {'FAILS here' if fails else 'runs'} (where it fails, training in "
-      "the chunk form runs dispatch.CHUNK_BACKWARD_FALLBACK)")
+      "the chunk form runs Tuning.chunk_backward_fallback)")
 PY
 ) || exit 2
     mkdir -p "$out"
@@ -128,7 +128,7 @@ for part in "${parts[@]}"; do
             run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
         fused)  # the fused attention form (the bidirectional kernel): the kernel op by op at 224 px (its launch
             # settings, LION-lit's Q (K^T V) against it), then a training step, eager, --attn-form auto (the fused
-            # attention form below AUTO_CHUNK_MIN_TOKENS) at 224 px batch 256 (with each model's costliest GPU kernels,
+            # attention form below auto_chunk_min_tokens) at 224 px batch 256 (with each model's costliest GPU kernels,
             # --profile) and 448 px batch 64, the same op by op at 448 px, the portable attention form
             # (--attn-backend torch) at 224 px, 896 px batch 32 (there beside both forms by name); inference at
             # 224 px, batch 16 and 256
@@ -152,7 +152,7 @@ for part in "${parts[@]}"; do
             # (-v: a deadline leaves the names), the slowest at the end
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -v -n 8 -p no:cacheprovider --durations=20 \
                 tests/test_triton.py -k "(attention or fused or bidirectional) and not (chunk or vector)" ;;
-        fallback)  # where FLA's chunk backward fails: dispatch.CHUNK_BACKWARD_FALLBACK, 896 px batch 32
+        fallback)  # where FLA's chunk backward fails: Tuning.chunk_backward_fallback, 896 px batch 32
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"
             run fallback_rnn "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend triton \
@@ -161,15 +161,15 @@ for part in "${parts[@]}"; do
                 --chunk-backward-fallback forward --models $deit lion_d_small:chunk lion_d_natural_small:chunk \
                 --out "$out/fallback_forward" ;;
         normaliser)  # the normaliser scan's launch settings (ops/triton/normaliser.py), 1248 px, batch 1 and 16;
-            # then inference at batch 16 in the code's groups of images and in one call (fla.GROUP_SHARE; the rnn
-            # form's fla.RECURRENT_GROUP_PROGRAMS)
+            # then inference at batch 16 in the code's groups of images and in one call (Tuning.group_share; the rnn
+            # form's Tuning.recurrent_group_programs)
             run normaliser python3 scripts/benchmark_normaliser.py
             groups=(python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --batch-size 16 --rounds 2
                     --resolutions 896 1248 1792 --runs $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64
                     lion_d_small:rnn)
             run groups_code "${groups[@]}" --out "$out/groups_code"
             run groups_one "${groups[@]}" --group-share 1000 --out "$out/groups_one" ;;
-        forms)  # attention form or chunk kernels for training, by sequence length: dispatch.AUTO_CHUNK_MIN_TOKENS
+        forms)  # attention form or chunk kernels for training, by sequence length: Tuning.auto_chunk_min_tokens
             for size in 384 512 640 896; do
                 run "forms_$size" "${train[@]}" --batch-size 32 --img-size "$size" --steps 5 --models $deit \
                     lion_d_small:attention lion_d_small:chunk lion_d_natural_small:attention \

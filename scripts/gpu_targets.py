@@ -176,10 +176,10 @@ def tokens(size: int) -> int:
 
 
 def setting_lines(folder: Path) -> List[str]:
-    """The dispatch settings the timings pick: dispatch.AUTO_CHUNK_MIN_TOKENS (the smallest size measured
+    """The tuning knobs (lion_vit.ops.Tuning) the timings pick: auto_chunk_min_tokens (the smallest size measured
     from which the chunk kernels are faster than the attention form, training and inference, one and two
     scans; where environment.txt says FLA's chunk backward fails, the training rows timed the fallback and
-    say so) and dispatch.CHUNK_BACKWARD_FALLBACK (the fastest of the portable chunk form, the recurrent
+    say so) and chunk_backward_fallback (the fastest of the portable chunk form, the recurrent
     kernels and the chunk kernels with a backward of their forward pass, where FLA's chunk backward fails)."""
     lines = ["| setting | measured | pick |", "|---|---|---|"]
     environment = folder / "environment.txt"
@@ -197,7 +197,7 @@ def setting_lines(folder: Path) -> List[str]:
         ratios = {size: t["chunk"] / t["attention"] for size, t in sorted(times.items())
                   if t.get("attention") and t.get("chunk")}  # chunk kernels' time / attention form's
         if not ratios:
-            lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | not measured | - |")
+            lines.append(f"| auto_chunk_min_tokens[{is_training}, {scans}] ({model}) | not measured | - |")
             continue
         faster = [size for size, ratio in ratios.items() if ratio < 1]
         timed = "fallback" if is_training and fallback else "chunk"
@@ -205,7 +205,7 @@ def setting_lines(folder: Path) -> List[str]:
         pick = f"{tokens(faster[0])}" if faster else "above the sizes measured"
         if timed == "fallback":
             pick += " (not for the chunk kernels: their backward fails here, the fallback trained)"
-        lines.append(f"| AUTO_CHUNK_MIN_TOKENS[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
+        lines.append(f"| auto_chunk_min_tokens[{is_training}, {scans}] ({model}) | {measured} | {pick} |")
     names = {"torch": "portable chunk form", "rnn": "recurrent kernels",
              "forward": "chunk kernels (backward by forward)"}
     for model in ("lion_d_small", "lion_d_natural_small"):
@@ -216,12 +216,12 @@ def setting_lines(folder: Path) -> List[str]:
             if ratio is not None:
                 found[fallback] = ratio
         if not found:
-            lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | not measured | - |")
+            lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | not measured | - |")
             continue
         measured = ", ".join(f"{names[fallback]} x{ratio:.2f}" for fallback, ratio in found.items())
         pick = min(found, key=found.get)
         missing = [names[fallback] for fallback in names if fallback not in found]
-        lines.append(f"| CHUNK_BACKWARD_FALLBACK ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
+        lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
     return lines + launch_lines(folder) + lit_lines(folder) + group_lines(folder) + decode_lines(folder)
 
@@ -249,8 +249,8 @@ def lit_lines(folder: Path) -> List[str]:
 
 
 def launch_lines(folder: Path) -> List[str]:
-    """The bidirectional kernel's launch settings (bidirectional.FORWARD, BACKWARD) from benchmark_fused.py's rows
-    (the fused_kernels runs): each pair tried, its forward-and-backward time summed over the cases against the
+    """The bidirectional kernel's launch settings (Tuning.bidirectional_forward, _backward) from benchmark_fused.py's
+    rows (the fused_kernels runs): each pair tried, its forward-and-backward time summed over the cases against the
     code's pair (the first), and the pick, the least."""
     lines = []
     for run, what in FUSED_KERNEL_RUNS:
@@ -266,7 +266,7 @@ def launch_lines(folder: Path) -> List[str]:
             else:
                 totals[pair] = totals.get(pair, 0.0) + time
         totals = {pair: total for pair, total in totals.items() if pair not in failed}
-        label = f"bidirectional FORWARD / BACKWARD ({what})"
+        label = f"bidirectional_forward / _backward ({what})"
         if not totals:
             lines.append(f"| {label} | not measured | - |")
             continue
@@ -277,9 +277,9 @@ def launch_lines(folder: Path) -> List[str]:
 
 
 # The inference groups' settings, and the kernels each is timed on (the normaliser part): the chunk kernels'
-# GROUP_SHARE, the recurrent kernel's RECURRENT_GROUP_PROGRAMS (lion_vit.ops.triton.fla)
-GROUP_SETTINGS = (("GROUP_SHARE", "lion_d_small", "chunk"), ("GROUP_SHARE", "lion_d_natural_small", "chunk"),
-                  ("RECURRENT_GROUP_PROGRAMS", "lion_d_small", "rnn"))
+# group_share, the recurrent kernel's recurrent_group_programs (lion_vit.ops.Tuning)
+GROUP_SETTINGS = (("group_share", "lion_d_small", "chunk"), ("group_share", "lion_d_natural_small", "chunk"),
+                  ("recurrent_group_programs", "lion_d_small", "rnn"))
 
 
 def group_lines(folder: Path) -> List[str]:

@@ -48,6 +48,17 @@ def one_row_groups(monkeypatch):
     monkeypatch.setattr(lion_vit.ops.cpu.rows, "GROUP_BYTES", 1)
 
 
+@pytest.fixture
+def knobs():
+    """knobs(**changes): lion_vit.ops.tuned's settings for the rest of the test, then the code's again."""
+    from contextlib import ExitStack
+
+    from lion_vit.ops import tuned
+
+    with ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tuned(**changes))
+
+
 @pytest.fixture(scope="session")
 def folder(tmp_path_factory):
     """A tiny 3-class image folder (train/ and val/) that a model learns in a few steps."""

@@ -48,28 +48,28 @@ def test_steady_memory_leaves_out_first_call_costs():
 
 
 def test_group_share_holds_for_the_measured_forwards_only(monkeypatch, tmp_path):
-    """--group-share sets the triton backend's GROUP_SHARE (its inference groups of images) while each configuration
+    """--group-share sets the triton backend's group_share (its inference groups of images) while each configuration
     runs, and the code's value is back afterwards; without it the code's value runs."""
     import benchmarking
     from benchmarking import add_inference_arguments, inference_settings
-    from lion_vit.ops.triton import fla
+    from lion_vit.ops import tuning
     seen = []
 
     class Probe(torch.nn.Module):
         def forward(self, x):
-            seen.append(fla.GROUP_SHARE)
+            seen.append(tuning().group_share)
             return x
 
     monkeypatch.setattr(benchmarking, "build", lambda *args: Probe())
     parser = argparse.ArgumentParser()
     add_inference_arguments(parser)
-    code = fla.GROUP_SHARE
+    code = tuning().group_share
     for argv, share_seen in ((["--group-share", "1000"], 1000.0), ([], code)):
         settings = inference_settings(parser.parse_args([*argv, "--out", str(tmp_path)]))
         seen.clear()
         measure_inference("lion_d_tiny", "chunk", None, 32, repeats=2, **settings)
         assert seen == [share_seen] * 4  # warm-up, memory, two timed
-        assert fla.GROUP_SHARE == code
+        assert tuning().group_share == code
     assert "group_share" not in settings  # (nor in the CSV's columns)
 
 

@@ -11,7 +11,7 @@ import timm
 import torch
 
 import lion_vit  # noqa: F401
-from lion_vit.ops import dispatch, plan
+from lion_vit.ops import dispatch, plan, tuned, tuning
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -64,11 +64,11 @@ def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels
         assert lit.whole and lit.backend == "torch"
 
 
-def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels, monkeypatch):
+def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels, knobs):
     """One threshold per (training, number of scans), each read where it applies."""
     kernels(True)
     thresholds = {(False, 1): 1024, (False, 2): 1500, (True, 1): 2000, (True, 2): 2500}
-    monkeypatch.setattr(dispatch, "AUTO_CHUNK_MIN_TOKENS", thresholds)
+    knobs(auto_chunk_min_tokens=thresholds)
     for (training, scans), long in thresholds.items():
         assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training) == \
             dispatch.Plan("chunk", "triton", chunks=-(-long // 64), chunk_size=64, grouped=not training), \
@@ -161,13 +161,13 @@ def test_chunk_backward_fails_on_hopper_with_triton_3_4_to_3_7_0(monkeypatch):
 
 
 @pytest.mark.parametrize("fallback", ["torch", "rnn", "forward"])
-def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monkeypatch, fallback):
-    """Inference keeps the chunk kernels; training runs CHUNK_BACKWARD_FALLBACK (the portable chunk form,
+def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monkeypatch, knobs, fallback):
+    """Inference keeps the chunk kernels; training runs Tuning.chunk_backward_fallback (the portable chunk form,
     the fused recurrent kernels, or by default the chunk kernels with a backward of their forward pass: the
     same function) and says once why and how to get the chunk kernels' own backward back."""
     kernels(True)
     monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: device.type == "cuda")
-    monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
+    knobs(chunk_backward_fallback=fallback)
     expected = {"torch": dispatch.Plan("chunk", "torch", chunks=49, chunk_size=64),
                 "rnn": dispatch.Plan("rnn", "triton"),
                 "forward": dispatch.Plan("chunk", "triton", chunks=49, chunk_size=64,
@@ -195,6 +195,42 @@ def test_training_where_the_chunk_backward_fails_runs_the_fallback(kernels, monk
     model = timm.create_model("lion_d_small", attn_form="chunk")
     assert model.attn_plan((896, 896), device=CUDA) == expected  # a model in training mode
     assert model.eval().attn_plan((896, 896), device=CUDA).backend == "triton"
+
+
+def test_tuned_sets_knobs_for_its_block_and_refuses_bad_ones(kernels):
+    """tuned(...) sets the knobs named for its block (nested blocks too) and restores them on the way out, an error
+    included; an unknown name or a bad value is one ValueError naming it, and changes nothing. A plan reads the
+    knobs in effect as it is made."""
+    kernels(True)
+    code = tuning()
+    with tuned(auto_chunk_min_tokens={(False, 1): 10, (False, 2): 10, (True, 1): 10, (True, 2): 10}) as outer:
+        assert tuning() is outer and outer.chunk_backward_fallback == code.chunk_backward_fallback
+        assert plan("auto", None, 10, 64, 64, device=CUDA).form == "chunk"
+        with pytest.raises(RuntimeError, match="inside"), tuned(group_share=0):
+            assert tuning().group_share == 0 and tuning().auto_chunk_min_tokens[False, 1] == 10
+            raise RuntimeError("inside")
+        assert tuning() is outer
+    assert tuning() is code and plan("auto", None, 10, 64, 64, device=CUDA).form == "attention"
+    for changes, message in [
+            (dict(chunk_backward_falback="rnn"), r"unknown tuning knob\(s\) \['chunk_backward_falback'\]"),
+            (dict(chunk_backward_fallback="slow"), "unknown chunk_backward_fallback 'slow'; choose one of"),
+            (dict(chunk_backward_fails="yes"), "chunk_backward_fails must be None"),
+            (dict(group_share=-1), "group_share must be a number >= 0"),
+            (dict(recurrent_group_programs=0), "recurrent_group_programs must be a positive integer"),
+            (dict(auto_chunk_min_tokens={(True, 1): 1}), "auto_chunk_min_tokens must give"),
+            (dict(bidirectional_forward=(64, 48, 4)), r"bidirectional_forward must be \(own tile, loop tile, warps\)"),
+            (dict(bidirectional_backward=(8, 16, 4)), "bidirectional_backward must be"),
+            (dict(bidirectional_backward=(64, 32)), "bidirectional_backward must be")]:
+        with pytest.raises(ValueError, match=message):
+            with tuned(**changes):
+                pass
+        assert tuning() is code, changes
+    thresholds = dict(code.auto_chunk_min_tokens)
+    with tuned(auto_chunk_min_tokens=thresholds) as knobs:
+        thresholds[True, 1] = 1  # the knobs keep a copy: the caller's dict changes nothing
+        assert knobs.auto_chunk_min_tokens[True, 1] == code.auto_chunk_min_tokens[True, 1]
+    with tuned(bidirectional_forward=[32, 16, 2]) as knobs:  # (a list from a command line: kept as a tuple)
+        assert knobs.bidirectional_forward == (32, 16, 2)
 
 
 def test_torch_export_gets_the_pytorch_forms(kernels, monkeypatch):

@@ -192,7 +192,7 @@ def test_each_part_is_estimated_to_fit_a_ten_minute_call():
 
 
 def test_settings_table_picks_from_the_timings(tmp_path):
-    """The crossover sizes for AUTO_CHUNK_MIN_TOKENS and the faster fallback, from CSVs as the scripts write
+    """The crossover sizes for auto_chunk_min_tokens and the faster fallback, from CSVs as the scripts write
     them; what was not measured says so."""
     def write(name, header, *rows):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -208,22 +208,22 @@ def test_settings_table_picks_from_the_timings(tmp_path):
           "lion_d_natural_small,chunk,out of memory,")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    assert row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"][1] == "1601"  # 640 px: 40 x 40 patches + 1
-    assert row["AUTO_CHUNK_MIN_TOKENS[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
-    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_small, 896 px b32)"] == [
+    assert row["auto_chunk_min_tokens[True, 1] (lion_d_small)"][1] == "1601"  # 640 px: 40 x 40 patches + 1
+    assert row["auto_chunk_min_tokens[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
+    assert row["chunk_backward_fallback (lion_d_small, 896 px b32)"] == [
         "portable chunk form x0.80, recurrent kernels x1.30, chunk kernels (backward by forward) x0.70 of DeiT-S",
         '"forward"']
-    assert row["CHUNK_BACKWARD_FALLBACK (lion_d_natural_small, 896 px b32)"][1] == (
+    assert row["chunk_backward_fallback (lion_d_natural_small, 896 px b32)"][1] == (
         '"rnn" (not measured: portable chunk form, chunk kernels (backward by forward))')
     # where the chunk backward fails, the training rows timed the fallback: the pick says so
     (tmp_path / "environment.txt").write_text("flash-linear-attention's chunk backward: FAILS here (...)\n")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    measured, pick = row["AUTO_CHUNK_MIN_TOKENS[True, 1] (lion_d_small)"]
+    measured, pick = row["auto_chunk_min_tokens[True, 1] (lion_d_small)"]
     assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
-    assert row["GROUP_SHARE (lion_d_small, b16)"] == ["not measured", "-"]
-    assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == ["not measured", "-"]
-    assert row["bidirectional FORWARD / BACKWARD (224 px b256)"] == ["not measured", "-"]
+    assert row["group_share (lion_d_small, b16)"] == ["not measured", "-"]
+    assert row["recurrent_group_programs (lion_d_small rnn, b16)"] == ["not measured", "-"]
+    assert row["bidirectional_forward / _backward (224 px b256)"] == ["not measured", "-"]
     assert row["LION-lit's attention form (224 px b256)"] == ["not measured", "-"]
     # data.decode on CUDA: "gpu" only where it trained faster end to end in every run measured both ways
     assert row["data.decode on CUDA (images/s, gpu over cpu)"] == ["not measured", "-"]
@@ -247,17 +247,17 @@ def test_settings_table_picks_from_the_timings(tmp_path):
           "lion_d_small,rnn,1248,ok,3.0,0.99")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    measured, pick = row["GROUP_SHARE (lion_d_small, b16)"]
+    measured, pick = row["group_share (lion_d_small, b16)"]
     assert measured.startswith("896 px: groups x1.80 (mem x0.80), one call x1.20 (mem x0.95), 1248 px")
-    assert pick == "one call (a large GROUP_SHARE)"
-    assert row["GROUP_SHARE (lion_d_natural_small, b16)"][1] == "keep"  # faster, but over DeiT-S's memory
-    assert row["RECURRENT_GROUP_PROGRAMS (lion_d_small rnn, b16)"] == [
+    assert pick == "one call (a large group_share)"
+    assert row["group_share (lion_d_natural_small, b16)"][1] == "keep"  # faster, but over DeiT-S's memory
+    assert row["recurrent_group_programs (lion_d_small rnn, b16)"] == [
         "1248 px: groups x5.60 (mem x0.90), one call x3.00 (mem x0.99) of DeiT-S",
-        "one call (a large RECURRENT_GROUP_PROGRAMS)"]
+        "one call (a large recurrent_group_programs)"]
 
 
 def test_launch_settings_and_lits_form_pick_the_least_time(tmp_path):
-    """The bidirectional kernel's FORWARD / BACKWARD from benchmark_fused.py's CSV (as write_table writes it): each
+    """The bidirectional kernel's launch settings from benchmark_fused.py's CSV (as write_table writes it): each
     pair's time summed over the cases against the code's pair (the first), a pair that ran out of memory in any
     case left out, and the least the pick; LION-lit's form: Q (K^T V) ("linear") or the kernel in the code's
     settings, the faster."""
@@ -274,8 +274,8 @@ def test_launch_settings_and_lits_form_pick_the_least_time(tmp_path):
             writer.writerow([case, "linear" if case == "lion_lit" else "torch", "", "", "ok", 125])
     targets = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))
     assert targets["launch_lines"](tmp_path) == [
-        "| bidirectional FORWARD / BACKWARD (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 x0.85 of the "
-        "code's | 128,64,8 / 64,32,8 |", "| bidirectional FORWARD / BACKWARD (448 px b64) | not measured | - |"]
+        "| bidirectional_forward / _backward (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 x0.85 of the "
+        "code's | 128,64,8 / 64,32,8 |", "| bidirectional_forward / _backward (448 px b64) | not measured | - |"]
     assert targets["lit_lines"](tmp_path) == [
         "| LION-lit's attention form (224 px b256) | bidirectional kernel x0.80 of Q (K^T V) | the bidirectional "
         "kernel |", "| LION-lit's attention form (448 px b64) | not measured | - |"]

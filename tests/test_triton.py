@@ -15,7 +15,7 @@ import timm
 import torch
 
 import interpret
-from lion_vit.ops import lion_attention, plan, snake_orders
+from lion_vit.ops import lion_attention, plan, snake_orders, tuning
 from lion_vit.ops.reference import lion_attention_reference, lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import AtenCalls, rel_err
@@ -198,6 +198,41 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths():
            value_shape=(2, 2, 31, 24))
 
 
+def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch, knobs):
+    """Tuning.bidirectional_forward and _backward reach the kernels as they launch: each kernel's grid (a program
+    per own tile and image-head), its loop's tile and its warps; in another setting the function is the same."""
+    from lion_vit.ops.triton import bidirectional
+    launches = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((self.kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"],
+                                 kwargs["num_warps"]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"):
+        monkeypatch.setattr(bidirectional, name, Recorded(getattr(bidirectional, name)))
+    q, k, v, lam = make_inputs(1, 2, 40, 16, "selective", torch.float32)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam)[None])]
+
+    def run():
+        out = lion_attention(*leaves, form="attention", backend="triton")
+        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+    code = run()
+    knobs(bidirectional_forward=(16, 32, 2), bidirectional_backward=(32, 16, 1))
+    launches.clear()
+    other = run()
+    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2), ("_backward_keys_kernel", (2, 2), 16, 32, 1),
+                        ("_backward_queries_kernel", (2, 2), 32, 16, 1)]
+    assert all(rel_err(got, want) < 1e-5 for got, want in zip(other, code))
+
+
 @pytest.mark.slow
 def test_the_bidirectional_kernel_subtracts_long_sequences_sums_in_float64(monkeypatch):
     """Past FLOAT64_EXPONENTS_ABOVE tokens the cumulative log decays E, I are float64 and the kernels subtract
@@ -314,12 +349,11 @@ def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always
 
 
 @pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch")])
-def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkeypatch):
-    """Without autograd the plan groups the images (Plan.grouped); one image per group (GROUP_SHARE 0) is
+def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, knobs):
+    """Without autograd the plan groups the images (Plan.grouped); one image per group (group_share 0) is
     the same function, with decays per image; a grouped call that autograd would record is an error."""
     from lion_vit.ops import dispatch
-    from lion_vit.ops.triton import fla
-    monkeypatch.setattr(fla, "GROUP_SHARE", 0)
+    knobs(group_share=0)
     height, width = (7, 10) if scans == 2 else (1, 70)
     length = height * width + (scans == 2)
     orders = snake_orders(height, width, num_prefix_tokens=1).to(DEVICE) if scans == 2 else None
@@ -339,13 +373,12 @@ def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, monkey
 
 
 @pytest.mark.parametrize("programs, images", [(1, [1, 1, 1]), (8, [1, 2]), (100, [3])])
-def test_recurrent_groups_cover_the_multiprocessors(programs, images, monkeypatch):
+def test_recurrent_groups_cover_the_multiprocessors(programs, images, monkeypatch, knobs):
     """The recurrent kernel's inference groups hold at least the images whose programs (2 sequences x 2 heads
-    each) cover RECURRENT_GROUP_PROGRAMS multiprocessors, where GROUP_SHARE alone would give one image a
+    each) cover recurrent_group_programs multiprocessors, where group_share alone would give one image a
     group: each launch then takes every image its group holds, and the result is the same function."""
     from lion_vit.ops.triton import fla
-    monkeypatch.setattr(fla, "GROUP_SHARE", 0)
-    monkeypatch.setattr(fla, "RECURRENT_GROUP_PROGRAMS", programs)
+    knobs(group_share=0, recurrent_group_programs=programs)
     launched = []
     recurrent = fla._recurrent
     monkeypatch.setattr(fla, "_recurrent", lambda q, *args, **kwargs: launched.append(q.shape[0] // 2)
@@ -437,13 +470,12 @@ def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(form, chunks
     ("torch", 1, "selective", torch.float32), ("rnn", 1, "selective", torch.float32),
     ("forward", 1, "selective", torch.float32), ("forward", 1, "near1", torch.float32),
     ("forward", 2, "fixed", torch.float32), ("forward", 1, "selective", HALF)])
-def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, fallback, scans, decay, dtype):
+def test_training_where_the_chunk_backward_fails_is_still_exact(monkeypatch, knobs, fallback, scans, decay, dtype):
     """Where FLA's chunk backward fails (Hopper with Triton 3.4.0-3.7.0), training in the chunk form runs
     the portable chunk form, the fused recurrent kernels or the chunk kernels with a backward of their
     forward pass: the same outputs and gradients (two scans over an 11x18 grid and a class token)."""
     from lion_vit.ops import dispatch
-    monkeypatch.setattr(dispatch.triton_backend, "chunk_backward_fails", lambda device: True)
-    monkeypatch.setattr(dispatch, "CHUNK_BACKWARD_FALLBACK", fallback)
+    knobs(chunk_backward_fails=True, chunk_backward_fallback=fallback)
     monkeypatch.setattr(dispatch, "_warned", set())
     orders = None if scans == 1 else snake_orders(11, 18, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 70 if scans == 1 else 199, 16, decay, torch.float32)
@@ -528,21 +560,20 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     another setting of each kernel, and the portable form, match the kernel in the code's settings within
     float16's rounding, outputs and gradients, and the code's settings are left as they were."""
     import runpy
-    from lion_vit.ops.triton import bidirectional
-    before = (bidirectional.FORWARD, bidirectional.BACKWARD)
+    before = tuning()
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
     assert main(["--img-size", "96", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
                  "--cases", "lion_s", "lion_s_natural"]) == 0
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lion_s")]
-    code = [",".join(map(str, setting)) for setting in (bidirectional.FORWARD, bidirectional.BACKWARD)]
+    code = [",".join(map(str, setting)) for setting in (before.bidirectional_forward, before.bidirectional_backward)]
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
         assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"]]
         compared = ours[1:] + [row for row in rows if row[:2] == [case, "torch"]]
         assert ours[0][-1] == "" and len(compared) == 3 and all(float(row[-1]) < 3e-3 for row in compared)
         assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 3 + ["torch"]
-    assert (bidirectional.FORWARD, bidirectional.BACKWARD) == before
+    assert tuning() is before
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
@@ -551,11 +582,10 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
     reason printed; the other settings' rows are still measured, and the exit code is 1."""
     import runpy
     from lion_vit.ops import triton as triton_backend
-    from lion_vit.ops.triton import bidirectional
     kernel = triton_backend.bidirectional_form
 
     def fails_in_one_setting(*args, **kwargs):
-        if bidirectional.FORWARD == (32, 16, 2):
+        if tuning().bidirectional_forward == (32, 16, 2):
             raise RuntimeError("Triton Error [CUDA]: invalid argument")
         return kernel(*args, **kwargs)
 
@@ -564,7 +594,7 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
     assert main(["--img-size", "64", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
                  "--cases", "lion_d"]) == 1
     out = capsys.readouterr().out
-    backward = ",".join(map(str, bidirectional.BACKWARD))
+    backward = ",".join(map(str, tuning().bidirectional_backward))
     assert f"lion_d bidirectional 32,16,2 {backward}: RuntimeError: Triton Error [CUDA]: invalid argument" \
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
@@ -731,7 +761,7 @@ def test_memory_traffic_proxy_around_the_kernels(form, tokens, dtype, written, s
     (FLA's chunk states, the normalisers' gradients). In a float16 evaluation forward only per-token, per-head
     scalars around the kernels are float32 (gates, folds, normalisers) and the normaliser scan's chunk sums (a
     vector per 64 tokens: about one more scalar per token), and the peak of what the call allocates, three
-    images run in groups, stays within the projection, Y and the kernels' share (GROUP_SHARE; 4.4 for one image
+    images run in groups, stays within the projection, Y and the kernels' share (group_share; 4.4 for one image
     in one call, docs/benchmarks.md, "Peak"). The attention form on the bidirectional kernel, at 197 tokens,
     writes and keeps about what DeiT-S's attention does (1.7, 1.3, 4.4 at one head)."""
     import runpy
@@ -742,8 +772,7 @@ def test_memory_traffic_proxy_around_the_kernels(form, tokens, dtype, written, s
     if dtype == torch.float16:
         assert result["float32 backward"] <= 3.5, result
     if form == "chunk":  # an evaluation forward in float16: the same operators, no autograd
-        from lion_vit.ops.triton.fla import GROUP_SHARE
         inference = measure(form, tokens=256, heads=1, head_dim=64, dtype=torch.float16, training=False, batch=3)
         assert inference["float32 share"] < 0.03 and inference["saved"] == 0, inference
-        assert inference["peak"] <= 1 + 1 / 3 + GROUP_SHARE + 0.05, inference
+        assert inference["peak"] <= 1 + 1 / 3 + tuning().group_share + 0.05, inference
         assert inference["at peak"]["addmm"] == pytest.approx(1.0)  # qkv, alive while the op runs; proj not yet

@@ -10,7 +10,7 @@ exact way to get it:
   and rnn forms on FLA's; on a CPU without autograd, eagerly,
   "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except on the triton backend for decayed sequences of at least
-  AUTO_CHUNK_MIN_TOKENS tokens (by training and number of scans), where the chunk kernels run;
+  Tuning.auto_chunk_min_tokens tokens (by training and number of scans), where the chunk kernels run;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
   backend the fused attention form's, elsewhere the portable one's;
@@ -20,11 +20,12 @@ exact way to get it:
   large as the decays allow (backend "cpu"; training in float32 or float64 with a hand-written backward,
   Plan.hand_backward), else with the traceable fixed ones;
 - training where the chunk kernels' backward fails (triton.chunk_backward_fails: Hopper GPUs with
-  Triton 3.4.0-3.7.0) runs CHUNK_BACKWARD_FALLBACK instead, and says so once;
+  Triton 3.4.0-3.7.0) runs Tuning.chunk_backward_fallback instead, and says so once;
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
   they are and the portable forms copy head-major;
 - inference on the triton backend runs the batch in groups of images (Plan.grouped), so that the kernels'
-  buffers stay a share of the batch's activations (lion_vit.ops.triton.fla.GROUP_SHARE).
+  buffers stay a share of the batch's activations (Tuning.group_share).
+The knobs (tuning.py) are read as a call is planned: `tuned(...)` sets them for a block.
 """
 from __future__ import annotations
 
@@ -43,25 +44,12 @@ from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
 from .features import mapped, query_scale
 from .recurrent import recurrent_form
 from .scalings import scaled
+from .tuning import CHUNK_BACKWARD_FALLBACKS, tuning
 from .vector import vector_form
 
 FORM_NAMES = ("attention", "rnn", "chunk")
 FORM_CHOICES = ("auto",) + FORM_NAMES
 BACKENDS = ("auto", "torch", "triton")
-
-# Form "auto" on the triton backend runs the chunk kernels from this many tokens on (896 px at patch 16
-# has 3,137), the attention form below, by (training, number of scans). Inference: the smallest length
-# timed at which the kernels win (the inference part of `make gpu-check`, docs/benchmarks.md); training:
-# a guess until the forms part has timed both forms from 577 to 3,137 tokens.
-AUTO_CHUNK_MIN_TOKENS = {(False, 1): 3137, (False, 2): 3137, (True, 1): 1024, (True, 2): 1024}
-
-# Training in the chunk form where FLA's chunk backward fails: "torch" (the portable chunk form, parallel
-# over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward" (the chunk kernels,
-# whose backward runs as three more of their forward passes): the fastest of the three where the fallback
-# part of `make gpu-check` timed them (docs/benchmarks.md; scripts/gpu_targets.py prints the winner).
-CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels",
-                            "forward": "the chunk kernels with a backward of their forward passes"}
-CHUNK_BACKWARD_FALLBACK = "forward"
 
 # The fused attention form on the triton backend reads at most this many scans (the bidirectional kernel's).
 # It was chosen over FLA's tiled quadratic kernel run on each scan forward and mirrored: timed side by side on an
@@ -190,9 +178,10 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                         hand_backward=rows and training and dtype in (torch.float32, torch.float64) and
                         min(chunk_size or length, length) > 1)  # (chunks of one token: vector._in_loop)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
+    knobs = tuning()
     if form == "auto":
         form = "chunk" if backend == "triton" and decayed and \
-            length >= AUTO_CHUNK_MIN_TOKENS[training, num_scans] else "attention"
+            length >= knobs.auto_chunk_min_tokens[training, num_scans] else "attention"
     grouped = backend == "triton" and not training
     fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
     if form == "attention":
@@ -205,14 +194,17 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
         return Plan("chunk", "triton" if fused else "torch", whole=True)
-    if backend == "triton" and training and decayed and triton_backend.chunk_backward_fails(device):
-        instead = CHUNK_BACKWARD_FALLBACKS[CHUNK_BACKWARD_FALLBACK]
+    fails = knobs.chunk_backward_fails
+    if backend == "triton" and training and decayed and (
+            triton_backend.chunk_backward_fails(device) if fails is None else fails):
+        fallback = knobs.chunk_backward_fallback
+        instead = CHUNK_BACKWARD_FALLBACKS[fallback]
         _warn_once(f"flash-linear-attention's chunk backward fails on Hopper GPUs with Triton 3.4.0 to 3.7.0 "
                    f"(fla-org/flash-linear-attention#640): LION layers train through {instead} instead (the same "
                    f"function); for the chunk kernels, upgrade Triton to 3.7.1 or later")
-        if CHUNK_BACKWARD_FALLBACK == "rnn":
+        if fallback == "rnn":
             return Plan("rnn", "triton")
-        if CHUNK_BACKWARD_FALLBACK == "forward":
+        if fallback == "forward":
             return Plan("chunk", "triton", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size,
                         backward_by_forward=True)
         return Plan("chunk", "torch", chunks=chunk_count(length, chunk_size), chunk_size=chunk_size)

@@ -32,18 +32,14 @@ import triton.language as tl
 from torch import Tensor
 
 from ..masks import FLOAT64_CUMSUM_ABOVE
+from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
 from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, rows_contiguous
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
-# (|a| ~ 1) from about 1,700 tokens. The attention form trains below 1,024 tokens (AUTO_CHUNK_MIN_TOKENS).
+# (|a| ~ 1) from about 1,700 tokens. The attention form trains below 1,024 tokens (auto_chunk_min_tokens).
 FLOAT64_EXPONENTS_ABOVE = 1024
-
-# launch settings, tuning hooks: (tokens of a program's own tile, tokens per tile of its loop, warps) for the
-# forward kernel and for the two backward ones (tiles: powers of two, at least 16, as tl.dot wants)
-FORWARD = (64, 64, 4)
-BACKWARD = (64, 32, 8)
 
 
 @triton.jit
@@ -309,7 +305,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
     value_dim = v.shape[-1]
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
     z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
-    own, loop, warps = FORWARD
+    own, loop, warps = tuning().bidirectional_forward
     _forward_kernel[(triton.cdiv(length, own), batch * heads)](
         q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
@@ -337,7 +333,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     scans = len(positions)
     dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
     dI = torch.empty_like(dE)
-    own, loop, warps = BACKWARD
+    own, loop, warps = tuning().bidirectional_backward
     settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(feature_map), BLOCK_K=_block(key_dim),
                     BLOCK_V=_block(value_dim), num_warps=warps)
     shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),

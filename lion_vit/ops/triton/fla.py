@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..features import mapped, query_scale
+from ..tuning import tuning
 
 if TYPE_CHECKING:  # (operands.py imports Triton: only once a call runs the kernels)
     from .operands import Layout
@@ -243,20 +244,6 @@ class _FirstOrderOnly(torch.autograd.Function):
         return grad
 
 
-# Inference (dispatch.Plan.grouped) runs the batch in groups of images whose kernel buffers (the stacked
-# operands, FLA's outputs and chunk states) take at most this share of the batch's |q| + |k| + |v|: at 4/3 a
-# layer's attention holds no more than a ViT MLP's hidden activations, 8 dim per token against the
-# projection's 3 dim (docs/benchmarks.md, "Peak"). A tuning hook: tests set 0, one image per group.
-GROUP_SHARE = 4 / 3
-
-# FLA's recurrent kernel runs one program per sequence and head (one tile of at most 64 x 64 state), token
-# after token: a launch takes one program's time whatever the number of programs, up to a program on every
-# multiprocessor. So its groups hold at least the images that give every multiprocessor one: a smaller
-# group saves memory by costing time in proportion (docs/benchmarks.md, "The rnn form's groups"). A tuning hook:
-# None is the GPU's multiprocessor count (1 on other devices, as under the interpreter); tests set it.
-RECURRENT_GROUP_PROGRAMS: Optional[int] = None
-
-
 def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor] = None,
                chunk_size: Optional[int] = None, feature_map: Optional[str] = None, grouped: bool = False,
                backward_by_forward: bool = False, scaling: str = "sum") -> Tensor:
@@ -264,7 +251,7 @@ def chunk_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], or
     chunk_size is the torch backend's; the kernels use their own tile of 64 tokens. q, k, v: [B, H, L, D]
     (any strides; token-major reads best); log_decays: None or [S, B|1, H|1, L|1] in token order; orders:
     [S, L] or None; feature_map: a FEATURE_MAPS name that maps q and k first, or None (q, k are features);
-    grouped: one call per group of images (GROUP_SHARE), for inference: no autograd; backward_by_forward:
+    grouped: one call per group of images (Tuning.group_share), for inference: no autograd; backward_by_forward:
     the kernels' backward runs as their forward pass (_ForwardBackward), where FLA's own fails; scaling: a
     scalings.SCALINGS name, which the finishing step applies."""
     kernel = _chunk_with_forward_backward if backward_by_forward else _chunk
@@ -378,7 +365,7 @@ def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequ
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
     the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
     float32 outputs and their cast), within
-    GROUP_SHARE of the batch's q, k, v; for the recurrent kernel, at least the images whose programs
+    Tuning.group_share of the batch's q, k, v; for the recurrent kernel, at least the images whose programs
     (sequences x heads x its tiles) cover the multiprocessors."""
     from ..dispatch import TRITON_CHUNK
     from .operands import even
@@ -387,7 +374,7 @@ def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequ
     kernels = {"chunk": (value_width + key_width * value_width // TRITON_CHUNK) * itemsize,
                "rnn": value_width * (4 + itemsize)}[form]
     per_image = sequences * ((2 * key_width + value_width) * itemsize + kernels)
-    images = max(1, int(GROUP_SHARE * batch * (2 * key_dim + value_dim) * itemsize // per_image))
+    images = max(1, int(tuning().group_share * batch * (2 * key_dim + value_dim) * itemsize // per_image))
     if form != "rnn":
         return images
     programs = sequences * heads * -(-key_width // 64) * -(-value_width // 64)  # FLA's tiles: 64 x 64 at most
@@ -395,9 +382,10 @@ def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequ
 
 
 def _multiprocessors(device: torch.device) -> int:
-    """RECURRENT_GROUP_PROGRAMS, or the device's multiprocessor count (1 but on CUDA)."""
-    if RECURRENT_GROUP_PROGRAMS is not None:
-        return RECURRENT_GROUP_PROGRAMS
+    """Tuning.recurrent_group_programs, or the device's multiprocessor count (1 but on CUDA)."""
+    programs = tuning().recurrent_group_programs
+    if programs is not None:
+        return programs
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 

@@ -1,0 +1,124 @@
+"""The ops' tuning knobs in one place: their defaults (what GPU timings chose, docs/benchmarks.md) and `tuned`,
+which sets some for a block of code, as scripts do to time other settings.
+
+    from lion_vit.ops import tuned
+    with tuned(chunk_backward_fallback="rnn", group_share=0.5):
+        model(images)
+
+dispatch.plan reads them as it plans a call (a compiled graph as it is traced: a change later is a new trace),
+the Triton backend as it launches a kernel (a backward run after the block launches with the settings then).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict, Iterator, Mapping, Optional, Tuple
+
+# What trains in the chunk form where flash-linear-attention's chunk backward fails (Hopper with Triton
+# 3.4.0-3.7.0): Tuning.chunk_backward_fallback's choices.
+CHUNK_BACKWARD_FALLBACKS = {"torch": "the portable chunk form", "rnn": "its fused recurrent kernels",
+                            "forward": "the chunk kernels with a backward of their forward passes"}
+
+LaunchSetting = Tuple[int, int, int]
+
+
+def _auto_chunk_min_tokens() -> Dict[Tuple[bool, int], int]:
+    return {(False, 1): 3137, (False, 2): 3137, (True, 1): 1024, (True, 2): 1024}
+
+
+@dataclass(frozen=True, eq=False)
+class Tuning:
+    """The knobs; each changes speed or memory, never the function computed.
+
+    auto_chunk_min_tokens: form "auto" on the triton backend runs the chunk kernels from this many tokens on (896
+        px at patch 16 has 3,137), the attention form below, by (training, number of scans). Inference: the
+        smallest length timed at which the kernels win (the inference part of `make gpu-check`); training: a
+        guess until the forms part has timed both forms from 577 to 3,137 tokens.
+    chunk_backward_fallback: training in the chunk form where FLA's chunk backward fails: "torch" (the portable
+        chunk form, parallel over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward"
+        (the chunk kernels, whose backward runs as three more of their forward passes): the fastest of the three
+        where the fallback part of `make gpu-check` timed them.
+    chunk_backward_fails: None (detected: Hopper GPUs with Triton 3.4.0-3.7.0, fla-org/flash-linear-attention#640),
+        or True / False to plan as if FLA's chunk backward did or did not fail here.
+    group_share: inference on the triton backend runs the batch in groups of images whose kernel buffers take at
+        most this share of the batch's |q| + |k| + |v|: at 4/3 a layer's attention holds no more than a ViT MLP's
+        hidden activations (docs/benchmarks.md, "Peak"); 0 runs one image a group.
+    recurrent_group_programs: FLA's recurrent kernel takes one program's time whatever the number of its programs,
+        up to one on every multiprocessor, so its groups hold at least the images that give this many programs
+        (None: the GPU's multiprocessors; 1 on other devices).
+    bidirectional_forward, bidirectional_backward: the bidirectional kernel's launch settings (tokens of a
+        program's own tile, tokens per tile of its loop, warps), forward and for both backward kernels; tiles are
+        powers of two of at least 16 tokens (tl.dot), warps a power of two.
+    """
+
+    auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
+    chunk_backward_fallback: str = "forward"
+    chunk_backward_fails: Optional[bool] = None
+    group_share: float = 4 / 3
+    recurrent_group_programs: Optional[int] = None
+    bidirectional_forward: LaunchSetting = (64, 64, 4)
+    bidirectional_backward: LaunchSetting = (64, 32, 8)
+
+    def __post_init__(self) -> None:
+        if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
+            raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
+                             f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
+        if self.chunk_backward_fails not in (None, True, False):
+            raise ValueError(f"chunk_backward_fails must be None (detect), True or False, got "
+                             f"{self.chunk_backward_fails!r}")
+        thresholds = self.auto_chunk_min_tokens
+        if not isinstance(thresholds, Mapping) or sorted(thresholds) != sorted(_auto_chunk_min_tokens()) or \
+                not all(_positive_int(tokens) for tokens in thresholds.values()):
+            raise ValueError(f"auto_chunk_min_tokens must give a positive number of tokens for each of "
+                             f"{sorted(_auto_chunk_min_tokens())} (training, scans), got {thresholds!r}")
+        object.__setattr__(self, "auto_chunk_min_tokens", dict(thresholds))  # (a copy: not the caller's dict)
+        if isinstance(self.group_share, bool) or not isinstance(self.group_share, (int, float)) or \
+                not self.group_share >= 0:
+            raise ValueError(f"group_share must be a number >= 0 (0: one image a group), got {self.group_share!r}")
+        if self.recurrent_group_programs is not None and not _positive_int(self.recurrent_group_programs):
+            raise ValueError(f"recurrent_group_programs must be a positive integer or None (the GPU's "
+                             f"multiprocessors), got {self.recurrent_group_programs!r}")
+        for name in ("bidirectional_forward", "bidirectional_backward"):
+            object.__setattr__(self, name, check_launch_setting(getattr(self, name), name))
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _power_of_two(value: object, least: int = 1) -> bool:
+    return _positive_int(value) and value >= least and not value & (value - 1)
+
+
+def check_launch_setting(setting: object, name: str = "launch setting") -> LaunchSetting:
+    """setting as a (own tile, loop tile, warps) tuple; ValueError where it is not one the kernels can run."""
+    parts = tuple(setting) if isinstance(setting, (tuple, list)) else ()
+    if len(parts) != 3 or not (_power_of_two(parts[0], 16) and _power_of_two(parts[1], 16)
+                               and _power_of_two(parts[2])):
+        raise ValueError(f"{name} must be (own tile, loop tile, warps): tiles powers of two of at least 16 tokens, "
+                         f"warps a power of two, e.g. (64, 32, 8); got {setting!r}")
+    return parts  # type: ignore[return-value]
+
+
+_current = Tuning()
+
+
+def tuning() -> Tuning:
+    """The knobs in effect."""
+    return _current
+
+
+@contextmanager
+def tuned(**changes: object) -> Iterator[Tuning]:
+    """The knobs named (Tuning's fields) set to these values inside the block, then restored. An unknown name or
+    a bad value is a ValueError, and changes nothing."""
+    global _current
+    unknown = sorted(set(changes) - {f.name for f in fields(Tuning)})
+    if unknown:
+        raise ValueError(f"unknown tuning knob(s) {unknown}; choose from {[f.name for f in fields(Tuning)]}")
+    before = _current
+    _current = replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before
