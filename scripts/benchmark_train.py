@@ -195,13 +195,12 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _print_profile(name: str, run_step, device: torch.device) -> None:
     """One step under torch.profiler: the ops (on CUDA, the GPU's kernels) with the most self time, as a share of
-    the step's."""
+    the step's; and their total against the step's wall time, which on a GPU says whether the kernels or the host
+    bound the step (the kernels' time near the wall time: the GPU was busy throughout)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run_step()
-        if cuda:
-            torch.cuda.synchronize(device)
+        wall = run_step()  # (synchronised on CUDA)
 
     def self_time(event) -> float:  # (microseconds; self_cuda_time_total before torch 2.4)
         if not cuda:
@@ -214,8 +213,8 @@ def _print_profile(name: str, run_step, device: torch.device) -> None:
         events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     events = sorted(events, key=self_time, reverse=True)
     total = sum(self_time(e) for e in events) or 1.0
-    print(f"\n{name}: {total / 1e6:.3f} s profiled ({'GPU' if cuda else 'CPU'} self time, profiler overhead "
-          "included)")
+    print(f"\n{name}: {total / 1e6:.3f} s profiled ({'GPU kernels' if cuda else 'CPU'} self time, profiler overhead "
+          f"included) in a step of {wall:.3f} s wall, {total / 1e6 / wall:.0%}")
     for event in events[:15 if cuda else 10]:
         print(f"  {self_time(event) / total:6.1%}  {self_time(event) / 1e6:7.3f} s  x{event.count:<4d} {event.key}")
 

@@ -139,8 +139,10 @@ def test_train_script_ratios_and_profile(tmp_path):
     assert float(rows[1]["x_baseline_paired"]) == pytest.approx(float(rows[1]["x_baseline"]))
     assert (tmp_path / "train.png").stat().st_size > 0
     # each warm-up is printed as it ends (a run cut short says how far it got); the profile names each
-    # model and its most expensive ops
+    # model and its most expensive ops, and their total against the profiled step's wall time
     assert "lion_d_tiny: warm-up step" in out and "aten::" in out
+    assert re.search(r"^lion_d_tiny: [\d.]+ s profiled \(CPU self time, .*\) in a step of [\d.]+ s wall, \d+%$", out,
+                     re.MULTILINE), out
 
 
 def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monkeypatch):
