@@ -33,20 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
-from benchmarking import (STATUS_ERROR, HelpFormatter, error_detail, kernel_time_us, kernel_timing, markdown_table,
-                          output_folder, positive_int, write_table)
-from lion_vit.ops.tuning import check_launch_setting, tuned, tuning
+from benchmarking import (STATUS_ERROR, HelpFormatter, error_detail, kernel_time_us, kernel_timing, launch_setting,
+                          markdown_table, output_folder, positive_int, write_table)
+from lion_vit.ops.tuning import tuned, tuning
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
-
-
-def setting(text: str) -> Setting:
-    """argparse type: own,loop,warps."""
-    try:
-        return check_launch_setting(tuple(int(part) for part in text.split(",")), repr(text))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None
@@ -60,9 +52,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--img-size", type=positive_int, default=224, help="a multiple of 16")
     parser.add_argument("--batch-size", type=positive_int, default=256)
-    parser.add_argument("--forward", nargs="+", type=setting, default=[(128, 64, 8), (64, 32, 4)], metavar="O,L,W",
-                        help="the bidirectional forward kernel's settings to try besides the code's")
-    parser.add_argument("--backward", nargs="+", type=setting, default=[(32, 32, 4), (64, 64, 8), (32, 64, 4)],
+    parser.add_argument("--forward", nargs="+", type=launch_setting, default=[(128, 64, 8), (64, 32, 4)],
+                        metavar="O,L,W", help="the bidirectional forward kernel's settings to try besides the code's")
+    parser.add_argument("--backward", nargs="+", type=launch_setting, default=[(32, 32, 4), (64, 64, 8), (32, 64, 4)],
                         metavar="O,L,W", help="the bidirectional backward kernels' settings to try besides the "
                                               "code's")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))

@@ -70,6 +70,15 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "a non-negative")
 
 
+def launch_setting(text: str) -> Tuple[int, int, int]:
+    """argparse type: a bidirectional kernel's launch setting, own,loop,warps (lion_vit.ops.Tuning)."""
+    from lion_vit.ops.tuning import check_launch_setting
+    try:
+        return check_launch_setting(tuple(int(part) for part in text.split(",")), repr(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     try:

@@ -14,7 +14,8 @@ first call would: float16 launches also in bfloat16, the dtype GPUs train in.
     PYTHONPATH=/tmp/triton python scripts/compile_kernels.py --records launches.json
 
 Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
-cubin its registers per thread, stack frame and local memory, which is where registers spill) and exits 1
+cubin its registers per thread, stack frame and local memory, which is where registers spill; from the PTX its
+tensor-core instructions; the blocks a multiprocessor fits by registers and shared memory) and exits 1
 if any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
 kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
 """
@@ -29,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
+
+from benchmarking import launch_setting  # (scripts/benchmarking.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 # the most shared memory a block may use, by compute capability (CUDA C++ Programming Guide)
@@ -87,9 +90,10 @@ def calls(quick: bool):
             yield lambda dtype=dtype, case=case: call(dtype, *case)
 
 
-def recorded_launches(quick: bool) -> list:
+def recorded_launches(quick: bool, knobs: Optional[dict] = None) -> list:
     """Runs `calls` under the interpreter (TRITON_INTERPRET=1), launching no kernel, and returns the distinct
-    launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype and alignment."""
+    launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype and alignment.
+    knobs: lion_vit.ops.Tuning settings the calls run with (the bidirectional kernel's launch settings)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import interpret  # the interpreter's adaptations for FLA's kernels (tests/interpret.py)
     import torch
@@ -109,10 +113,12 @@ def recorded_launches(quick: bool) -> list:
                       {key: describe(value) for key, value in kwargs.items()}]
             launches.setdefault(json.dumps(launch), launch)
 
+    from lion_vit.ops import tuned
     run, InterpretedFunction.run = InterpretedFunction.run, recording
     try:
-        for thunk in calls(quick):
-            thunk()
+        with tuned(**(knobs or {})):
+            for thunk in calls(quick):
+                thunk()
     finally:
         InterpretedFunction.run = run
     return list(launches.values())
@@ -209,6 +215,26 @@ def _registers(compiled) -> str:
     return f", registers {found[1]}, stack {found[2]} B, local {found[3]} B" if found else ""
 
 
+def _tensor_cores(compiled) -> str:
+    """", wgmma W, mma.sync M" from the PTX: its products' tensor-core instructions (wgmma: Hopper's warpgroup ones;
+    mma.sync: the per-warp ones of earlier GPUs, below Hopper's peak rate there)."""
+    ptx = compiled.asm.get("ptx", "")
+    return f", wgmma {len(re.findall(r'wgmma.mma_async', ptx))}, mma.sync {len(re.findall(r'mma.sync', ptx))}"
+
+
+def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
+    """", N blocks a multiprocessor": how many of the launch's blocks its registers (64 K a multiprocessor, allotted
+    8 a thread at a time) and shared memory leave room for at once, the occupancy that hides memory latency."""
+    found = re.search(r"registers (\d+)", registers)
+    if not found:
+        return ""
+    threads = 32 * compiled.metadata.num_warps
+    by_registers = 65536 // (-(-int(found[1]) // 8) * 8 * threads)
+    shared = compiled.metadata.shared
+    by_shared = SHARED_MEMORY.get(arch, 0) // shared if shared else by_registers
+    return f", {min(by_registers, by_shared)} blocks a multiprocessor"
+
+
 def compile_all(launches, archs) -> Tuple[int, int]:
     """Compiles each launch (`to_compile`'s) for each target; prints a line each; returns how many compiled and
     how many were tried."""
@@ -228,7 +254,7 @@ def compile_all(launches, archs) -> Tuple[int, int]:
         driver.set_active(_Target(arch))
         for launch in launches:
             module, name, args, kwargs = launch
-            flags = " ".join(f"{key}={value}" for key, value in kwargs.items() if key.isupper())
+            flags = " ".join(f"{key}={value}" for key, value in kwargs.items() if key.isupper() or key == "num_warps")
             what = f"sm_{arch} {name} {_dtype(launch)} {flags}"
             kernel = getattr(importlib.import_module(module), name)
             try:
@@ -240,7 +266,9 @@ def compile_all(launches, archs) -> Tuple[int, int]:
                 failures += 1
                 print(f"FAIL {what}\n  {type(error).__name__}: {str(error).strip()}", flush=True)
             else:
-                print(f"ok   {what}  shared {shared} B{_registers(compiled)}", flush=True)
+                registers = _registers(compiled)
+                print(f"ok   {what}  shared {shared} B{registers}{_tensor_cores(compiled)}"
+                      f"{_blocks_per_multiprocessor(compiled, registers, arch)}", flush=True)
     total = len(launches) * len(archs)
     return total - failures, total
 
@@ -254,16 +282,23 @@ def main(argv=None) -> int:
     parser.add_argument("--records", help="compile the launches in this JSON file instead of recording them")
     parser.add_argument("--save-records", metavar="FILE", help="record the launches into FILE and stop, for "
                         "another Triton to compile with --records (a GPU machine's version, on PYTHONPATH)")
+    for which in ("forward", "backward"):
+        parser.add_argument(f"--bidirectional-{which}", type=launch_setting, metavar="O,L,W",
+                            help=f"record the bidirectional {which} kernel{'s' if which == 'backward' else ''} in "
+                                 f"this launch setting (own,loop,warps; lion_vit.ops.Tuning), not the code's")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     args = parser.parse_args(argv)
+    knobs = {f"bidirectional_{which}": getattr(args, f"bidirectional_{which}") for which in ("forward", "backward")
+             if getattr(args, f"bidirectional_{which}") is not None}
     if args.record_to:
-        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick)))
+        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, knobs)))
         return 0
     if args.records is None:  # recorded in a child process: the interpreter is on there, off here
         with tempfile.TemporaryDirectory() as folder:
             path = args.save_records or str(Path(folder) / "launches.json")
             env = dict(os.environ, TRITON_INTERPRET="1")
-            child = [sys.executable, __file__, "--record-to", path] + (["--quick"] if args.quick else [])
+            child = [sys.executable, __file__, "--record-to", path] + (["--quick"] if args.quick else []) + [
+                f"--{name.replace('_', '-')}={','.join(map(str, value))}" for name, value in knobs.items()]
             if subprocess.run(child, env=env).returncode:
                 print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
                 return 1

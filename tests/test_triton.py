@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -653,9 +654,29 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
                "_sums_kernel", "_scan_kernel", "_forward_kernel", "_factors_kernel", "_backward_keys_kernel",
                "_backward_queries_kernel"]
     assert compiled == {(kernel, dtype) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")}
+    # each line also names its tensor-core instructions and the blocks a multiprocessor fits: Hopper's wgmma for
+    # the bidirectional forward's 64-token tiles in bfloat16
+    forward = next(line for line in ok if line.split()[2:4] == ["_forward_kernel", "bfloat16"])
+    assert re.search(r", wgmma [1-9]\d*, mma.sync \d+, [1-9]\d* blocks a multiprocessor$", forward), forward
     failed = [line for line in lines if line.startswith("FAIL")]
     assert failed == ["FAIL sm_90 loop_sum float32 "] and "Loop-carried variable total" in result.stdout
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
+
+
+def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_given(tmp_path, capsys):
+    """--bidirectional-backward (and -forward) record the bidirectional kernels' launches in that setting, so that
+    a setting's registers and tensor-core instructions can be read without a GPU; a setting the kernels cannot run
+    is the parser's one-line error."""
+    records = tmp_path / "launches.json"
+    assert compile_kernels.main(["--quick", "--save-records", str(records), "--bidirectional-backward", "32,32,4"]) == 0
+    settings = {(name, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N"), kwargs.get("num_warps"))
+                for module, name, _, kwargs in json.loads(records.read_text()) if module.endswith("bidirectional")}
+    own, loop, warps = tuning().bidirectional_forward
+    assert settings == {("_forward_kernel", own, loop, warps), ("_factors_kernel", None, None, None),
+                        ("_backward_keys_kernel", 32, 32, 4), ("_backward_queries_kernel", 32, 32, 4)}
+    with pytest.raises(SystemExit) as stopped:
+        compile_kernels.main(["--bidirectional-forward", "64,24,4"])
+    assert stopped.value.code == 2 and "tiles powers of two of at least 16 tokens" in capsys.readouterr().err
 
 
 def test_quick_compiles_each_kernels_code_once_and_each_kernel_in_every_dtype():
