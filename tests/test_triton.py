@@ -16,7 +16,7 @@ import timm
 import torch
 
 import interpret
-from lion_vit.ops import lion_attention, plan, snake_orders, tuning
+from lion_vit.ops import lion_attention, plan, snake_orders, tuned, tuning
 from lion_vit.ops.reference import lion_attention_reference, lion_reference, lion_reference_multiscan
 from lion_vit.testing import randomize_decays
 from naive import AtenCalls, rel_err
@@ -200,8 +200,9 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths():
 
 
 def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch, knobs):
-    """Tuning.bidirectional_forward and _backward reach the kernels as they launch: each kernel's grid (a program
-    per own tile and image-head), its loop's tile and its warps; in another setting the function is the same."""
+    """Tuning.bidirectional_forward, _backward and _keys_first reach the kernels as they launch: each kernel's grid
+    (a program per own tile and image-head), its loop's tile, its warps and the key kernel's orientation; in another
+    setting the function is the same."""
     from lion_vit.ops.triton import bidirectional
     launches = []
 
@@ -212,7 +213,7 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append((self.kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"],
-                                 kwargs["num_warps"]))
+                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST")))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -226,12 +227,37 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
 
     code = run()
-    knobs(bidirectional_forward=(16, 32, 2), bidirectional_backward=(32, 16, 1))
+    assert launches[1][-1] is tuning().bidirectional_keys_first
+    knobs(bidirectional_forward=(16, 32, 2), bidirectional_backward=(32, 16, 1),
+          bidirectional_keys_first=not tuning().bidirectional_keys_first)
     launches.clear()
     other = run()
-    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2), ("_backward_keys_kernel", (2, 2), 16, 32, 1),
-                        ("_backward_queries_kernel", (2, 2), 32, 16, 1)]
+    keys_first = tuning().bidirectional_keys_first
+    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2, None),
+                        ("_backward_keys_kernel", (2, 2), 16, 32, 1, keys_first),
+                        ("_backward_queries_kernel", (2, 2), 32, 16, 1, None)]
     assert all(rel_err(got, want) < 1e-5 for got, want in zip(other, code))
+
+
+@pytest.mark.parametrize("scans", [1, 2])
+def test_the_key_kernels_two_orientations_give_the_reference_gradients(scans, knobs):
+    """The backward's key kernel with its tiles [queries, keys] and [keys, queries] (Tuning.bidirectional_keys_first):
+    outputs and gradients of q, k, v and per-token decays against the float64 reference, at 71 tokens (one scan)
+    or a 7 x 10 grid and a class token (two snakes), decays from near 0 to near 1."""
+    orders = snake_orders(7, 10, num_prefix_tokens=1) if scans == 2 else None
+    q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32)
+    log_decays = torch.log(torch.stack([lam, lam ** 0.5][:scans])).float()  # [S, B, H, L]
+
+    def triton(q, k, v, log_decays):
+        return lion_attention(q, k, v, log_decays, None if orders is None else orders.to(DEVICE), form="attention",
+                              backend="triton")
+
+    def reference(q, k, v, log_decays):
+        return lion_reference_multiscan(q, k, v, log_decays, torch.arange(71)[None] if orders is None else orders)
+
+    for keys_first in (False, True):
+        with tuned(bidirectional_keys_first=keys_first):
+            _check(triton, reference, [q, k, v, log_decays])
 
 
 @pytest.mark.slow
@@ -558,8 +584,9 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
 def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys):
     """scripts/benchmark_fused.py (the GPU timing of the bidirectional kernel's launch settings) under the
     interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the bidirectional kernel in
-    another setting of each kernel, and the portable form, match the kernel in the code's settings within
-    float16's rounding, outputs and gradients, and the code's settings are left as they were."""
+    another setting of each kernel and with the backward's key kernel in its other orientation, and the portable
+    form, match the kernel in the code's settings within float16's rounding, outputs and gradients, and the code's
+    settings are left as they were."""
     import runpy
     before = tuning()
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
@@ -570,10 +597,11 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     code = [",".join(map(str, setting)) for setting in (before.bidirectional_forward, before.bidirectional_backward)]
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
-        assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"]]
+        other = code[1] + ("" if before.bidirectional_keys_first else " keys first")
+        assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"], [code[0], other]]
         compared = ours[1:] + [row for row in rows if row[:2] == [case, "torch"]]
-        assert ours[0][-1] == "" and len(compared) == 3 and all(float(row[-1]) < 3e-3 for row in compared)
-        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 3 + ["torch"]
+        assert ours[0][-1] == "" and len(compared) == 4 and all(float(row[-1]) < 3e-3 for row in compared)
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 4 + ["torch"]
     assert tuning() is before
 
 
@@ -600,8 +628,8 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| lion_d")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 3 + ["torch"]
-    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok"]
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 4 + ["torch"]
+    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok"]
 
 
 # A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses

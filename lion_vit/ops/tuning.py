@@ -49,6 +49,9 @@ class Tuning:
     bidirectional_forward, bidirectional_backward: the bidirectional kernel's launch settings (tokens of a
         program's own tile, tokens per tile of its loop, warps), forward and for both backward kernels; tiles are
         powers of two of at least 16 tokens (tl.dot), warps a power of two.
+    bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
+        product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
+        tiles as mma.sync), rather than [queries, keys] as the other kernels do.
     """
 
     auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
@@ -58,11 +61,14 @@ class Tuning:
     recurrent_group_programs: Optional[int] = None
     bidirectional_forward: LaunchSetting = (64, 64, 4)
     bidirectional_backward: LaunchSetting = (64, 32, 8)
+    bidirectional_keys_first: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
             raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
                              f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
+        if not isinstance(self.bidirectional_keys_first, bool):
+            raise ValueError(f"bidirectional_keys_first must be True or False, got {self.bidirectional_keys_first!r}")
         if self.chunk_backward_fails not in (None, True, False):
             raise ValueError(f"chunk_backward_fails must be None (detect), True or False, got "
                              f"{self.chunk_backward_fails!r}")

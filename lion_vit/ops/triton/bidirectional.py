@@ -51,11 +51,23 @@ def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps):
 
 
 @triton.jit
-def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k):
-    """One scan's mask tile [queries, keys], float32. The exponents are differences in E's dtype (float64 for
-    long sequences, cumulative), then rounded. Every exponent of a real pair is <= 0 (the sums are monotone
-    along the scan); the minimum keeps those of padding lanes finite too."""
-    exponent = tl.where(p_q[:, None] > p_k[None, :], e_q[:, None] - e_k[None, :], i_k[None, :] - i_q[:, None])
+def _pairs(per_query, per_key, KEYS_FIRST: tl.constexpr):
+    """A query vector and a key vector broadcast to a tile [queries, keys], or [keys, queries] (KEYS_FIRST)."""
+    if KEYS_FIRST:  # (one return: the compiler types every return statement, a branch not taken too)
+        queries, keys = per_query[None, :], per_key[:, None]
+    else:
+        queries, keys = per_query[:, None], per_key[None, :]
+    return queries, keys
+
+
+@triton.jit
+def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
+    """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32. The exponents are differences
+    in E's dtype (float64 for long sequences, cumulative), then rounded. Every exponent of a real pair is <= 0 (the
+    sums are monotone along the scan); the minimum keeps those of padding lanes finite too."""
+    (e_q, e_k), (i_q, i_k), (p_q, p_k) = (_pairs(e_q, e_k, KEYS_FIRST), _pairs(i_q, i_k, KEYS_FIRST),
+                                          _pairs(p_q, p_k, KEYS_FIRST))
+    exponent = tl.where(p_q > p_k, e_q - e_k, i_k - i_q)
     return tl.exp(tl.minimum(exponent.to(tl.float32), 0.0))
 
 
@@ -123,10 +135,10 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                   BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        mask = _scan_mask(e0, i0, p0, ek, ik, pk)
+        mask = _scan_mask(e0, i0, p0, ek, ik, pk, False)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-            mask += _scan_mask(e1, i1, p1, ek, ik, pk)
+            mask += _scan_mask(e1, i1, p1, ek, ik, pk, False)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
         numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
@@ -175,25 +187,37 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 
 @triton.jit
-def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, SCANS: tl.constexpr):
-    """The mask tile [queries, keys] of every scan summed, and each scan's own (the second: the first's where
-    there is one scan) with its query and key positions."""
+def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, SCANS: tl.constexpr,
+           KEYS_FIRST: tl.constexpr):
+    """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
+    second: the first's where there is one scan) with its query and key positions."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k)
+    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, KEYS_FIRST)
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1)
+        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, KEYS_FIRST)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
     return m0, m0, p_q, p_k, m0, p_q, p_k
 
 
 @triton.jit
-def _split(g, p_q, p_k):
-    """g [queries, keys] where the query comes after its key along the scan, and where before (the diagonal in
-    neither): the parts that reach E and I."""
-    return tl.where(p_q[:, None] > p_k[None, :], g, 0.0), tl.where(p_q[:, None] < p_k[None, :], g, 0.0)
+def _split(g, p_q, p_k, KEYS_FIRST: tl.constexpr):
+    """g [queries, keys] (KEYS_FIRST: [keys, queries]) where the query comes after its key along the scan, and where
+    before (the diagonal in neither): the parts that reach E and I."""
+    p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
+    return tl.where(p_q > p_k, g, 0.0), tl.where(p_q < p_k, g, 0.0)
+
+
+@triton.jit
+def _over_queries(tile, KEYS_FIRST: tl.constexpr):
+    """A tile's sums over its queries: a vector over its keys."""
+    if KEYS_FIRST:
+        sums = tl.sum(tile, 1)
+    else:
+        sums = tl.sum(tile, 0)
+    return sums
 
 
 @triton.jit
@@ -202,8 +226,11 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
                           ses, seb, seh, sel, sps, L, H, DK, DV, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile."""
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                          KEYS_FIRST: tl.constexpr):
+    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile. KEYS_FIRST:
+    its tiles are [keys, queries], the transposes of the query kernel's, so that every product's first operand
+    spans the program's own keys (Hopper's wgmma wants 64 rows) and no product of registers is transposed."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,19 +247,25 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
         _, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
                                              L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS)
-        scores = tl.dot(q_tile, tl.trans(k_tile))
-        dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn)
-        dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
-        dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
+                                                      sps, SCANS, KEYS_FIRST)
+        if KEYS_FIRST:
+            scores = tl.dot(k_tile, tl.trans(q_tile))
+            dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
+            dw = tl.dot(v_tile, tl.trans(dn)) - correction[None, :]
+            dk_acc += tl.dot((dw * mask).to(q_tile.dtype), q_tile)
+        else:
+            scores = tl.dot(q_tile, tl.trans(k_tile))
+            dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn)
+            dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
+            dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
         g = dw * scores
-        after, before = _split(g * m0, p_q0, p_k0)
-        de0 -= tl.sum(after, 0)
-        di0 += tl.sum(before, 0)
+        after, before = _split(g * m0, p_q0, p_k0, KEYS_FIRST)
+        de0 -= _over_queries(after, KEYS_FIRST)
+        di0 += _over_queries(before, KEYS_FIRST)
         if SCANS == 2:
-            after, before = _split(g * m1, p_q1, p_k1)
-            de1 -= tl.sum(after, 0)
-            di1 += tl.sum(before, 0)
+            after, before = _split(g * m1, p_q1, p_k1, KEYS_FIRST)
+            de1 -= _over_queries(after, KEYS_FIRST)
+            di1 += _over_queries(before, KEYS_FIRST)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, MAP_K, NORM_K), b, h, cols, col_ok, sgb, sgh, sgl,
                 DK, BLOCK_K)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
@@ -268,16 +301,16 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
         _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                   BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS)
+                                                      sps, SCANS, False)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
         g = dw * scores
-        after, before = _split(g * m0, p_q0, p_k0)
+        after, before = _split(g * m0, p_q0, p_k0, False)
         de0 += tl.sum(after, 1)
         di0 -= tl.sum(before, 1)
         if SCANS == 2:
-            after, before = _split(g * m1, p_q1, p_k1)
+            after, before = _split(g * m1, p_q1, p_k1, False)
             de1 += tl.sum(after, 1)
             di1 -= tl.sum(before, 1)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), b, h, rows, row_ok, sgb, sgh, sgl,
@@ -340,7 +373,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
               positions.stride(0), length, heads, key_dim, value_dim)
     _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
         q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
-        BLOCK_M=loop, BLOCK_N=own, **settings)
+        BLOCK_M=loop, BLOCK_N=own, KEYS_FIRST=tuning().bidirectional_keys_first, **settings)
     _backward_queries_kernel[(triton.cdiv(length, own), batch * heads)](
         q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
         BLOCK_N=loop, **settings)
