@@ -74,7 +74,11 @@ def launch_setting(text: str) -> Tuple[int, int, int]:
     """argparse type: a bidirectional kernel's launch setting, own,loop,warps (lion_vit.ops.Tuning)."""
     from lion_vit.ops.tuning import check_launch_setting
     try:
-        return check_launch_setting(tuple(int(part) for part in text.split(",")), repr(text))
+        parts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        parts = text  # (not integers: refused below as a setting, with its expected form)
+    try:
+        return check_launch_setting(parts, repr(text))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

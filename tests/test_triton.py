@@ -702,9 +702,11 @@ def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_g
     own, loop, warps = tuning().bidirectional_forward
     assert settings == {("_forward_kernel", own, loop, warps), ("_factors_kernel", None, None, None),
                         ("_backward_keys_kernel", 32, 32, 4), ("_backward_queries_kernel", 32, 32, 4)}
-    with pytest.raises(SystemExit) as stopped:
-        compile_kernels.main(["--bidirectional-forward", "64,24,4"])
-    assert stopped.value.code == 2 and "tiles powers of two of at least 16 tokens" in capsys.readouterr().err
+    for bad in ("64,24,4", "64,x,4"):
+        with pytest.raises(SystemExit) as stopped:
+            compile_kernels.main(["--bidirectional-forward", bad])
+        said = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"'{bad}' must be (own tile, loop tile, warps)" in said, said
 
 
 def test_quick_compiles_each_kernels_code_once_and_each_kernel_in_every_dtype():
