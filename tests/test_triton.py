@@ -240,7 +240,7 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
 
 
 @pytest.mark.parametrize("scans", [1, 2])
-def test_the_key_kernels_two_orientations_give_the_reference_gradients(scans, knobs):
+def test_the_key_kernels_two_orientations_give_the_reference_gradients(scans):
     """The backward's key kernel with its tiles [queries, keys] and [keys, queries] (Tuning.bidirectional_keys_first):
     outputs and gradients of q, k, v and per-token decays against the float64 reference, at 71 tokens (one scan)
     or a 7 x 10 grid and a class token (two snakes), decays from near 0 to near 1."""

@@ -364,9 +364,8 @@ def _images_per_group(batch: int, heads: int, key_dim: int, value_dim: int, sequ
                       form: str, device: torch.device) -> int:
     """How many images a group holds: its kernel buffers per token and head, sequences x (q, k, v stacked;
     the chunk kernels' outputs and states, one per tile of TRITON_CHUNK tokens, or the recurrent kernel's
-    float32 outputs and their cast), within
-    Tuning.group_share of the batch's q, k, v; for the recurrent kernel, at least the images whose programs
-    (sequences x heads x its tiles) cover the multiprocessors."""
+    float32 outputs and their cast), within Tuning.group_share of the batch's q, k, v; for the recurrent kernel,
+    at least the images whose programs (sequences x heads x its tiles) cover the multiprocessors."""
     from ..dispatch import TRITON_CHUNK
     from .operands import even
     itemsize = torch.finfo(dtype).bits // 8
