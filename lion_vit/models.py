@@ -14,7 +14,7 @@ signal), and any input size that the patch size divides works without rebuilding
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -203,8 +203,9 @@ class LionViT(VisionTransformer):
             return x, x_dist
         return (x + x_dist) / 2
 
-    def lion_attentions(self):
-        return (m for m in self.modules() if isinstance(m, LionAttention))
+    def lion_attentions(self) -> Iterator[LionAttention]:
+        """The LION layers in module order."""
+        return iter(_lion_layers(self))
 
     def set_attn_form(self, attn_form: str, chunk_size: Optional[int] = None,
                       backend: Optional[str] = None) -> "LionViT":
@@ -258,8 +259,9 @@ class LionViT(VisionTransformer):
         the resampling a leaf for torch.fx (its branches compare sizes) and a batch of no images allowed;
         first, every LION layer is told the grid [B, h, w, C] it is about to see."""
         batch, height, width, dim = x.shape
-        for attn in self.lion_attentions():
-            attn.grid_size = (height, width)
+        for attn in _lion_layers(self):  # (set only where it changes: a module's setattr costs host time)
+            if fx_tracing() or attn.grid_size != (height, width):
+                attn.grid_size = (height, width)
         prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.dist_token, self.reg_token)
                   if token is not None]
         x = x.reshape(batch, height * width, dim)  # (timm's view(B, -1, C) cannot infer -1 for 0 images)
@@ -272,6 +274,18 @@ class LionViT(VisionTransformer):
         else:
             x = torch.cat(prefix + [x], dim=1) + pos_embed
         return self.pos_drop(x)
+
+
+def _lion_layers(module: nn.Module) -> List[LionAttention]:
+    """module's LION layers in modules() order, by a walk of the children that builds no names as modules()
+    does: it runs every forward, on the host's time."""
+    found = []
+    for child in module._modules.values():
+        if isinstance(child, LionAttention):
+            found.append(child)
+        elif child is not None:
+            found += _lion_layers(child)
+    return found
 
 
 def _resampled_pos_embed(pos_embed: Tensor, height: int, width: int, trained_grid: Tuple[int, int],
