@@ -312,16 +312,18 @@ def test_triton_vector_decays_match_the_reference(form, scans, scaling, value_di
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
 
 
-@pytest.mark.parametrize("form", ["attention", "chunk"])
-def test_triton_gradients_are_the_same_bits_every_run(form, chunks_always, monkeypatch):
+@pytest.mark.parametrize("form, keys_first", [("attention", False), ("attention", True), ("chunk", False)])
+def test_triton_gradients_are_the_same_bits_every_run(form, keys_first, chunks_always):
     """Two backward passes of the same call give bitwise equal gradients of q, k, v and the decays: no
-    atomics, no order of accumulation that changes from run to run."""
+    atomics, no order of accumulation that changes from run to run (the bidirectional kernel's key kernel in
+    both orientations, Tuning.bidirectional_keys_first)."""
     orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 71, 16, "selective", torch.float32, seed=6)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(torch.stack([lam, lam.flip(-1)])))]
     upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    runs = [torch.autograd.grad((lion_attention(*leaves, orders, form=form, backend="triton") * upstream).sum(),
-                                leaves) for _ in range(2)]
+    with tuned(bidirectional_keys_first=keys_first):
+        runs = [torch.autograd.grad((lion_attention(*leaves, orders, form=form, backend="triton") * upstream).sum(),
+                                    leaves) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
