@@ -100,6 +100,54 @@ def test_settings_out_of_range_are_named(override, needle):
         check_settings(cfg)
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("tuning.group_share=-1", "group_share must be a number >= 0"),
+    ("tuning.chunk_backward_fallback=cpu", "unknown chunk_backward_fallback 'cpu'; choose one of"),
+    ("tuning.chunk_backward_fails=maybe", "chunk_backward_fails must be None (detect), True or False"),
+    ("tuning.recurrent_group_programs=0", "recurrent_group_programs must be a positive integer"),
+    ("tuning.bidirectional_forward=[64,48,4]", "bidirectional_forward must be (own tile, loop tile, warps)"),
+    ("tuning.bidirectional_backward=64", "bidirectional_backward must be (own tile, loop tile, warps)"),
+    ("tuning.bidirectional_keys_first=1", "bidirectional_keys_first must be True or False"),
+    ("tuning.auto_chunk_min_tokens={train: 2048}", "auto_chunk_min_tokens must map training and / or inference"),
+    ("tuning.auto_chunk_min_tokens={training: 0}", "auto_chunk_min_tokens must map training and / or inference"),
+    ("tuning.auto_chunk_min_tokens=2048", "auto_chunk_min_tokens must map training and / or inference"),
+])
+def test_tuning_settings_are_checked_as_the_ops_check_them(override, needle):
+    """Each tuning.* setting is one of lion_vit.ops.Tuning's knobs, refused in one line with Tuning's reason."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=[override])
+    with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed: {re.escape(needle)}"):
+        check_settings(cfg)
+
+
+def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
+    """configs/config.yaml names every knob of lion_vit.ops.Tuning, null for the code's default; the ones set
+    are in effect while train.py runs (its log names them) and only then, auto_chunk_min_tokens for one and
+    two scans alike."""
+    import dataclasses
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import tuning_changes
+    from lion_vit.ops import Tuning, tuned, tuning
+    overrides = ["tuning.group_share=0.5", "tuning.auto_chunk_min_tokens={training: 2048}",
+                 "tuning.bidirectional_backward=[64,64,8]"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        assert tuning_changes(compose("config").tuning) == {}
+        cfg = compose("config", overrides=overrides)
+    assert list(cfg.tuning) == [f.name for f in dataclasses.fields(Tuning)]
+    thresholds = {**Tuning().auto_chunk_min_tokens, (True, 1): 2048, (True, 2): 2048}
+    with tuned(**tuning_changes(cfg.tuning)) as knobs:
+        assert knobs.changes() == {"group_share": 0.5, "bidirectional_backward": (64, 64, 8),
+                                   "auto_chunk_min_tokens": thresholds}
+    assert tuning().changes() == {}
+    proc = run_train(*overrides, "epochs=1", "progress=false", f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"tuning: auto_chunk_min_tokens={thresholds}, group_share=0.5, bidirectional_backward=(64, 64, 8) (the " \
+           "other knobs at their defaults)" in proc.stdout
+
+
 def test_the_defaults_and_timms_optimizer_spellings_pass_the_setting_checks():
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import check_settings

@@ -23,7 +23,7 @@ from timm.optim import list_optimizers
 
 from ..data.build import DECODES, KINDS
 from ..errors import UserError, first_line
-from ..ops import BACKENDS, FORM_CHOICES
+from ..ops import BACKENDS, FORM_CHOICES, Tuning
 
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
@@ -203,6 +203,41 @@ class LoggerConfig:
     wandb: WandbConfig = group(WandbConfig)
 
 
+# The ops' tuning knobs (lion_vit.ops.Tuning): one setting each, null for the code's default. Tuning checks
+# the values (check_settings names the setting); auto_chunk_min_tokens takes {training: n, inference: n}, for
+# one and two scans alike, where Tuning keys it by (training, scans).
+TuningConfig = dataclasses.make_dataclass(
+    "TuningConfig", [(f.name, Any, field(default=MISSING)) for f in dataclasses.fields(Tuning)])
+CHUNK_MODES = {"training": True, "inference": False}
+
+
+def tuning_changes(tuning: Any) -> Dict[str, Any]:
+    """The tuning settings (a mapping) that are not null, as lion_vit.ops.tuned takes them; ValueError for an
+    auto_chunk_min_tokens that is not {training: n, inference: n} (either or both)."""
+    settings = OmegaConf.to_container(tuning) if isinstance(tuning, DictConfig) else dict(tuning)
+    changes = {name: value for name, value in settings.items() if value is not None}
+    if "auto_chunk_min_tokens" in changes:
+        modes = changes["auto_chunk_min_tokens"]
+        if not isinstance(modes, dict) or not modes or not set(modes) <= set(CHUNK_MODES) or \
+                not all(POSITIVE_INT[0](tokens) for tokens in modes.values()):
+            raise ValueError(f"auto_chunk_min_tokens must map training and / or inference to a positive number of "
+                             f"tokens, e.g. {{training: 2048}}; got {modes!r}")
+        thresholds = Tuning().auto_chunk_min_tokens
+        thresholds.update({(CHUNK_MODES[mode], scans): tokens for mode, tokens in modes.items()
+                           for _, scans in list(thresholds)})
+        changes["auto_chunk_min_tokens"] = thresholds
+    return changes
+
+
+def _check_tuning(tuning: DictConfig) -> None:
+    """Each tuning setting as Tuning checks it: one line naming the first it refuses."""
+    for name, value in OmegaConf.to_container(tuning).items():
+        try:
+            dataclasses.replace(Tuning(), **tuning_changes({name: value}))
+        except ValueError as error:
+            raise UserError(f"tuning.{name}={value} is not allowed: {first_line(error)}") from None
+
+
 @dataclass
 class RunConfig:
     """configs/config.yaml and its groups."""
@@ -233,6 +268,7 @@ class RunConfig:
     aug: AugConfig = group(AugConfig, training=True)
     distill: DistillConfig = group(DistillConfig, training=True)
     logger: LoggerConfig = group(LoggerConfig)
+    tuning: TuningConfig = group(TuningConfig)
 
 
 def _not_allowed(name: str, value: Any, expected: str) -> UserError:
@@ -277,6 +313,7 @@ def check_settings(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, name, default=_ABSENT)
         if test is not None and value is not _ABSENT and (training or not training_only) and not test(value):
             raise _not_allowed(name, value, f.metadata["expected"])
+    _check_tuning(cfg.tuning)
     if training:
         _check_related(cfg)
 

@@ -29,13 +29,13 @@ from ..data import (build_dataset, build_loader, build_transform, decodes_on_dev
 from ..errors import UserError, first_line
 from ..from_vit import init_from_vit
 from ..hub import HubUnreachable
-from ..ops import Plan
+from ..ops import Plan, tuned, tuning
 from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
 from .build import (RESUME_SAME_OPTIMIZER, build_model, changed_architecture, check_resumable, check_same_classes,
                     load_weights, model_from_checkpoint, trained_model_settings)
-from .config import check_settings
+from .config import check_settings, tuning_changes
 from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .logs import WandbLogger, setup_logging
@@ -48,8 +48,14 @@ EVAL = "eval.json"
 
 
 def train(cfg: DictConfig) -> Dict[str, Any]:
-    """Run training (or evaluation with eval_only=true) as configured; returns the final metrics."""
+    """Run training (or evaluation with eval_only=true) as configured, with the ops' tuning knobs that
+    cfg.tuning sets; returns the final metrics."""
     check_settings(cfg)
+    with tuned(**tuning_changes(cfg.tuning)):
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_keep_freed_memory:
         keep_freed_memory()
@@ -282,12 +288,15 @@ def _model_line(model_cfg: DictConfig, model: nn.Module, img_size: int) -> str:
 
 
 def _log_plan(model: nn.Module, img_size: int, dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
-    """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch), and return it (None for a
-    model without LION layers)."""
+    """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch) and the tuning knobs set
+    away from their defaults, and return the plan (None for a model without LION layers)."""
     if not hasattr(model, "attn_plan"):
         return None
     run = model.attn_plan((img_size, img_size), dtype=dtype)
     log.info("attention: %s", run)
+    changed = tuning().changes()
+    if changed:
+        log.info("tuning: %s (the other knobs at their defaults)", ", ".join(f"{k}={v}" for k, v in changed.items()))
     return run
 
 

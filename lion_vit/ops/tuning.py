@@ -88,6 +88,13 @@ class Tuning:
             object.__setattr__(self, name, check_launch_setting(getattr(self, name), name))
 
 
+    def changes(self) -> Dict[str, object]:
+        """The knobs set to other values than their defaults, by name."""
+        default = Tuning()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
