@@ -71,6 +71,21 @@ def test_triton_forms_match_the_reference(form, decay, monkeypatch):
     _check(triton, lion_reference, tensors)
 
 
+def test_lion_lit_in_the_bidirectional_kernel_matches_the_reference():
+    """LION-lit (no decays: every mask entry 1) through the bidirectional kernel, the route benchmark_fused.py times
+    against the plan's Q (K^T V) in torch matmuls: outputs and gradients of q, k, v against the float64 reference
+    at 70 tokens (two of the kernel's 64-token tiles)."""
+    from lion_vit.ops import Plan
+    q, k, v, lam = make_inputs(1, 2, 70, 16, "lit", torch.float32)
+    assert lam is None and plan("attention", None, 70, 16, 16, decayed=False, device=DEVICE, backend="triton",
+                                training=True) == Plan("attention", "torch", whole=True)
+
+    def kernel(q, k, v):
+        return lion_attention(q, k, v, plan=Plan("attention", "triton", whole=True))
+
+    _check(kernel, lion_reference, [q, k, v])
+
+
 @pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
                                          ("attention", "fixed"), ("attention", "selective")])
 def test_triton_multiscan_matches_the_reference(form, decay, monkeypatch):
