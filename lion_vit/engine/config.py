@@ -208,7 +208,7 @@ class LoggerConfig:
 # one and two scans alike, where Tuning keys it by (training, scans).
 TuningConfig = dataclasses.make_dataclass(
     "TuningConfig", [(f.name, Any, field(default=MISSING)) for f in dataclasses.fields(Tuning)])
-CHUNK_MODES = {"training": True, "inference": False}
+CHUNK_MODES = {True: "training", False: "inference"}  # the settings' names of its (training, scans) keys' flag
 
 
 def tuning_changes(tuning: Any) -> Dict[str, Any]:
@@ -218,14 +218,12 @@ def tuning_changes(tuning: Any) -> Dict[str, Any]:
     changes = {name: value for name, value in settings.items() if value is not None}
     if "auto_chunk_min_tokens" in changes:
         modes = changes["auto_chunk_min_tokens"]
-        if not isinstance(modes, dict) or not modes or not set(modes) <= set(CHUNK_MODES) or \
+        if not isinstance(modes, dict) or not modes or not set(modes) <= set(CHUNK_MODES.values()) or \
                 not all(POSITIVE_INT[0](tokens) for tokens in modes.values()):
             raise ValueError(f"auto_chunk_min_tokens must map training and / or inference to a positive number of "
                              f"tokens, e.g. {{training: 2048}}; got {modes!r}")
-        thresholds = Tuning().auto_chunk_min_tokens
-        thresholds.update({(CHUNK_MODES[mode], scans): tokens for mode, tokens in modes.items()
-                           for _, scans in list(thresholds)})
-        changes["auto_chunk_min_tokens"] = thresholds
+        changes["auto_chunk_min_tokens"] = {(training, scans): modes.get(CHUNK_MODES[training], tokens)
+                                            for (training, scans), tokens in Tuning().auto_chunk_min_tokens.items()}
     return changes
 
 
