@@ -51,6 +51,8 @@ def _scan_orders(cache: dict, height: int, width: int, prefix: int, num_tokens: 
     """The two snake orders of a height x width grid after `prefix` leading tokens, on device, kept in cache."""
     if height * width + prefix != num_tokens:
         raise ValueError(f"grid {height}x{width} + {prefix} prefix tokens does not match {num_tokens} tokens")
+    if torch.compiler.is_compiling():  # built in the graph: a graph that read the cache would be guarded on what it
+        return snake_orders(height, width, prefix).to(device)  # held, and recompiled once a forward had filled it
     key = (height, width, prefix, device)
     if key not in cache:
         cache[key] = snake_orders(height, width, prefix).to(device)

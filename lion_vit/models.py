@@ -259,8 +259,11 @@ class LionViT(VisionTransformer):
         the resampling a leaf for torch.fx (its branches compare sizes) and a batch of no images allowed;
         first, every LION layer is told the grid [B, h, w, C] it is about to see."""
         batch, height, width, dim = x.shape
-        for attn in _lion_layers(self):  # (set only where it changes: a module's setattr costs host time)
-            if fx_tracing() or attn.grid_size != (height, width):
+        # eagerly set only where it changes (a module's setattr costs host time); traced, always: a graph that
+        # read the grid before would be guarded on it, and recompiled once the forward had set it
+        tracing = fx_tracing() or torch.compiler.is_compiling()
+        for attn in _lion_layers(self):
+            if tracing or attn.grid_size != (height, width):
                 attn.grid_size = (height, width)
         prefix = [token.expand(batch, -1, -1) for token in (self.cls_token, self.dist_token, self.reg_token)
                   if token is not None]

@@ -346,6 +346,30 @@ def test_compile_fullgraph_trains_like_eager(name, backend, form, img_size):
         assert rel_err(compiled(x), model(x)) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["lion_d_tiny", "lion_s_natural_tiny"])
+def test_a_compiled_model_is_traced_once(name):
+    """torch.compile traces a model once for its input size, in training and in evaluation: no later call, nor an
+    eager forward between compiled ones, fails a guard of the first trace (the patch grid the forward gives every
+    layer, the snake orders the two-scan models keep: reading either as the forward changes it recompiled on the
+    second call)."""
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    model, traces = _one_block_model(name), CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=traces)
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        compiled(x).sum().backward()
+    model(x)
+    compiled(x).sum().backward()
+    assert traces.frame_count == 1
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+        for _ in range(2):
+            assert rel_err(compiled(x), expected) <= 1e-5
+    assert traces.frame_count == 2  # (evaluation: one trace without autograd)
+
+
 @pytest.mark.parametrize("name, grad", [(n, False) for n in TINY_NAMES] + [(n, True) for n in TINY_NAMES if "_s_" in n])
 def test_torch_export_every_form(name, grad):
     """torch.export (what ONNX and deployment build on) traces every form with a dynamic batch size and
