@@ -87,7 +87,6 @@ class Tuning:
         for name in ("bidirectional_forward", "bidirectional_backward"):
             object.__setattr__(self, name, check_launch_setting(getattr(self, name), name))
 
-
     def changes(self) -> Dict[str, object]:
         """The knobs set to other values than their defaults, by name."""
         default = Tuning()
