@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lion_vit.ops import FEATURE_MAPS, POSITIVE_FEATURE_MAPS, check_form, column_snake, get_feature_map, lion_attention, row_snake, snake_orders
+from lion_vit.ops.features import query_scale
 from naive import AtenCalls, naive_lion, naive_mask, naive_multiscan, oracle_with_grads, rel_err
 
 # the chunk form runs its chunks even where one product over these short sequences would cost less, and
@@ -547,6 +548,25 @@ def test_attention_form_multiplies_v_as_it_is(decay, scans):
     widths = {size for name in ("bmm", "mm", "baddbmm") for call in calls.shapes.get(name, [])
               for shape in call for size in shape[-2:]}
     assert widths and {length, dim} >= widths, calls.shapes
+
+
+@pytest.mark.parametrize("batch, copies", [(2, 3), (1, 1)])
+def test_lit_attention_form_copies_each_input_once(batch, copies):
+    """LION-lit's Q (K^T V) and Q (K^T 1) on q, k, v as a layer hands them over (views of one projection
+    [B, L, 3, H, D]): the op copies each at most once head-major, v for its matmuls and q and k where their
+    batch dimensions do not fold (q was copied by each of its two products); at batch 1 they fold, and only v
+    is copied. The same bits as the two products on the views."""
+    heads, length, dim = 2, 13, 8
+    projection = torch.rand(batch, length, 3, heads, dim, generator=torch.Generator().manual_seed(0))
+    q, k, v = projection.permute(2, 0, 3, 1, 4).unbind(0)
+    with AtenCalls() as calls:
+        out = lion_attention(q, k, v, feature_map="silu_norm")
+    copied = sum(math.prod(call[0]) for name in ("clone", "contiguous") for call in calls.shapes.get(name, []))
+    assert copied == copies * q.numel(), calls.shapes.get("clone")
+    features_q, features_k = (f(x) for f, x in zip(get_feature_map("silu_norm"), (q, k)))
+    features_q = features_q * query_scale(length)
+    expected = features_q @ (features_k.transpose(-1, -2) @ v) / (features_q @ features_k.sum(-2).unsqueeze(-1))
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("decay", ["lit", "fixed", "selective"])
