@@ -48,11 +48,10 @@ def run_python(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 # exits as the interpreter would (atexit handlers, tracebacks, exit codes). Requests and replies are JSON
 # lines: {"argv", "stdout", "stderr"} in; {"pid"}, then {"returncode"} out.
 _SERVER = r"""
-import json, os, runpy, sys
+import gc, json, os, runpy, sys
 import hydra, timm, torch  # noqa: F401
 import lion_vit.engine.trainer  # noqa: F401
 import sklearn.datasets, sklearn.model_selection  # noqa: F401,E401  (imported when the digits load)
-import gc
 gc.collect()
 gc.freeze()  # (the imports' objects out of every collection: at exit a child's collections touched them all)
 replies = os.fdopen(os.dup(1), "w")
