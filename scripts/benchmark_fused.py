@@ -3,7 +3,8 @@
 settings and in each other one given (lion_vit.ops.Tuning: bidirectional_forward, bidirectional_backward; and
 the backward's key kernel in its other orientation, bidirectional_keys_first), forward, and forward and
 backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v) in the same run; the
-portable attention form (backend torch) beside them.
+kernel in the code's settings given features that torch ops mapped first ("mapped": the kernels then apply no map,
+and autograd differentiates the map), and the portable attention form (backend torch) beside them.
 
     python scripts/benchmark_fused.py                              # 224 px, batch 256
     python scripts/benchmark_fused.py --img-size 448 --batch-size 64 --backward 64,32,8 32,32,4
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
+    from lion_vit.ops.features import mapped
 
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
@@ -89,11 +91,15 @@ def main(argv=None) -> int:
         upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
 
         def attention(backend: str = "triton", kernel: Optional[str] = None):
-            """The layer's call; kernel: the fused kernel forced (LION-lit's plan runs torch matmuls)."""
+            """The layer's call; kernel: the fused kernel forced (LION-lit's plan runs torch matmuls), "mapped": given
+            features mapped by torch ops."""
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
             plan = Plan("attention", "triton", whole=True) if kernel and case == "lion_lit" else None
+            feature_map = "silu_norm"
+            if kernel == "mapped":
+                (q, k), feature_map = mapped(q, k, feature_map), None
             return lion_attention(q, k, v, leaves[1] if len(leaves) > 1 else None, orders, form="attention",
-                                  backend=backend, feature_map="silu_norm", plan=plan)
+                                  backend=backend, feature_map=feature_map, plan=plan)
 
         def sdpa():
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
@@ -102,6 +108,7 @@ def main(argv=None) -> int:
         expected, first = None, len(rows)
         runs = [("sdpa", None, None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0]))
                                                      for kernel in kernels]
+        runs += [("mapped", *code, partial(attention, kernel="mapped"))]
         runs += [("linear", None, None, None, attention) if case == "lion_lit" else
                  ("torch", None, None, None, partial(attention, "torch"))]
         for name, forward, backward, keys_first, call in runs:

@@ -223,7 +223,8 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + launch_lines(folder) + lit_lines(folder) + group_lines(folder) + decode_lines(folder)
+    return lines + launch_lines(folder) + map_lines(folder) + lit_lines(folder) + group_lines(folder) + \
+        decode_lines(folder)
 
 
 # benchmark_fused.py's runs in the fused part (their folders) and their shapes
@@ -245,6 +246,30 @@ def lit_lines(folder: Path) -> List[str]:
             continue
         pick = "Q (K^T V)" if linear <= kernel else "the bidirectional kernel"
         lines.append(f"| {label} | bidirectional kernel x{kernel / linear:.2f} of Q (K^T V) | {pick} |")
+    return lines
+
+
+def map_lines(folder: Path) -> List[str]:
+    """Where the feature map runs: in the bidirectional kernel as it reads q and k (the code's; a case's first
+    bidirectional row, the code's settings) or by torch ops before it (benchmark_fused.py's "mapped" rows), forward
+    and backward summed over the cases measured both ways; the pick, the faster."""
+    lines = []
+    for run, what in FUSED_KERNEL_RUNS:
+        rows = read(folder / run / "fused.csv")
+        pairs = []
+        for case in dict.fromkeys(row["case"] for row in rows):
+            in_kernel, first = (next((number(row, "train_us") for row in rows
+                                      if row["case"] == case and row["kernel"] == kernel), None)
+                                for kernel in ("bidirectional", "mapped"))
+            if in_kernel is not None and first is not None:
+                pairs.append((in_kernel, first))
+        label = f"the feature map ({what})"
+        if not pairs:
+            lines.append(f"| {label} | not measured | - |")
+            continue
+        in_kernel, first = (sum(pair[i] for pair in pairs) for i in (0, 1))
+        pick = "in the kernels (as now)" if in_kernel <= first else "torch ops first"
+        lines.append(f"| {label} | torch ops first x{first / in_kernel:.2f} of in the kernels | {pick} |")
     return lines
 
 
