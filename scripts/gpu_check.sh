@@ -131,7 +131,7 @@ for part in "${parts[@]}"; do
             # attention form below auto_chunk_min_tokens) at 224 px batch 256 (with each model's costliest GPU kernels,
             # --profile) and 448 px batch 64, the same op by op at 448 px, the portable attention form
             # (--attn-backend torch) at 224 px, 896 px batch 32 (there beside both forms by name); inference at
-            # 224 px, batch 16 and 256
+            # 224 px, batch 16 and 256, and at batch 16 eager against CUDA graphs (how much of it is the host's)
             run fused_kernels python3 scripts/benchmark_fused.py --img-size 224 --batch-size 256 \
                 --out "$out/fused_kernels"
             run train "${train[@]}" --batch-size 256 --steps 10 --profile --models $deit $lion --out "$out/train"
@@ -147,7 +147,9 @@ for part in "${parts[@]}"; do
                 run "inference_224_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \
                     --batch-size "$batch" --rounds 5 --resolutions 224 --runs $deit lion_d_small:attention \
                     lion_d_natural_small:attention --out "$out/inference_224_b$batch"
-            done ;;
+            done
+            run graphs_224_b16 python3 scripts/benchmark_cuda_graph.py --img-size 224 --batch-size 16 --runs $deit \
+                lion_d_small:attention lion_d_natural_small:attention ;;
         fused_tests)  # the fused attention form's tests natively, IEEE float32 dots; each test's outcome as it ends
             # (-v: a deadline leaves the names), the slowest at the end
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -v -n 8 -p no:cacheprovider --durations=20 \

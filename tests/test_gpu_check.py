@@ -60,7 +60,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert fused_tests == "(attention or fused or bidirectional) and not (chunk or vector)"
     assert "tests/test_triton.py" in tests[1]
 
-    seen, fused_kernels = [], []
+    seen, fused_kernels, graphs = [], [], []
     for command in commands:
         if command in tests:
             continue
@@ -68,8 +68,8 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/gpu_targets.py":  # reads what the others wrote
             assert args.folder == out and command is commands[-1]
             continue
-        if command[1] == "scripts/benchmark_cuda_graph.py":  # batch 1, eager against CUDA graphs; its log
-            assert args.compile and args.img_size == 1248 and args.batch_size == 1
+        if command[1] == "scripts/benchmark_cuda_graph.py":  # eager against CUDA graphs; its log
+            graphs.append((args.img_size, args.batch_size, args.compile, [run[:2] for run in args.runs]))
             continue
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
@@ -93,6 +93,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         seen.append((command[1], args))
     by_script = {script: [a for s, a in seen if s == script] for script, _ in seen}
     assert fused_kernels == [(224, 256), (448, 64)]  # the training targets' shapes
+    deit = ("deit_small_patch16_224", None)
+    assert graphs == [(1248, 1, True, [deit, ("lion_d_small", "chunk"), ("lion_d_natural_small", "chunk")]),
+                      (224, 16, False, [deit, ("lion_d_small", "attention"), ("lion_d_natural_small", "attention")])]
 
     assert len(by_script["scripts/check_equivalence.py"]) == 1
     resolution = [a for a in by_script["scripts/benchmark_resolution.py"] if a.group_share is None
@@ -175,7 +178,7 @@ def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "STOPPED at the deadline: fused_kernels (their logs are in %s)" % out in lines
     skipped = next(line for line in lines if line.startswith("SKIPPED, past the deadline: ")).split(": ")[1].split()
-    assert skipped[:2] == ["train", "train_448"] and skipped[-1] == "inference_224_b256"  # 224 px first
+    assert skipped[:2] == ["train", "train_448"] and skipped[-1] == "graphs_224_b16"  # 224 px first
     assert not any(line.startswith("FAILED") for line in lines)
     assert (out / "fused_kernels.log").read_text() == "timing\n"  # what it printed before it was stopped
     with tarfile.open(bundle) as packed:
