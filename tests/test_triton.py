@@ -649,6 +649,22 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
     assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok"]
 
 
+def test_kernels_unpack_into_flat_names_only():
+    """Triton 3.6 (the GPU machines', with their PyTorch 2.11) hashes a kernel's source with its callees' before the
+    first launch, and a nested unpacking target there, `(a, b), (c, d) = ...`, raises TypeError: unhashable type 'list'.
+    Neither the interpreter nor a newer Triton's compiler tells, so no @triton.jit function of ours has one."""
+    import ast
+    nested = []
+    for path in sorted((interpret.ROOT / "lion_vit" / "ops" / "triton").glob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if isinstance(function, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in function.decorator_list):
+                for node in ast.walk(function):
+                    for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                        if isinstance(target, ast.Tuple) and any(isinstance(e, ast.Tuple) for e in target.elts):
+                            nested.append(f"{path.name}:{node.lineno} {function.name}: {ast.unparse(target)}")
+    assert not nested, nested
+
+
 # A kernel that Triton's interpreter runs (Python's loop variable changes type freely) and its compiler refuses
 NATIVE_ONLY_ERROR = """
 import triton

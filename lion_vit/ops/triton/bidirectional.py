@@ -65,8 +65,9 @@ def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
     """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32. The exponents are differences
     in E's dtype (float64 for long sequences, cumulative), then rounded. Every exponent of a real pair is <= 0 (the
     sums are monotone along the scan); the minimum keeps those of padding lanes finite too."""
-    (e_q, e_k), (i_q, i_k), (p_q, p_k) = (_pairs(e_q, e_k, KEYS_FIRST), _pairs(i_q, i_k, KEYS_FIRST),
-                                          _pairs(p_q, p_k, KEYS_FIRST))
+    e_q, e_k = _pairs(e_q, e_k, KEYS_FIRST)  # (flat targets: Triton 3.6 cannot hash a kernel with nested ones)
+    i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
+    p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
     exponent = tl.where(p_q > p_k, e_q - e_k, i_k - i_q)
     return tl.exp(tl.minimum(exponent.to(tl.float32), 0.0))
 
