@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The fused attention form's kernel op by op on a GPU: the bidirectional kernel of ours in its code's launch
 settings and in each other one given (lion_vit.ops.Tuning: bidirectional_forward, bidirectional_backward; and
-the backward's key kernel in its other orientation, bidirectional_keys_first), forward, and forward and
+the backward's key kernel in its other orientation, bidirectional_keys_first; every mask entry its own
+exponential, bidirectional_factored_masks off: "entrywise"), forward, and forward and
 backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v) in the same run; the
 kernel in the code's settings given features that torch ops mapped first ("mapped": the kernels then apply no map,
 and autograd differentiates the map), and the portable attention form (backend torch) beside them.
@@ -43,9 +44,11 @@ CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
 
 
 def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None,
-                    keys_first: Optional[bool] = None) -> contextlib.AbstractContextManager:
+                    keys_first: Optional[bool] = None, factored: Optional[bool] = None
+                    ) -> contextlib.AbstractContextManager:
     """The bidirectional kernel's settings inside the block (None: the code's)."""
-    given = dict(bidirectional_forward=forward, bidirectional_backward=backward, bidirectional_keys_first=keys_first)
+    given = dict(bidirectional_forward=forward, bidirectional_backward=backward, bidirectional_keys_first=keys_first,
+                 bidirectional_factored_masks=factored)
     return tuned(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -73,11 +76,14 @@ def main(argv=None) -> int:
 
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
-    code = tuning().bidirectional_forward, tuning().bidirectional_backward, tuning().bidirectional_keys_first
+    knobs = tuning()
+    code = (knobs.bidirectional_forward, knobs.bidirectional_backward, knobs.bidirectional_keys_first,
+            knobs.bidirectional_factored_masks)
     kernels = [("bidirectional", *code)]
     kernels += [("bidirectional", forward, *code[1:]) for forward in args.forward if forward != code[0]]
-    kernels += [("bidirectional", code[0], backward, code[2]) for backward in args.backward if backward != code[1]]
-    kernels += [("bidirectional", code[0], code[1], not code[2])]  # the key kernel's other orientation
+    kernels += [("bidirectional", code[0], backward, *code[2:]) for backward in args.backward if backward != code[1]]
+    kernels += [("bidirectional", code[0], code[1], not code[2], code[3])]  # the key kernel's other orientation
+    kernels += [("bidirectional", *code[:3], not code[3])]  # the masks factored or not
     rows = []
     for case in args.cases:
         generator = torch.Generator(device).manual_seed(0)
@@ -106,36 +112,37 @@ def main(argv=None) -> int:
             return F.scaled_dot_product_attention(q, k, v)
 
         expected, first = None, len(rows)
-        runs = [("sdpa", None, None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0]))
-                                                     for kernel in kernels]
+        runs = [("sdpa", None, None, None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0]))
+                                                           for kernel in kernels]
         runs += [("mapped", *code, partial(attention, kernel="mapped"))]
-        runs += [("linear", None, None, None, attention) if case == "lion_lit" else
-                 ("torch", None, None, None, partial(attention, "torch"))]
-        for name, forward, backward, keys_first, call in runs:
-            with launch_settings(forward, backward, keys_first):
+        runs += [("linear", None, None, None, None, attention) if case == "lion_lit" else
+                 ("torch", None, None, None, None, partial(attention, "torch"))]
+        for name, forward, backward, keys_first, factored, call in runs:
+            settings = dict(forward=_text(forward, factored=factored),
+                            backward=_text(backward, keys_first, factored))
+            with launch_settings(forward, backward, keys_first, factored):
                 try:
                     out = call()
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
                                                                   upstream)]
                 except Exception as error:  # out of memory, or a kernel this GPU's compiler or driver refuses: a row
                     oom = isinstance(error, torch.cuda.OutOfMemoryError)
-                    rows.append(dict(case=case, kernel=name, forward=_text(forward),
-                                     backward=_text(backward, keys_first),
+                    rows.append(dict(case=case, kernel=name, **settings,
                                      status="out of memory" if oom else STATUS_ERROR))
-                    what = " ".join(filter(None, (case, name, _text(forward), _text(backward, keys_first))))
+                    what = " ".join(filter(None, (case, name, *settings.values())))
                     print(f"{what}: {error_detail(error)}", flush=True)
                     torch.cuda.empty_cache()  # (nothing to free where CUDA never started: the interpreter's)
                     continue
                 diff = None
-                if name == "bidirectional" and (forward, backward, keys_first) == code:  # (a failed one: no diffs)
+                if name == "bidirectional" and (forward, backward, keys_first, factored) == code:  # (failed: no diffs)
                     expected = results
                 elif expected is not None and name != "sdpa":
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
                 times = (None, None) if interpreted else (
                     kernel_time_us(call), kernel_time_us(lambda: torch.autograd.grad(call(), leaves, upstream,
                                                                                        allow_unused=True)))
-            rows.append(dict(case=case, kernel=name, forward=_text(forward), backward=_text(backward, keys_first),
-                             status="ok", forward_us=times[0], train_us=times[1], diff=diff))
+            rows.append(dict(case=case, kernel=name, **settings, status="ok", forward_us=times[0], train_us=times[1],
+                             diff=diff))
         if not interpreted:  # ratios to this case's SDPA row
             baseline = rows[first]
             for row in rows[first:]:
@@ -151,10 +158,11 @@ def main(argv=None) -> int:
     return 1 if any(row["status"] == STATUS_ERROR for row in rows) else 0
 
 
-def _text(value: Optional[Setting], keys_first: Optional[bool] = None) -> str:
+def _text(value: Optional[Setting], keys_first: Optional[bool] = None, factored: Optional[bool] = None) -> str:
     """A setting as own,loop,warps; a backward one with " keys first" where its key kernel's tiles are [keys,
-    queries]."""
-    return "" if value is None else ",".join(map(str, value)) + (" keys first" if keys_first else "")
+    queries]; either with " entrywise" where no mask tile is factored."""
+    return "" if value is None else ",".join(map(str, value)) + (" keys first" if keys_first else "") + \
+        (" entrywise" if factored is False else "")
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -288,12 +288,17 @@ def main(argv=None) -> int:
                                  f"this launch setting (own,loop,warps; lion_vit.ops.Tuning), not the code's")
     parser.add_argument("--bidirectional-keys-first", action="store_true",
                         help="record the bidirectional backward's key kernel with its tiles [keys, queries]")
+    parser.add_argument("--bidirectional-entrywise-masks", action="store_true",
+                        help="record the bidirectional kernels with an exponential for every mask entry, no tile "
+                             "factored (Tuning.bidirectional_factored_masks off)")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     args = parser.parse_args(argv)
     knobs = {f"bidirectional_{which}": getattr(args, f"bidirectional_{which}") for which in ("forward", "backward")
              if getattr(args, f"bidirectional_{which}") is not None}
     if args.bidirectional_keys_first:
         knobs["bidirectional_keys_first"] = True
+    if args.bidirectional_entrywise_masks:
+        knobs["bidirectional_factored_masks"] = False
     if args.record_to:
         Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, knobs)))
         return 0
@@ -301,9 +306,11 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             path = args.save_records or str(Path(folder) / "launches.json")
             env = dict(os.environ, TRITON_INTERPRET="1")
-            child = [sys.executable, __file__, "--record-to", path] + (["--quick"] if args.quick else []) + [
-                f"--{name.replace('_', '-')}" + ("" if value is True else f"={','.join(map(str, value))}")
-                for name, value in knobs.items()]
+            settings = [f"--bidirectional-{which}={','.join(map(str, getattr(args, f'bidirectional_{which}')))}"
+                        for which in ("forward", "backward") if getattr(args, f"bidirectional_{which}") is not None]
+            flags = [flag for flag in ("--quick", "--bidirectional-keys-first", "--bidirectional-entrywise-masks")
+                     if getattr(args, flag[2:].replace("-", "_"))]
+            child = [sys.executable, __file__, "--record-to", path] + flags + settings
             if subprocess.run(child, env=env).returncode:
                 print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
                 return 1

@@ -274,9 +274,10 @@ def map_lines(folder: Path) -> List[str]:
 
 
 def launch_lines(folder: Path) -> List[str]:
-    """The bidirectional kernel's launch settings (Tuning.bidirectional_forward, _backward) from benchmark_fused.py's
-    rows (the fused_kernels runs): each pair tried, its forward-and-backward time summed over the cases against the
-    code's pair (the first), and the pick, the least."""
+    """The bidirectional kernel's launch settings (Tuning.bidirectional_forward, _backward; "keys first":
+    _keys_first; "entrywise": _factored_masks off) from benchmark_fused.py's rows (the fused_kernels runs): each
+    pair tried, its forward-and-backward time summed over the cases against the code's pair (the first), and the
+    pick, the least."""
     lines = []
     for run, what in FUSED_KERNEL_RUNS:
         totals: Dict[str, float] = {}

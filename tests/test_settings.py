@@ -108,6 +108,7 @@ def test_settings_out_of_range_are_named(override, needle):
     ("tuning.bidirectional_forward=[64,48,4]", "bidirectional_forward must be (own tile, loop tile, warps)"),
     ("tuning.bidirectional_backward=64", "bidirectional_backward must be (own tile, loop tile, warps)"),
     ("tuning.bidirectional_keys_first=1", "bidirectional_keys_first must be True or False"),
+    ("tuning.bidirectional_factored_masks=0", "bidirectional_factored_masks must be True or False"),
     ("tuning.auto_chunk_min_tokens={train: 2048}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens={training: 0}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens=2048", "auto_chunk_min_tokens must map training and / or inference"),

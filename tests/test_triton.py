@@ -215,9 +215,9 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths():
 
 
 def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch, knobs):
-    """Tuning.bidirectional_forward, _backward and _keys_first reach the kernels as they launch: each kernel's grid
-    (a program per own tile and image-head), its loop's tile, its warps and the key kernel's orientation; in another
-    setting the function is the same."""
+    """Tuning.bidirectional_forward, _backward, _keys_first and _factored_masks reach the kernels as they launch:
+    each kernel's grid (a program per own tile and image-head), its loop's tile, its warps, the key kernel's
+    orientation and the masks' factoring; in another setting the function is the same."""
     from lion_vit.ops.triton import bidirectional
     launches = []
 
@@ -228,7 +228,7 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append((self.kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"],
-                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST")))
+                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST"), kwargs["FACTORED"]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -242,15 +242,17 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
 
     code = run()
-    assert launches[1][-1] is tuning().bidirectional_keys_first
+    assert launches[1][-2] is tuning().bidirectional_keys_first
+    assert [launch[-1] for launch in launches] == [tuning().bidirectional_factored_masks] * 3
     knobs(bidirectional_forward=(16, 32, 2), bidirectional_backward=(32, 16, 1),
-          bidirectional_keys_first=not tuning().bidirectional_keys_first)
+          bidirectional_keys_first=not tuning().bidirectional_keys_first,
+          bidirectional_factored_masks=not tuning().bidirectional_factored_masks)
     launches.clear()
     other = run()
-    keys_first = tuning().bidirectional_keys_first
-    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2, None),
-                        ("_backward_keys_kernel", (2, 2), 16, 32, 1, keys_first),
-                        ("_backward_queries_kernel", (2, 2), 32, 16, 1, None)]
+    keys_first, factored = tuning().bidirectional_keys_first, tuning().bidirectional_factored_masks
+    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2, None, factored),
+                        ("_backward_keys_kernel", (2, 2), 16, 32, 1, keys_first, factored),
+                        ("_backward_queries_kernel", (2, 2), 32, 16, 1, None, factored)]
     assert all(rel_err(got, want) < 1e-5 for got, want in zip(other, code))
 
 
@@ -273,6 +275,34 @@ def test_the_key_kernels_two_orientations_give_the_reference_gradients(scans):
     for keys_first in (False, True):
         with tuned(bidirectional_keys_first=keys_first):
             _check(triton, reference, [q, k, v, log_decays])
+
+
+@pytest.mark.parametrize("scans, decay", [(1, "selective"), (1, "underflow"), (2, "near1"), (2, "selective")])
+def test_bidirectional_factored_and_entrywise_mask_tiles_give_the_reference(scans, decay):
+    """The bidirectional kernels' mask tiles whose keys all come before or all after their queries along the scan,
+    as outer products (Tuning.bidirectional_factored_masks) and entry by entry: outputs and gradients of q, k, v
+    and per-token decays against the float64 reference, at 71 tokens in tiles of 16 (20 of the 25 tile pairs
+    factor along a raster scan), one scan or two snakes with a class token; decays from near 0 (and products that
+    underflow) to near 1. The two ways differ in rounding, so that the factors are seen to be used (where every
+    entry off the diagonal underflows to 0 both ways give the same bits)."""
+    orders = snake_orders(7, 10, num_prefix_tokens=1) if scans == 2 else None
+    q, k, v, lam = make_inputs(1, 2, 71, 16, decay, torch.float32)
+    log_decays = torch.log(torch.stack([lam, lam.flip(-1)][:scans])).float()  # [S, B, H, L]
+
+    def triton(q, k, v, log_decays):
+        return lion_attention(q, k, v, log_decays, None if orders is None else orders.to(DEVICE), form="attention",
+                              backend="triton")
+
+    def reference(q, k, v, log_decays):
+        return lion_reference_multiscan(q, k, v, log_decays, torch.arange(71)[None] if orders is None else orders)
+
+    outputs = []
+    for factored in (True, False):
+        with tuned(bidirectional_factored_masks=factored, bidirectional_forward=(16, 16, 1),
+                   bidirectional_backward=(16, 16, 1)):
+            _check(triton, reference, [q, k, v, log_decays])
+            outputs.append(triton(*(t.to(DEVICE) for t in (q, k, v, log_decays))))
+    assert torch.equal(*outputs) == (decay == "underflow") and rel_err(*outputs) < 1e-5
 
 
 @pytest.mark.slow
@@ -601,9 +631,9 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
 def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys):
     """scripts/benchmark_fused.py (the GPU timing of the bidirectional kernel's launch settings) under the
     interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the bidirectional kernel in
-    another setting of each kernel and with the backward's key kernel in its other orientation, given features
-    mapped first, and the portable form, match the kernel in the code's settings within float16's rounding, outputs
-    and gradients, and the code's settings are left as they were."""
+    another setting of each kernel, with the backward's key kernel in its other orientation, with its masks
+    factored the other way, given features mapped first, and the portable form, match the kernel in the code's
+    settings within float16's rounding, outputs and gradients, and the code's settings are left as they were."""
     import runpy
     before = tuning()
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
@@ -611,14 +641,20 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
                  "--cases", "lion_s", "lion_s_natural"]) == 0
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lion_s")]
-    code = [",".join(map(str, setting)) for setting in (before.bidirectional_forward, before.bidirectional_backward)]
+    forward, backward = (",".join(map(str, setting)) for setting in (before.bidirectional_forward,
+                                                                      before.bidirectional_backward))
+    keys_first = " keys first" if before.bidirectional_keys_first else ""
+    entrywise = "" if before.bidirectional_factored_masks else " entrywise"  # (the code's, and the other way)
+    other_keys, other_masks = " keys first" if not keys_first else "", " entrywise" if not entrywise else ""
+    code = [forward + entrywise, backward + keys_first + entrywise]
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
-        other = code[1] + ("" if before.bidirectional_keys_first else " keys first")
-        assert [row[2:4] for row in ours] == [code, ["32,16,2", code[1]], [code[0], "16,16,2"], [code[0], other]]
+        assert [row[2:4] for row in ours] == [code, ["32,16,2" + entrywise, code[1]], [code[0], "16,16,2" + entrywise],
+                                              [code[0], backward + other_keys + entrywise],
+                                              [forward + other_masks, backward + keys_first + other_masks]]
         compared = ours[1:] + [row for row in rows if row[:2] in ([case, "mapped"], [case, "torch"])]
-        assert ours[0][-1] == "" and len(compared) == 5 and all(float(row[-1]) < 3e-3 for row in compared)
-        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 4 + ["mapped", "torch"]
+        assert ours[0][-1] == "" and len(compared) == 6 and all(float(row[-1]) < 3e-3 for row in compared)
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 5 + ["mapped", "torch"]
     assert tuning() is before
 
 
@@ -645,8 +681,8 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| lion_d")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 4 + ["mapped", "torch"]
-    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok"]
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 5 + ["mapped", "torch"]
+    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok", "ok"]
 
 
 def test_kernels_unpack_into_flat_names_only():
@@ -725,16 +761,19 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
 
 
 def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_given(tmp_path, capsys):
-    """--bidirectional-backward (and -forward) record the bidirectional kernels' launches in that setting, so that
-    a setting's registers and tensor-core instructions can be read without a GPU; a setting the kernels cannot run
-    is the parser's one-line error."""
+    """--bidirectional-backward (and -forward) record the bidirectional kernels' launches in that setting, and
+    --bidirectional-keys-first, --bidirectional-entrywise-masks with those knobs, so that a setting's registers and
+    tensor-core instructions can be read without a GPU; a setting the kernels cannot run is the parser's one-line
+    error."""
     records = tmp_path / "launches.json"
-    assert compile_kernels.main(["--quick", "--save-records", str(records), "--bidirectional-backward", "32,32,4"]) == 0
-    settings = {(name, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N"), kwargs.get("num_warps"))
+    assert compile_kernels.main(["--quick", "--save-records", str(records), "--bidirectional-backward", "32,32,4",
+                                 "--bidirectional-keys-first", "--bidirectional-entrywise-masks"]) == 0
+    settings = {(name, *(kwargs.get(key) for key in ("BLOCK_M", "BLOCK_N", "num_warps", "KEYS_FIRST", "FACTORED")))
                 for module, name, _, kwargs in json.loads(records.read_text()) if module.endswith("bidirectional")}
     own, loop, warps = tuning().bidirectional_forward
-    assert settings == {("_forward_kernel", own, loop, warps), ("_factors_kernel", None, None, None),
-                        ("_backward_keys_kernel", 32, 32, 4), ("_backward_queries_kernel", 32, 32, 4)}
+    assert settings == {("_forward_kernel", own, loop, warps, None, False), ("_factors_kernel", *[None] * 5),
+                        ("_backward_keys_kernel", 32, 32, 4, True, False),
+                        ("_backward_queries_kernel", 32, 32, 4, None, False)}
     for bad in ("64,24,4", "64,x,4"):
         with pytest.raises(SystemExit) as stopped:
             compile_kernels.main(["--bidirectional-forward", bad])

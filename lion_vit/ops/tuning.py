@@ -52,6 +52,11 @@ class Tuning:
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
         tiles as mma.sync), rather than [queries, keys] as the other kernels do.
+    bidirectional_factored_masks: the bidirectional kernels make a mask tile whose keys all come before its queries
+        along the scan (or all after them) as the outer product of a vector over its queries and one over its keys,
+        an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
+        On until a GPU has timed both: less arithmetic for as many blocks a multiprocessor in the training launches
+        (sm_90; docs/benchmarks.md, "Factored mask tiles").
     """
 
     auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
@@ -62,13 +67,15 @@ class Tuning:
     bidirectional_forward: LaunchSetting = (64, 64, 4)
     bidirectional_backward: LaunchSetting = (64, 32, 8)
     bidirectional_keys_first: bool = False
+    bidirectional_factored_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
             raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
                              f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
-        if not isinstance(self.bidirectional_keys_first, bool):
-            raise ValueError(f"bidirectional_keys_first must be True or False, got {self.bidirectional_keys_first!r}")
+        for name in ("bidirectional_keys_first", "bidirectional_factored_masks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_backward_fails not in (None, True, False):
             raise ValueError(f"chunk_backward_fails must be None (detect), True or False, got "
                              f"{self.chunk_backward_fails!r}")

@@ -5,7 +5,10 @@ run FLA's causal kernels on each scan forward and mirrored, and the normaliser a
 Per scan s and token t (token order) the kernel reads p_t, the token's scan position, and the cumulative log
 decays along the scan E_t = a(scan positions < p_t) and I_t = E_t + a_t, from which (masks.py)
 
-    M_ij = exp(E_i - E_j) if p_i > p_j,   exp(I_j - I_i) if p_i < p_j,   1 if i == j.
+    M_ij = exp(E_i - E_j) if p_i > p_j,   exp(I_j - I_i) if p_i < p_j,   1 if i == j,
+
+a tile whose keys all come before (or all after) its queries along the scan an outer product of two vectors
+(_scan_mask; Tuning.bidirectional_factored_masks).
 
 Forward, one program per query tile: S = q k^T and the mask tile by tile, the numerator and the normaliser (a row
 sum) in float32 registers, Y scaled as it is written (scalings.py). The kernels read raw q and k and apply the
@@ -61,10 +64,37 @@ def _pairs(per_query, per_key, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
-    """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32. The exponents are differences
-    in E's dtype (float64 for long sequences, cumulative), then rounded. Every exponent of a real pair is <= 0 (the
-    sums are monotone along the scan); the minimum keeps those of padding lanes finite too."""
+def _scan_mask(e_q, i_q, p_q, q_ok, e_k, i_k, p_k, k_ok, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
+    """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32, of the tokens q_ok and k_ok (the
+    others' entries finite). The exponents are differences in E's dtype (float64 for long sequences, cumulative),
+    then rounded. FACTORED: a tile whose keys all come before its queries along the scan is the outer product
+    exp(E_i - R) exp(R - E_j), R the queries' largest E, and one whose keys all come after them exp(R - I_i)
+    exp(I_j - R), R their least I: an exponential per token, not per entry, each factor <= 1 (the sums are
+    monotone along the scan; the minimum keeps those of padding lanes finite too)."""
+    if FACTORED:
+        first_q, last_q = tl.min(tl.where(q_ok, p_q, 1 << 30)), tl.max(tl.where(q_ok, p_q, -1))
+        first_k, last_k = tl.min(tl.where(k_ok, p_k, 1 << 30)), tl.max(tl.where(k_ok, p_k, -1))
+        if last_k < first_q:
+            r = tl.max(tl.where(q_ok, e_q, float("-inf")))
+            queries, keys = _pairs(tl.exp(tl.minimum((e_q - r).to(tl.float32), 0.0)),
+                                   tl.exp(tl.minimum((r - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
+            mask = queries * keys
+        elif first_k > last_q:
+            r = tl.min(tl.where(q_ok, i_q, float("inf")))
+            queries, keys = _pairs(tl.exp(tl.minimum((r - i_q).to(tl.float32), 0.0)),
+                                   tl.exp(tl.minimum((i_k - r).to(tl.float32), 0.0)), KEYS_FIRST)
+            mask = queries * keys
+        else:
+            mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
+    else:
+        mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
+    return mask
+
+
+@triton.jit
+def _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
+    """_scan_mask's tile, an exponential per entry: exp(E_i - E_j) where the query comes after its key along the
+    scan, exp(I_j - I_i) where before (every exponent of a real pair is <= 0), 1 on the diagonal."""
     e_q, e_k = _pairs(e_q, e_k, KEYS_FIRST)  # (flat targets: Triton 3.6 cannot hash a kernel with nested ones)
     i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
@@ -119,7 +149,8 @@ def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K:
 def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
                     ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
                     MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                    FACTORED: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -136,10 +167,10 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                   BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        mask = _scan_mask(e0, i0, p0, ek, ik, pk, False)
+        mask = _scan_mask(e0, i0, p0, row_ok, ek, ik, pk, col_ok, False, FACTORED)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-            mask += _scan_mask(e1, i1, p1, ek, ik, pk, False)
+            mask += _scan_mask(e1, i1, p1, row_ok, ek, ik, pk, col_ok, False, False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
         numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
@@ -189,16 +220,18 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 @triton.jit
 def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, SCANS: tl.constexpr,
-           KEYS_FIRST: tl.constexpr):
+           KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
-    second: the first's where there is one scan) with its query and key positions."""
+    second: the first's where there is one scan) with its query and key positions. FACTORED factors the first
+    scan's tiles only: along the second of two (the natural models' column snake) a tile of consecutive tokens
+    spans every column, so its keys are never all before or all after its queries, and the test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, KEYS_FIRST)
+    m0 = _scan_mask(e, i, p_q, row_ok, e_k, i_k, p_k, col_ok, KEYS_FIRST, FACTORED)
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, KEYS_FIRST)
+        m1 = _scan_mask(e, i, p_q1, row_ok, e_k, i_k, p_k1, col_ok, KEYS_FIRST, False)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
     return m0, m0, p_q, p_k, m0, p_q, p_k
 
@@ -228,7 +261,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                          KEYS_FIRST: tl.constexpr):
+                          KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
     """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile. KEYS_FIRST:
     its tiles are [keys, queries], the transposes of the query kernel's, so that every product's first operand
     spans the program's own keys (Hopper's wgmma wants 64 rows) and no product of registers is transposed."""
@@ -248,7 +281,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
         _, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
                                              L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS, KEYS_FIRST)
+                                                      sps, SCANS, KEYS_FIRST, FACTORED)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
@@ -285,7 +318,8 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
                              ses, seb, seh, sel, sps, L, H, DK, DV,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
                              NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                             FACTORED: tl.constexpr):
     """dq (strides sg*) of a query tile; adds its row sums to the column sums in dE, dI."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
@@ -302,7 +336,7 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
         _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                   BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS, False)
+                                                      sps, SCANS, False, FACTORED)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
@@ -344,7 +378,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
         q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
-        BLOCK_V=_block(value_dim), num_warps=warps)
+        BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
     return y, z
 
 
@@ -369,7 +403,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     dI = torch.empty_like(dE)
     own, loop, warps = tuning().bidirectional_backward
     settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(feature_map), BLOCK_K=_block(key_dim),
-                    BLOCK_V=_block(value_dim), num_warps=warps)
+                    BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
     shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
               positions.stride(0), length, heads, key_dim, value_dim)
     _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
