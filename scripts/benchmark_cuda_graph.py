@@ -10,7 +10,8 @@ launches without the host, so the two times side by side say how much of a forwa
     python scripts/benchmark_cuda_graph.py --compile   # and torch.compile(mode="reduce-overhead", fullgraph=True)
 
 Weights and input in bfloat16; times from triton.testing.do_bench (ms); the graph's output is checked
-against an eager forward's. Prints a markdown table with each time as a ratio to the first model's.
+against an eager forward's. Prints a markdown table with each time as a ratio to the first model's (--out:
+also as graphs.csv and graphs.json there, which gpu_targets.py reads).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared helpers (benchmarking.py)
 
 import lion_vit  # noqa: F401  (registers the LION models)
-from benchmarking import HelpFormatter, build, check_patch_multiples, markdown_table, positive_int, run_spec
+from benchmarking import (HelpFormatter, build, check_patch_multiples, markdown_table, output_folder, positive_int,
+                          run_spec, write_table)
 
 DEFAULT_RUNS = ["deit_small_patch16_224", "lion_d_small:chunk:64", "lion_d_natural_small:chunk:64"]
 
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help='also time torch.compile(model, mode="reduce-overhead", fullgraph=True) (CUDA graphs '
                              "of Inductor's code; each compile takes tens of seconds, not timed)")
+    parser.add_argument("--out", type=output_folder, default=None,
+                        help="a folder for the table as graphs.csv and graphs.json (default: printed only)")
     parser.add_argument("--profile", action="store_true",
                         help="also print each model's top operators by host time, then by GPU time, over three eager "
                              "forwards")
@@ -120,6 +124,8 @@ def main(argv=None) -> int:
     print(markdown_table(rows, ["model", "form", "eager_ms", "graph_ms", "eager_x_baseline", "graph_x_baseline",
                                 "graph_vs_eager"] + (["compiled_ms", "compiled_x_baseline", "compiled_vs_eager"]
                                                      if args.compile else [])))
+    if args.out is not None:
+        write_table(rows, args.out, "graphs")
     return 0
 
 

@@ -125,7 +125,7 @@ for part in "${parts[@]}"; do
                     lion_d_natural_small:chunk:64 lion_d_natural_small:rnn --out "$out/resolution_b$batch"
             done ;;
         graphs)  # batch 1 at 1248 px, eager against its CUDA graph and against torch.compile(mode="reduce-overhead")
-            run graphs python3 scripts/benchmark_cuda_graph.py --compile ;;
+            run graphs python3 scripts/benchmark_cuda_graph.py --compile --out "$out/graphs" ;;
         fused)  # the fused attention form (the bidirectional kernel): the kernel op by op at 224 px (its launch
             # settings, LION-lit's Q (K^T V) against it), then a training step, eager, --attn-form auto (the fused
             # attention form below auto_chunk_min_tokens) at 224 px batch 256 (with each model's costliest GPU kernels,
@@ -149,7 +149,7 @@ for part in "${parts[@]}"; do
                     lion_d_natural_small:attention --out "$out/inference_224_b$batch"
             done
             run graphs_224_b16 python3 scripts/benchmark_cuda_graph.py --img-size 224 --batch-size 16 --runs $deit \
-                lion_d_small:attention lion_d_natural_small:attention ;;
+                lion_d_small:attention lion_d_natural_small:attention --out "$out/graphs_224_b16" ;;
         fused_tests)  # the fused attention form's tests natively, IEEE float32 dots; each test's outcome as it ends
             # (-v: a deadline leaves the names), the slowest at the end
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -v -n 8 -p no:cacheprovider --durations=20 \

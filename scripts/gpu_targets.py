@@ -223,8 +223,8 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + launch_lines(folder) + map_lines(folder) + lit_lines(folder) + group_lines(folder) + \
-        decode_lines(folder)
+    return lines + launch_lines(folder) + map_lines(folder) + lit_lines(folder) + graph_lines(folder) + \
+        group_lines(folder) + decode_lines(folder)
 
 
 # benchmark_fused.py's runs in the fused part (their folders) and their shapes
@@ -270,6 +270,24 @@ def map_lines(folder: Path) -> List[str]:
         in_kernel, first = (sum(pair[i] for pair in pairs) for i in (0, 1))
         pick = "in the kernels (as now)" if in_kernel <= first else "torch ops first"
         lines.append(f"| {label} | torch ops first x{first / in_kernel:.2f} of in the kernels | {pick} |")
+    return lines
+
+
+def graph_lines(folder: Path) -> List[str]:
+    """Inference at 224 px, batch 16, eager and replayed as a CUDA graph (benchmark_cuda_graph.py, graphs_224_b16),
+    each against DeiT-S's the same way: where the replay meets INFERENCE_224 and the eager forward does not, the
+    gap is the host's launches, and CUDA graphs (or torch.compile's "reduce-overhead") close it."""
+    rows = {row["model"]: row for row in read(folder / "graphs_224_b16" / "graphs.csv")}
+    lines = []
+    for model, limit in INFERENCE_224.items():
+        eager, graph = (number(rows.get(model), f"{kind}_x_baseline") for kind in ("eager", "graph"))
+        label = f"inference 224 px b16, {model} attention, eager and CUDA graph x DeiT-S"
+        if eager is None or graph is None:
+            lines.append(f"| {label} | not measured | - |")
+            continue
+        verdict = ("launch-bound: CUDA graphs meet it" if graph <= limit < eager else
+                   "within it eager" if eager <= limit else "the GPU's time misses it too")
+        lines.append(f"| {label} | eager x{eager:.2f}, CUDA graph x{graph:.2f} | {verdict} |")
     return lines
 
 

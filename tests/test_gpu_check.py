@@ -68,8 +68,9 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
         if command[1] == "scripts/gpu_targets.py":  # reads what the others wrote
             assert args.folder == out and command is commands[-1]
             continue
-        if command[1] == "scripts/benchmark_cuda_graph.py":  # eager against CUDA graphs; its log
+        if command[1] == "scripts/benchmark_cuda_graph.py":  # eager against CUDA graphs
             graphs.append((args.img_size, args.batch_size, args.compile, [run[:2] for run in args.runs]))
+            assert args.out.is_relative_to(out)
             continue
         if command[1] == "scripts/benchmark_normaliser.py":  # its table goes to the part's log in --out
             assert args.img_size == 1248 and args.batch_sizes == [1, 16] and args.tokens and args.warps
@@ -288,6 +289,22 @@ def test_launch_settings_feature_map_and_lits_form_pick_the_least_time(tmp_path)
     assert targets["lit_lines"](tmp_path) == [
         "| LION-lit's attention form (224 px b256) | bidirectional kernel x0.80 of Q (K^T V) | the bidirectional "
         "kernel |", "| LION-lit's attention form (448 px b64) | not measured | - |"]
+
+
+@pytest.mark.parametrize("eager, graph, verdict", [
+    (2.0, 1.01, "launch-bound: CUDA graphs meet it"), (1.04, 0.99, "within it eager"),
+    (2.0, 1.3, "the GPU's time misses it too")])
+def test_batch_16_inference_says_whether_the_launches_bound_it(tmp_path, eager, graph, verdict):
+    """benchmark_cuda_graph.py's table at 224 px, batch 16 (as write_table writes it): LION-d's eager forward and
+    its CUDA graph's replay, each against DeiT-S's the same way, and whether the gap to the target is the host's."""
+    (tmp_path / "graphs_224_b16").mkdir()
+    (tmp_path / "graphs_224_b16" / "graphs.csv").write_text(
+        "model,form,eager_ms,graph_ms,eager_x_baseline,graph_x_baseline\n"
+        "deit_small_patch16_224,,6.4,1.0,1.0,1.0\n"
+        f"lion_d_small,attention,{6.4 * eager},{graph},{eager},{graph}\n")
+    lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["graph_lines"](tmp_path)
+    assert lines == [f"| inference 224 px b16, lion_d_small attention, eager and CUDA graph x DeiT-S | "
+                     f"eager x{eager:.2f}, CUDA graph x{graph:.2f} | {verdict} |"]
 
 
 def test_targets_table_reads_the_measurements(tmp_path):
