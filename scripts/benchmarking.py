@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import errno
 import json
 import os
 import statistics
@@ -95,16 +96,19 @@ def positive_float(text: str) -> float:
 
 
 def _unwritable(folder: Path) -> Optional[str]:
-    """Why results cannot be written into `folder` (created if missing), or None."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return f"cannot create {str(folder)!r} ({error.strerror})"
-    return None if os.access(folder, os.W_OK) else f"cannot write to {str(folder)!r}"
+    """Why results could not be written into `folder` (made, with its parents, when they are), or None. Nothing is
+    made now: a run refused later (a bad argument, no GPU) leaves no empty folder behind."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:  # (the nearest folder there is)
+        existing = existing.parent
+    if not existing.is_dir():
+        code = errno.EEXIST if existing == folder else errno.ENOTDIR
+        return f"cannot create {str(folder)!r} ({os.strerror(code)})"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"cannot write to {str(existing)!r}"
 
 
 def output_folder(text: str) -> Path:
-    """argparse type: a folder for the results, created now, so that a path that cannot be written
+    """argparse type: a folder for the results, checked now, so that a path that cannot be written
     fails before the measurements, not after them."""
     reason = _unwritable(Path(text))
     if reason:
@@ -113,7 +117,7 @@ def output_folder(text: str) -> Path:
 
 
 def output_file(text: str) -> Path:
-    """argparse type: a results file whose folder is created (and checked) now."""
+    """argparse type: a results file whose folder is checked now (and made as the file is written)."""
     reason = _unwritable(Path(text).parent)
     if reason:
         raise argparse.ArgumentTypeError(f"{text!r}: its folder: {reason}; choose another path")

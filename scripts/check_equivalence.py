@@ -86,6 +86,7 @@ def main() -> None:
     worst = max(rows, key=lambda r: r["rel_err"])
     print(f"worst: {worst['rel_err']:.2e} ({worst['model']}, {worst['size']}, {worst['form']} C={worst['chunk_size']})")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

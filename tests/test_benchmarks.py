@@ -336,6 +336,21 @@ def test_scripts_reject_bad_arguments_in_one_line(script, args, message, monkeyp
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_refused_run_leaves_no_output_folder_behind(tmp_path, monkeypatch):
+    """An output path is checked as the arguments are read and made only as results are written: a run refused
+    after that (a bad argument, a GPU script on a CPU) leaves no empty folder behind."""
+    import lion_vit.engine.allocator as allocator
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: None)  # leave this process's malloc settings
+    new = tmp_path / "new"
+    for script, args in (("benchmark_train.py", ["--out", str(new / "train"), "--models", "lion_q_tiny"]),
+                         ("benchmark_cuda_graph.py", ["--out", str(new / "graphs")]),
+                         ("check_equivalence.py", ["--json", str(new / "eq.json"), "--sizes", "40x48"])):
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+        assert exit_info.value.code == 2 and not new.exists(), script
+
+
 def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["benchmark_cuda_graph.py"])
