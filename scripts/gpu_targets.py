@@ -231,15 +231,20 @@ def setting_lines(folder: Path) -> List[str]:
 FUSED_KERNEL_RUNS = (("fused_kernels", "224 px b256"), ("fused_kernels_448", "448 px b64"))
 
 
+def first_train_us(rows: List[Dict[str, str]], case: str, kernel: str) -> Optional[float]:
+    """The forward-and-backward time of a case's first benchmark_fused.py row of that kernel (for the
+    bidirectional kernel, its code's settings), None where it is missing or did not run."""
+    return next((number(row, "train_us") for row in rows if row["case"] == case and row["kernel"] == kernel), None)
+
+
 def lit_lines(folder: Path) -> List[str]:
     """LION-lit's attention form: Q (K^T V) in torch matmuls (the code's, benchmark_fused.py's "linear" rows) or the
     bidirectional kernel with every decay 1 (its rows in the code's settings), forward and backward, by
     benchmark_fused.py's lion_lit rows; the pick, the faster."""
     lines = []
     for run, what in FUSED_KERNEL_RUNS:
-        rows = [row for row in read(folder / run / "fused.csv") if row["case"] == "lion_lit"]
-        linear = next((number(row, "train_us") for row in rows if row["kernel"] == "linear"), None)
-        kernel = next((number(row, "train_us") for row in rows if row["kernel"] == "bidirectional"), None)
+        rows = read(folder / run / "fused.csv")
+        linear, kernel = (first_train_us(rows, "lion_lit", name) for name in ("linear", "bidirectional"))
         label = f"LION-lit's attention form ({what})"
         if linear is None or kernel is None:
             lines.append(f"| {label} | not measured | - |")
@@ -258,9 +263,7 @@ def map_lines(folder: Path) -> List[str]:
         rows = read(folder / run / "fused.csv")
         pairs = []
         for case in dict.fromkeys(row["case"] for row in rows):
-            in_kernel, first = (next((number(row, "train_us") for row in rows
-                                      if row["case"] == case and row["kernel"] == kernel), None)
-                                for kernel in ("bidirectional", "mapped"))
+            in_kernel, first = (first_train_us(rows, case, kernel) for kernel in ("bidirectional", "mapped"))
             if in_kernel is not None and first is not None:
                 pairs.append((in_kernel, first))
         label = f"the feature map ({what})"
