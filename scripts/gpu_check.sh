@@ -15,8 +15,9 @@
 # caches go to DIR/cache, so that a warm machine reuses them (never packed, nor are checkpoints). --bundle packs
 # DIR into one archive after every measurement, so that a run cut short still returns what it finished. --commit
 # names the code measured where the copy has no git history. --deadline S: no measurement runs past S
-# seconds from the start (the one running then is stopped, its log kept; those after it are skipped, and
-# said so), then the targets table and the bundle, so that a call limited to S + 60 s ends with what it
+# seconds from the start (the one running then is interrupted, as by Ctrl-C, so that pytest still prints its
+# failures and durations, and killed 20 s later if it has not ended; its log kept; those after it are skipped,
+# and said so), then the targets table and the bundle, so that a call limited to S + 60 s ends with what it
 # measured. --dry-run prints the estimates (# lines) and the commands instead of running them
 # (tests/test_gpu_check.py checks them on a CPU).
 set -euo pipefail
@@ -63,7 +64,7 @@ run() {  # one measurement: its command, its output to the screen and to $out/<l
     local start=$SECONDS rc=0 limit=()
     if [[ -n $deadline ]]; then
         ((deadline > SECONDS)) || { skipped+=("$log"); echo "-- $log: skipped (--deadline $deadline s)"; return; }
-        limit=(timeout --kill-after=10 $((deadline - SECONDS)))
+        limit=(timeout --signal=INT --kill-after=20 $((deadline - SECONDS)))
     fi
     echo "== $*"
     "${limit[@]}" "$@" 2>&1 | tee "$out/$log.log" || rc=${PIPESTATUS[0]}

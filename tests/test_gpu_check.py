@@ -148,20 +148,23 @@ def test_parts_run_alone_in_the_order_given():
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# python3 for gpu_check.sh on a CPU: CUDA "is available", the environment prints, FLA's kernel benchmark
-# runs until stopped, every other measurement ends at once
+# python3 for gpu_check.sh on a CPU: CUDA "is available", the environment prints, the fused kernels' benchmark
+# runs until stopped (saying so if it is interrupted, as pytest prints its summary then), every other measurement
+# ends at once
 case "$*" in
     -c*) ;;
     -) cat >/dev/null; echo "commit fake" ;;
-    *benchmark_fused.py*) echo "timing"; exec sleep 60 ;;
+    *benchmark_fused.py*) echo "timing"; trap 'echo "interrupted: the summary so far"; exit 130' INT
+        sleep 60 >/dev/null 2>&1 & wait ;;
     *) echo "ran $*" ;;
 esac
 """
 
 
 def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
-    """A call limited in time ends with what finished: the measurement running at --deadline is stopped, its
-    log kept, the later ones are skipped, and the targets table and the bundle still come."""
+    """A call limited in time ends with what finished: the measurement running at --deadline is interrupted
+    (SIGINT, on which pytest prints its failures and durations) and its log kept, the later ones are skipped,
+    and the targets table and the bundle still come."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
@@ -181,7 +184,7 @@ def test_deadline_stops_the_measurement_running_and_skips_the_rest(tmp_path):
     skipped = next(line for line in lines if line.startswith("SKIPPED, past the deadline: ")).split(": ")[1].split()
     assert skipped[:2] == ["train", "train_448"] and skipped[-1] == "graphs_224_b16"  # 224 px first
     assert not any(line.startswith("FAILED") for line in lines)
-    assert (out / "fused_kernels.log").read_text() == "timing\n"  # what it printed before it was stopped
+    assert (out / "fused_kernels.log").read_text() == "timing\ninterrupted: the summary so far\n"
     with tarfile.open(bundle) as packed:
         names = set(packed.getnames())
     assert {"gpu/tests.log", "gpu/fused_tests.log", "gpu/fused_kernels.log", "gpu/targets.log"} <= names
