@@ -115,8 +115,9 @@ class RetNetDecay(Decay):
     """RetNet's fixed decays, gamma_h = 1 - 2^(-5-h) per head (the paper's Table 1): no parameters."""
 
     def forward(self, x):
-        exponents = -5.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device)
-        return torch.log1p(-torch.exp2(exponents)).expand(self.num_scans, self.num_heads)[:, None, :, None]
+        # 0, 1, ..., H - 1 as a method of x: torch.fx before PyTorch 2.9 cannot trace arange(device=x.device)
+        heads = x.new_ones(self.num_heads, dtype=torch.float64).cumsum(0) - 1
+        return torch.log1p(-torch.exp2(-5.0 - heads)).expand(self.num_scans, self.num_heads)[:, None, :, None]
 
 
 class Mamba2Decay(Decay):
@@ -201,7 +202,7 @@ class HGRN2Decay(Decay):
         bound = torch.sigmoid(in_mask_precision(self.lower_bound_logit))
         lam = bound + (1 - bound) * torch.sigmoid(in_mask_precision(self.proj(x)))
         log_decay = torch.log(lam).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
-        return log_decay[None].expand(self.num_scans, *log_decay.shape)
+        return log_decay[None].expand(self.num_scans, -1, -1, -1, -1)
 
 
 class RWKV6Decay(Decay):

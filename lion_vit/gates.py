@@ -13,6 +13,8 @@ from torch import Tensor, nn
 
 from .decays import in_mask_precision
 
+torch.fx.wrap("in_mask_precision")  # (torch.fx wraps a name per module: here too, as in decays.py)
+
 __all__ = ["KeyGate", "NoKeyGate", "InputGate", "OneMinusDecay", "KEY_GATES", "register_key_gate"]
 
 

@@ -115,6 +115,18 @@ def test_family_layers_match_table_1(family, decays):  # (RetNet's decays are fi
             assert rel_err(got, want, min_scale=1e-6) < 1e-8, (form, name)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_models_trace_with_torch_fx(family):
+    """torch.fx traces every family's decays and gates as data (on every PyTorch the package allows): the graph
+    agrees with eager in every form."""
+    model = timm.create_model(f"{family}_tiny", num_classes=3, depth=1, img_size=(12, 16), patch_size=4).eval()
+    x = torch.randn(2, 3, 12, 16, generator=torch.Generator().manual_seed(0))
+    for form, chunk in FORMS:
+        graph = torch.fx.symbolic_trace(model.set_attn_form(form, chunk))
+        with torch.no_grad():
+            assert rel_err(graph(x), model(x)) < 1e-5, form
+
+
 def test_families_are_registered_at_every_size_with_their_settings():
     names = set(timm.list_models("lion_*"))
     for family, settings in FAMILIES.items():

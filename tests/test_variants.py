@@ -19,8 +19,8 @@ from naive import rel_err
 class HalvingDecay(Decay):
     """gamma_h = 1 - 2^(-4-h), fixed: no parameters."""
 
-    def forward(self, x):
-        gamma = 1 - 2.0 ** (-4.0 - torch.arange(self.num_heads, dtype=torch.float64, device=x.device))
+    def forward(self, x):  # (heads 0..H-1 from x: torch.fx before PyTorch 2.9 cannot trace arange(device=x.device))
+        gamma = 1 - 2.0 ** (-4.0 - (x.new_ones(self.num_heads, dtype=torch.float64).cumsum(0) - 1))
         return gamma.log().expand(self.num_scans, self.num_heads)[:, None, :, None]
 
 
