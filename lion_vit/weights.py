@@ -73,6 +73,5 @@ def what_model(model: nn.Module) -> str:
 
 @contextlib.contextmanager
 def _allowed(classes: Sequence[type]):
-    safe_globals = getattr(torch.serialization, "safe_globals", None)  # (torch >= 2.5; older torch allows fewer)
-    with safe_globals(list(classes)) if safe_globals and classes else contextlib.nullcontext():
+    with torch.serialization.safe_globals(list(classes)) if classes else contextlib.nullcontext():
         yield

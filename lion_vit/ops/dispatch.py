@@ -272,7 +272,7 @@ def exporting() -> bool:
     """Whether torch.export is tracing: its programs are torch ops, which the GPU kernels are not. The flag
     behind torch.compiler.is_exporting is read directly: Dynamo before torch 2.13 traces that function as
     True under torch.compile too (pytorch/pytorch#176347), which would keep compiled models off the kernels."""
-    return bool(getattr(torch.compiler, "_is_exporting_flag", False))  # (torch >= 2.6; earlier: never)
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))  # (private: a torch without it, never)
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],

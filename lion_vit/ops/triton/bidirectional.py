@@ -463,7 +463,7 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
     (any strides); log_decays [S, B|1, H|1, L|1] in token order (None: all ones); orders [S, L] or None; feature_map:
     a FEATURE_MAPS name, which the kernels apply as they read q and k (one they do not know: torch ops first), or
     None; scaling: a scalings.SCALINGS name. chunk_size is the portable form's (unused). One or two scans. A
-    compiler traces the kernels as custom ops of its graph (torch >= 2.4), not breaks: inference as one op, so that
+    compiler traces the kernels as custom ops of its graph, not breaks: inference as one op, so that
     CUDA graphs can capture it, training as one op forward and one backward."""
     from ..dispatch import records_autograd
     if torch.compiler.is_compiling() and _INFERENCE_OP is not None:
@@ -507,12 +507,9 @@ def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
 
 
 def _custom_ops():
-    """(inference, training) as torch.library custom ops (torch >= 2.4), what a compiler traces in place of
-    _eagerly: inference, the whole call; training, the kernels with their backward registered (a second op), the
-    bookkeeping around them traced as torch ops. (None, None) where they cannot be registered."""
-    if not hasattr(torch.library, "custom_op"):
-        return None, None
-
+    """(inference, training) as torch.library custom ops, what a compiler traces in place of _eagerly: inference,
+    the whole call; training, the kernels with their backward registered (a second op), the bookkeeping around
+    them traced as torch ops. (None, None) where they cannot be registered."""
     def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
                   feature_map: Optional[str], scaling: str) -> Tensor:
         return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).contiguous()

@@ -335,10 +335,8 @@ def kernel_inputs(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
 
 
 def _inference_op():
-    """Inference through the kernels as a torch.library custom op (torch >= 2.4): what a compiler traces in
-    place of _run, an opaque node of its graph instead of a break. None where it cannot be registered."""
-    if not hasattr(torch.library, "custom_op"):
-        return None
+    """Inference through the kernels as a torch.library custom op: what a compiler traces in place of _run, an
+    opaque node of its graph instead of a break. None where it cannot be registered."""
 
     def inference(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
                   feature_map: Optional[str], form: str, scaling: str) -> Tensor:
