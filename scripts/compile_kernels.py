@@ -292,25 +292,24 @@ def main(argv=None) -> int:
                         help="record the bidirectional kernels with an exponential for every mask entry, no tile "
                              "factored (Tuning.bidirectional_factored_masks off)")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
+    parser.add_argument("--knobs", type=json.loads, default={}, help=argparse.SUPPRESS)  # and its parent's knobs
     args = parser.parse_args(argv)
+    if args.record_to:  # (JSON has lists where the launch settings are tuples)
+        knobs = {name: tuple(value) if isinstance(value, list) else value for name, value in args.knobs.items()}
+        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, knobs)))
+        return 0
     knobs = {f"bidirectional_{which}": getattr(args, f"bidirectional_{which}") for which in ("forward", "backward")
              if getattr(args, f"bidirectional_{which}") is not None}
     if args.bidirectional_keys_first:
         knobs["bidirectional_keys_first"] = True
     if args.bidirectional_entrywise_masks:
         knobs["bidirectional_factored_masks"] = False
-    if args.record_to:
-        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, knobs)))
-        return 0
     if args.records is None:  # recorded in a child process: the interpreter is on there, off here
         with tempfile.TemporaryDirectory() as folder:
             path = args.save_records or str(Path(folder) / "launches.json")
             env = dict(os.environ, TRITON_INTERPRET="1")
-            settings = [f"--bidirectional-{which}={','.join(map(str, getattr(args, f'bidirectional_{which}')))}"
-                        for which in ("forward", "backward") if getattr(args, f"bidirectional_{which}") is not None]
-            flags = [flag for flag in ("--quick", "--bidirectional-keys-first", "--bidirectional-entrywise-masks")
-                     if getattr(args, flag[2:].replace("-", "_"))]
-            child = [sys.executable, __file__, "--record-to", path] + flags + settings
+            child = [sys.executable, __file__, "--record-to", path, "--knobs", json.dumps(knobs)] + (
+                ["--quick"] if args.quick else [])
             if subprocess.run(child, env=env).returncode:
                 print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
                 return 1
