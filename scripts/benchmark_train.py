@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared
 
 import lion_vit  # noqa: F401  (registers the LION models)
 from benchmarking import (STATUS_ERROR, STATUS_OK, HelpFormatter, add_backend_argument, device_name, error_detail,
-                          markdown_table, model_name, output_folder, paired_ratio, positive_int, run_spec,
-                          train_memory_in_subprocess, write_table)
+                          markdown_table, model_name, output_folder, paired_ratio, positive_int, pyplot,
+                          run_spec, train_memory_in_subprocess, write_table)
 from lion_vit.engine.allocator import keep_freed_memory
 from lion_vit.models import create_model_at_size
 from lion_vit.ops import FORM_CHOICES
@@ -220,9 +220,9 @@ def _print_profile(name: str, run_step, device: torch.device) -> None:
 
 
 def _plot(ratios, baseline: str, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.barh([label for label, _ in ratios][::-1], [ratio for _, ratio in ratios][::-1])
     ax.axvline(1.0, color="k", lw=0.8)

@@ -531,6 +531,19 @@ def markdown_table(rows: Sequence[Dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def pyplot(path: Path):
+    """matplotlib's pyplot (Agg), or None with one line saying that the plot at path is not written: matplotlib
+    comes with the [bench] extra, and the CSV, JSON and table written before the plot do not need it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{path} not written: matplotlib is not installed (pip install -e \".[bench]\")", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_lines(rows: List[Dict[str, Any]], x_key: str, x_label: str, path: Path, title: str,
                log_x: bool = False) -> None:
     """Two panels (peak memory, time) against x_key, one line per model/form; OOM points dropped.
@@ -538,10 +551,9 @@ def plot_lines(rows: List[Dict[str, Any]], x_key: str, x_label: str, path: Path,
     if not any(r["status"] == STATUS_OK for r in rows):
         print(f"no configuration succeeded: {path} not written")
         return
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(path)
+    if plt is None:
+        return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in dict.fromkeys(label(r) for r in rows):
         series = sorted((r for r in rows if label(r) == name and r["status"] == STATUS_OK), key=lambda r: r[x_key])

@@ -531,6 +531,21 @@ def test_the_library_and_train_py_need_no_benchmark_dependency():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+def test_a_benchmark_without_matplotlib_writes_its_tables_and_says_the_plot_is_not_written(tmp_path):
+    """Without the [bench] extra a script measures, writes its CSV and JSON and prints its table as usual; its
+    plot is one line naming the extra (it was a traceback after the measurement)."""
+    code = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+            f"sys.argv = ['benchmark_train.py', '--models', 'deit_tiny_patch16_224', '--batch-size', '1', "
+            f"'--img-size', '32', '--steps', '1', '--out', {str(tmp_path)!r}]; "
+            f"runpy.run_path({str(ROOT / 'scripts' / 'benchmark_train.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f'{tmp_path / "train.png"} not written: matplotlib is not installed (pip install -e ".[bench]")' in proc.stdout
+    assert "| deit_tiny_patch16_224 |" in proc.stdout and [r["model"] for r in read_rows(tmp_path / "train.csv")] == [
+        "deit_tiny_patch16_224"]
+    assert not (tmp_path / "train.png").exists() and (tmp_path / "train.json").exists()
+
+
 def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     """benchmark_input.py makes an ImageFolder of JPEGs of ImageNet's sizes and times train.py's loader
     beside the path it replaced, by number of workers, with ratios to the old path."""
