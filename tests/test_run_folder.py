@@ -103,9 +103,14 @@ def test_a_fresh_start_over_any_trace_of_a_run_is_refused(folder, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')  # a first epoch that died before its checkpoint
     proc = run_train(*_args(folder, tmp_path), "epochs=1")
     assert_clean_error(proc, "already holds a run (metrics.jsonl)", "resume=auto")
-    proc = run_train(*_args(folder, tmp_path), "epochs=1", "resume=auto")  # which starts it afresh
+    proc = run_train(*_args(folder, tmp_path), "epochs=1", "resume=auto")  # which starts it afresh, and says so
     assert_ok(proc)
     assert [m["epoch"] for m in read_metrics(tmp_path)] == [1]
+    assert f"resume=auto: nothing to resume in {tmp_path}, a fresh start (to continue a run, pass output_dir=" \
+        in proc.stdout
+    proc = run_train(*_args(folder, tmp_path), "epochs=2", "resume=auto")
+    assert_ok(proc)
+    assert "resumed after epoch 1" in proc.stdout and "nothing to resume" not in proc.stdout
 
 
 @pytest.mark.parametrize("when", ["start", "resume"])

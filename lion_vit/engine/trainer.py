@@ -318,6 +318,9 @@ def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[
                             f"a new output_dir")
         if state is None and is_main:
             rundir.drop_metrics_after(output_dir / METRICS, 0)  # a first epoch killed before its checkpoint
+            # (the default output_dir is a new folder each run: resume=auto alone never continues the last one)
+            log.info("resume=auto: nothing to resume in %s, a fresh start (to continue a run, pass output_dir=<its "
+                     "folder>)", output_dir)
         return state
     return ckpt.load_checkpoint(Path(cfg.resume))
 
