@@ -509,7 +509,12 @@ def status_line(row: Dict[str, Any]) -> str:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The scripts' --help: their docstring as written, and every option's default."""
+    """The scripts' --help: their docstring as written, and every option's default (once: an option whose help
+    says its default in words keeps those)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
 
 
 def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:

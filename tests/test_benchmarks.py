@@ -434,6 +434,8 @@ def test_scripts_run_from_a_clone_without_installing(tmp_path):
     assert list(outputs) == scripts
     for script, out in outputs.items():
         assert out.startswith("usage: " + script), (script, out[:200])
+        # an option whose help says its default in words does not get argparse's after it
+        assert not re.search(r"\(default[^)]*\)\s*\(default", " ".join(out.split())), (script, out)
 
 
 def test_a_kernel_the_gpu_refuses_is_recorded_and_the_sweep_goes_on(monkeypatch):
