@@ -199,6 +199,9 @@ def test_what_has_no_device_version_is_one_clear_line():
     with pytest.raises(UserError, match="no device version of RandAugment's GaussianBlurRand"):
         DrawAugmentation(transform)
     DrawAugmentation(deit_transform(auto_augment=None, color_jitter=0.0))  # no jitter: RNG kept in step, no op
+    # without augmentation (aug=digits, aug=none: resize and crop) the line names the augmentation, not Resize
+    with pytest.raises(UserError, match=r"runs DeiT's training augmentation .*: set aug=deit"):
+        DrawAugmentation(create_transform(32, is_training=False, use_prefetcher=True))
 
 
 def write_folder(root, pngs_named_jpeg: int = 0):

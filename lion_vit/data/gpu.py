@@ -94,13 +94,15 @@ class DrawAugmentation:
                 self.augment = _recording(step)
             elif isinstance(step, ColorJitter) and _no_jitter(step):  # aug.color_jitter=0 without RandAugment
                 self.jitter = step
+            elif self.crop is None and not isinstance(step, (MaybePILToTensor, ToNumpy)):
+                break  # no RandomResizedCrop first: the evaluation transform of aug.enabled=false (Resize, crop)
             elif not isinstance(step, (MaybePILToTensor, ToNumpy)):
                 raise UserError(f"data.decode=gpu has no device version of {type(step).__name__} (it runs timm's "
                                 f"RandomResizedCrop, flip and RandAugment); set data.decode=cpu, or aug.color_jitter=0 "
                                 f"with aug.auto_augment=null")
         if self.crop is None:
             raise UserError("data.decode=gpu runs DeiT's training augmentation (RandomResizedCrop first): set "
-                            "aug.enabled=true, or data.decode=cpu")
+                            "aug=deit (or aug.enabled=true), or data.decode=cpu")
 
     def __call__(self, encoded: Encoded) -> Sample:
         crop = self.crop
