@@ -31,6 +31,7 @@ On a GPU the kernels' own reads and writes add to these; what this counts is eve
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -124,7 +125,10 @@ class _Written(TorchDispatchMode):
 @contextmanager
 def _not_inside_launches(mode: _Written) -> Iterator[None]:
     """The interpreter copies a launch's arguments to host arrays and back with torch operators: not
-    traffic a GPU would see."""
+    traffic a GPU would see. Its copying functions are closures in reference cycles that hold the launch's
+    storages, alive until the cyclic garbage collector runs (when, varies with Python's version): they are
+    collected after each launch, so that `peak` counts what the call itself keeps, as on a GPU (the objects
+    made before are frozen, so that a collection reads only those made since)."""
     from triton.runtime.interpreter import GridExecutor
 
     call = GridExecutor.__call__
@@ -135,12 +139,15 @@ def _not_inside_launches(mode: _Written) -> Iterator[None]:
         try:
             return call(self, *args, **kwargs)
         finally:
+            gc.collect()
             mode.counting = True
 
     GridExecutor.__call__ = launch
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         GridExecutor.__call__ = call
 
 
