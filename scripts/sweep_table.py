@@ -1,9 +1,14 @@
 #!/usr/bin/env python
-"""The accuracy of a Hydra sweep of train.py (-m), by model: last and best top-1 over its jobs (seeds), as a
-markdown table with mean and standard deviation. A job that has not finished its epochs is left out.
+r"""The accuracy of a Hydra sweep of train.py (-m) as a markdown table. A training sweep: by model, last and
+best top-1 over its jobs (seeds), mean and standard deviation; a job that has not finished its epochs is left
+out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the sweep's order, with the form and
+resolution that ran.
 
     python train.py -m model.name=lion_gla_tiny,lion_d_natural_tiny seed=0,1,2 output_dir=runs/sweep
     python scripts/sweep_table.py runs/sweep
+    python train.py -m eval_only=true checkpoint=runs/sweep/0/checkpoint-best.pt img_size=224,448 \
+        model.attn_form=attention,chunk output_dir=runs/eval_sweep
+    python scripts/sweep_table.py runs/eval_sweep
 """
 from __future__ import annotations
 
@@ -12,15 +17,20 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import yaml
+
+
+def jobs(folder: Path) -> Iterator[Path]:
+    """The sweep's job folders 0, 1, ... in order."""
+    return iter(sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)))
 
 
 def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
     """model name -> (last, best) top-1 of each finished job, in the order the sweep named the models."""
     found: Dict[str, List[Tuple[float, float]]] = {}
-    for job in sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
+    for job in jobs(folder):
         config, metrics = job / "config.yaml", job / "metrics.jsonl"
         if not (config.is_file() and metrics.is_file()):
             continue
@@ -33,6 +43,11 @@ def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
     return found
 
 
+def evaluations(folder: Path) -> List[Dict[str, Any]]:
+    """Each job's eval.json (an evaluation sweep), in job order."""
+    return [json.loads((job / "eval.json").read_text()) for job in jobs(folder) if (job / "eval.json").is_file()]
+
+
 def spread(values) -> str:
     return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
 
@@ -42,12 +57,20 @@ def main() -> None:
     parser.add_argument("folder", type=Path, help="the sweep's output_dir (its jobs 0, 1, ...)")
     args = parser.parse_args()
     found = results(args.folder) if args.folder.is_dir() else {}
-    if not found:
+    evaluated = evaluations(args.folder) if args.folder.is_dir() else []
+    if not found and not evaluated:
         parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran")
-    print("| model | jobs | last top-1 (%) | best top-1 (%) |\n|---|---|---|---|")
+    if found:
+        print("| model | jobs | last top-1 (%) | best top-1 (%) |\n|---|---|---|---|")
     for name, runs in found.items():
         last, best = zip(*runs)
         print(f"| {name} | {len(runs)} | {spread(last)} | {spread(best)} |")
+    if evaluated:
+        print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+    for e in evaluated:  # (chunk_size: where chunks ran; attn_form and attn_plan: null for a softmax model)
+        print(f"| {e['model']} | {e['weights']} | {e['img_size']} | {e['attn_form'] or ''} | {e['chunk_size'] or ''} "
+              f"| {e['attn_plan'] or ''} | {e['acc1']:.2f} | {e['acc5']:.2f} | {e['loss']:.4f} | {e['num_images']} |")
 
 
 if __name__ == "__main__":
