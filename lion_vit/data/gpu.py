@@ -94,9 +94,9 @@ class DrawAugmentation:
                 self.augment = _recording(step)
             elif isinstance(step, ColorJitter) and _no_jitter(step):  # aug.color_jitter=0 without RandAugment
                 self.jitter = step
-            elif self.crop is None and not isinstance(step, (MaybePILToTensor, ToNumpy)):
-                break  # no RandomResizedCrop first: the evaluation transform of aug.enabled=false (Resize, crop)
             elif not isinstance(step, (MaybePILToTensor, ToNumpy)):
+                if self.crop is None:  # no RandomResizedCrop first: aug.enabled=false's resize and crop (below)
+                    break
                 raise UserError(f"data.decode=gpu has no device version of {type(step).__name__} (it runs timm's "
                                 f"RandomResizedCrop, flip and RandAugment); set data.decode=cpu, or aug.color_jitter=0 "
                                 f"with aug.auto_augment=null")
