@@ -17,14 +17,14 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import yaml
 
 
-def jobs(folder: Path) -> Iterator[Path]:
+def jobs(folder: Path) -> List[Path]:
     """The sweep's job folders 0, 1, ... in order."""
-    return iter(sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)))
+    return sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
 
 
 def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
@@ -56,8 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="the sweep's output_dir (its jobs 0, 1, ...)")
     args = parser.parse_args()
-    found = results(args.folder) if args.folder.is_dir() else {}
-    evaluated = evaluations(args.folder) if args.folder.is_dir() else []
+    found, evaluated = (results(args.folder), evaluations(args.folder)) if args.folder.is_dir() else ({}, [])
     if not found and not evaluated:
         parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran")
     if found:
