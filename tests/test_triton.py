@@ -905,8 +905,9 @@ def test_memory_traffic_proxy_around_the_kernels(form, tokens, dtype, written, s
 @pytest.mark.skipif(interpret.ON_GPU, reason="the proxy counts operators around the interpreter's kernel launches")
 def test_the_traffic_proxys_peak_does_not_wait_for_the_garbage_collector():
     """The interpreter's argument copies hold each launch's storages in reference cycles; the proxy collects
-    them after each launch, so its peak is the call's own whenever Python's collector would run (it was 2.5
-    (q+k+v) on Python 3.11, 4.0 on 3.13 and 5.1, all written, with the collector off)."""
+    them after each launch, so its peak is the call's own whenever Python's collector would run (before, it
+    depended on the Python version, and with the collector off was all that was written: docs/benchmarks.md,
+    "Python versions")."""
     import runpy
     measure = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_traffic.py"))["measure_traffic"]
     settings = dict(form="chunk", tokens=256, heads=1, head_dim=64, dtype=torch.float16, training=False, batch=3)
