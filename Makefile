@@ -15,7 +15,7 @@ test: install  ## the whole CPU suite (what .ci/run runs), on every core (pytest
 quickstart: install  ## train the default model on the embedded digits dataset
 	$(PYTHON) train.py
 
-bench: install  ## the three benchmarks with their default small CPU settings (10-15 min); results in bench_out/
+bench: install  ## the three benchmarks with their default small CPU settings (about 18 min on 2 cores); results in bench_out/
 	$(PYTHON) -m pip install -q -e ".[bench]"
 	$(PYTHON) scripts/benchmark_train.py
 	$(PYTHON) scripts/benchmark_resolution.py
