@@ -59,9 +59,12 @@ def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels
     assert plan("attention", None, 3136, 64, 64, device=CUDA, backend="torch") == \
         dispatch.Plan("attention", "torch", whole=True)
     assert plan("attention", None, 197, 64, 64, device=CPU) == dispatch.Plan("attention", "torch", whole=True)
-    for form in ("attention", "chunk"):  # Q (K^T V): linear in L, no kernel needed
-        lit = plan(form, 64, 3136, 64, 64, decayed=False, device=CUDA)
-        assert lit.whole and lit.backend == "torch"
+    for form in ("attention", "chunk"):  # Q (K^T V): linear in L, no kernel needed, and reported as such
+        for device in (CUDA, CPU):
+            lit = plan(form, 64, 3136, 64, 64, decayed=False, device=device)
+            assert lit.whole and lit.backend == "torch" and lit.linear
+            assert str(lit) == f"{form} form, torch backend: Q (K^T V), linear in the tokens"
+    assert not plan("chunk", 64, 196, 64, 64, device=CPU).linear
 
 
 def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kernels, knobs):

@@ -79,7 +79,7 @@ def test_lion_lit_in_the_bidirectional_kernel_matches_the_reference():
     from lion_vit.ops import Plan
     q, k, v, lam = make_inputs(1, 2, 70, 16, "lit", torch.float32)
     assert lam is None and plan("attention", None, 70, 16, 16, decayed=False, device=DEVICE, backend="triton",
-                                training=True) == Plan("attention", "torch", whole=True)
+                                training=True) == Plan("attention", "torch", whole=True, linear=True)
 
     def kernel(q, k, v):
         return lion_attention(q, k, v, plan=Plan("attention", "triton", whole=True))

@@ -78,7 +78,8 @@ class Plan:
     of images (inference, where autograd keeps nothing and the kernels' buffers are what a call holds);
     backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
     vector: the decays are vectors, one per key channel (vector.py; triton/vector.py); hand_backward: the cpu
-    backend trains them through chunks with a hand-written backward (cpu/chunks.py).
+    backend trains them through chunks with a hand-written backward (cpu/chunks.py); linear: the one product is
+    LION-lit's, Q (K^T V) with no mask (attention.py), linear in the tokens.
     """
 
     form: str
@@ -90,6 +91,7 @@ class Plan:
     backward_by_forward: bool = False
     vector: bool = False
     hand_backward: bool = False
+    linear: bool = False
 
     def __str__(self) -> str:
         if self.form == "rnn":
@@ -99,6 +101,8 @@ class Plan:
                 {"triton": " (FLA kernels)", "cpu": " in groups of rows"}.get(self.backend, "") + \
                 (", backward by their forward pass" if self.backward_by_forward else "") + \
                 (", hand-written backward" if self.hand_backward else "")
+        elif self.linear:
+            what = "Q (K^T V), linear in the tokens"
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
             if self.backend == "triton":
@@ -185,7 +189,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     grouped = backend == "triton" and not training
     fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
     if form == "attention":
-        return Plan("attention", "triton" if fused else "torch", whole=True)
+        return Plan("attention", "triton" if fused else "torch", whole=True, linear=not decayed)
     if form == "rnn":
         return Plan("rnn", backend, grouped=grouped)
     if backend == "triton":
@@ -193,7 +197,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
-        return Plan("chunk", "triton" if fused else "torch", whole=True)
+        return Plan("chunk", "triton" if fused else "torch", whole=True, linear=not decayed)
     fails = knobs.chunk_backward_fails
     if backend == "triton" and training and decayed and (
             triton_backend.chunk_backward_fails(device) if fails is None else fails):
