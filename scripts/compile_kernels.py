@@ -31,9 +31,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
-from benchmarking import launch_setting  # (scripts/benchmarking.py)
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone, installed or not (lion_vit is imported where used)
+sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' shared helpers (benchmarking.py)
+
+from benchmarking import launch_setting  # noqa: E402
+
 # the most shared memory a block may use, by compute capability (CUDA C++ Programming Guide)
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 

@@ -406,6 +406,11 @@ for script in scripts:
     except SystemExit as exit:
         if exit.code:
             raise
+    try:  # what the script imports later (in a function, or a child process it starts) is found too
+        import lion_vit
+        print("lion_vit found")
+    except ImportError:
+        print("lion_vit not found")
 """
 
 
@@ -420,9 +425,9 @@ def test_each_scripts_help_shows_its_example_commands_as_written():
 
 
 def test_scripts_run_from_a_clone_without_installing(tmp_path):
-    """`python scripts/<name>.py` works from a fresh clone before `pip install -e .`, as train.py does."""
-    scripts = ["benchmark_train.py", "benchmark_resolution.py", "benchmark_chunk.py", "benchmark_cuda_graph.py",
-               "benchmark_products.py", "check_equivalence.py"]
+    """`python scripts/<name>.py` works from a fresh clone before `pip install -e .`, as train.py does: each
+    script's --help, and a script that imports lion_vit (at once or where it is used) finds the clone's."""
+    scripts = sorted(path.name for path in (ROOT / "scripts").glob("*.py") if path.name != "benchmarking.py")
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_INSTALLED_PACKAGE, str(ROOT),
                            *(str(ROOT / "scripts" / script) for script in scripts)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
@@ -434,6 +439,8 @@ def test_scripts_run_from_a_clone_without_installing(tmp_path):
     assert list(outputs) == scripts
     for script, out in outputs.items():
         assert out.startswith("usage: " + script), (script, out[:200])
+        if re.search(r"^\s*(from|import) lion_vit\b", (ROOT / "scripts" / script).read_text(), re.M):
+            assert out.rstrip().endswith("lion_vit found"), (script, out[-300:])
         # an option whose help says its default in words does not get argparse's after it
         assert not re.search(r"\(default[^)]*\)\s*\(default", " ".join(out.split())), (script, out)
 
