@@ -61,7 +61,8 @@ def main() -> None:
                              "median per-round ratio are reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--attn-form", default="auto", choices=FORM_CHOICES,
-                        help="the LION models' form (auto: attention, or the triton chunk kernels for long sequences)")
+                        help="the LION models' form (auto: attention, or for long sequences the chunk form on a CPU "
+                             "and the chunk kernels on CUDA)")
     add_backend_argument(parser)
     parser.add_argument("--chunk-backward-fallback", choices=sorted(CHUNK_BACKWARD_FALLBACKS),
                         default=tuning().chunk_backward_fallback,

@@ -78,8 +78,65 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
             (training, scans)
         assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
             "attention", (training, scans)
-    assert plan("auto", None, 1024, 64, 64, device=CPU).form == "attention"
     assert plan("auto", None, 1024, 64, 64, decayed=False, device=CUDA).form == "attention"
+
+
+def test_auto_form_picks_the_chunk_form_for_long_decayed_sequences_on_a_cpu(kernels, knobs):
+    """On a CPU, form auto runs the chunk form from Tuning.cpu_auto_chunk_min_tokens on (by training and number of
+    scans), in chunks of the call's chunk size or else Tuning.cpu_auto_chunk_size: in groups of rows without
+    autograd, the portable chunk form with it. Each device reads its own thresholds, and CUDA without the kernels
+    runs the portable attention form at any length."""
+    kernels(True)
+    thresholds = {(False, 1): 300, (False, 2): 400, (True, 1): 500, (True, 2): 600}
+    knobs(cpu_auto_chunk_min_tokens=thresholds, auto_chunk_min_tokens={key: 5000 for key in thresholds})
+    for (training, scans), long in thresholds.items():
+        assert plan("auto", None, long, 64, 64, num_scans=scans, device=CPU, training=training) == \
+            dispatch.Plan("chunk", "torch" if training else "cpu", chunks=-(-long // 64), chunk_size=64), \
+            (training, scans)
+        assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CPU, training=training) == \
+            dispatch.Plan("attention", "torch", whole=True), (training, scans)
+        assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
+            "attention", (training, scans)
+    assert plan("auto", None, 5000, 64, 64, device=CUDA).form == "chunk"
+    assert plan("auto", 100, 600, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=6, chunk_size=100)
+    assert plan("auto", None, 5000, 64, 64, decayed=False, device=CPU) == \
+        dispatch.Plan("attention", "torch", whole=True, linear=True)
+    knobs(cpu_auto_chunk_size=32)
+    assert plan("auto", None, 600, 64, 64, device=CPU, training=True) == \
+        dispatch.Plan("chunk", "torch", chunks=19, chunk_size=32)
+    kernels(False)
+    with pytest.warns(UserWarning, match="portable PyTorch forms on CUDA"):
+        assert plan("auto", None, 5000, 64, 64, device=CUDA) == dispatch.Plan("attention", "torch", whole=True)
+
+
+def test_auto_form_on_a_cpu_by_default_and_what_it_computes():
+    """The code's thresholds: a small model runs the attention form at 224 px and the chunk form (chunks of 64) from
+    320 px in evaluation and 448 px in training; the same function as the attention form, gradients too."""
+    model = timm.create_model("lion_s_tiny", attn_form="auto", img_size=64)
+    for size, evaluating, training in [(224, "attention", "attention"), (304, "attention", "attention"),
+                                       (320, "chunk", "attention"), (432, "chunk", "attention"),
+                                       (448, "chunk", "chunk")]:
+        assert model.eval().attn_plan((size, size)).form == evaluating, size
+        assert model.train().attn_plan((size, size)).form == training, size
+    assert str(model.eval().attn_plan((320, 320))) == "chunk form, cpu backend: 7 chunks in groups of rows"
+    assert str(model.train().attn_plan((448, 448))) == "chunk form, torch backend: 13 chunks"
+    torch.manual_seed(0)
+    model = timm.create_model("lion_s_tiny", attn_form="auto", img_size=448, dynamic_img_size=True,
+                              drop_path_rate=0.0).double()
+    images = torch.randn(1, 3, 448, 448, dtype=torch.float64)
+    outputs, grads = [], []
+    for form in ("auto", "attention"):
+        model.zero_grad()
+        model.set_attn_form(form)
+        logits = model(images)
+        logits.square().sum().backward()
+        outputs.append(logits)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-9)
+    with torch.no_grad():
+        evaluated = model.eval().set_attn_form("auto")(images)
+    torch.testing.assert_close(evaluated, outputs[1].detach(), rtol=1e-10, atol=1e-10)
 
 
 def test_chunk_form_runs_one_product_where_cheaper(kernels):
@@ -221,6 +278,9 @@ def test_tuned_sets_knobs_for_its_block_and_refuses_bad_ones(kernels):
             (dict(group_share=-1), "group_share must be a number >= 0"),
             (dict(recurrent_group_programs=0), "recurrent_group_programs must be a positive integer"),
             (dict(auto_chunk_min_tokens={(True, 1): 1}), "auto_chunk_min_tokens must give"),
+            (dict(cpu_auto_chunk_min_tokens={key: 0 for key in code.auto_chunk_min_tokens}),
+             "cpu_auto_chunk_min_tokens must give"),
+            (dict(cpu_auto_chunk_size=0), "cpu_auto_chunk_size must be a positive integer"),
             (dict(bidirectional_forward=(64, 48, 4)), r"bidirectional_forward must be \(own tile, loop tile, warps\)"),
             (dict(bidirectional_backward=(8, 16, 4)), "bidirectional_backward must be"),
             (dict(bidirectional_backward=(64, 32)), "bidirectional_backward must be"),

@@ -112,6 +112,9 @@ def test_settings_out_of_range_are_named(override, needle):
     ("tuning.auto_chunk_min_tokens={train: 2048}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens={training: 0}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens=2048", "auto_chunk_min_tokens must map training and / or inference"),
+    ("tuning.cpu_auto_chunk_min_tokens={inference: -1}",
+     "cpu_auto_chunk_min_tokens must map training and / or inference"),
+    ("tuning.cpu_auto_chunk_size=0", "cpu_auto_chunk_size must be a positive integer"),
 ])
 def test_tuning_settings_are_checked_as_the_ops_check_them(override, needle):
     """Each tuning.* setting is one of lion_vit.ops.Tuning's knobs, refused in one line with Tuning's reason."""
@@ -126,27 +129,31 @@ def test_tuning_settings_are_checked_as_the_ops_check_them(override, needle):
 
 def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
     """configs/config.yaml names every knob of lion_vit.ops.Tuning, null for the code's default; the ones set
-    are in effect while train.py runs (its log names them) and only then, auto_chunk_min_tokens for one and
+    are in effect while train.py runs (its log names them) and only then, form auto's thresholds for one and
     two scans alike."""
     import dataclasses
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import tuning_changes
     from lion_vit.ops import Tuning, tuned, tuning
     overrides = ["tuning.group_share=0.5", "tuning.auto_chunk_min_tokens={training: 2048}",
+                 "tuning.cpu_auto_chunk_min_tokens={inference: 16}", "tuning.cpu_auto_chunk_size=4",
                  "tuning.bidirectional_backward=[64,64,8]"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         assert tuning_changes(compose("config").tuning) == {}
         cfg = compose("config", overrides=overrides)
     assert list(cfg.tuning) == [f.name for f in dataclasses.fields(Tuning)]
     thresholds = {**Tuning().auto_chunk_min_tokens, (True, 1): 2048, (True, 2): 2048}
+    cpu_thresholds = {**Tuning().cpu_auto_chunk_min_tokens, (False, 1): 16, (False, 2): 16}
     with tuned(**tuning_changes(cfg.tuning)) as knobs:
         assert knobs.changes() == {"group_share": 0.5, "bidirectional_backward": (64, 64, 8),
-                                   "auto_chunk_min_tokens": thresholds}
+                                   "auto_chunk_min_tokens": thresholds, "cpu_auto_chunk_min_tokens": cpu_thresholds,
+                                   "cpu_auto_chunk_size": 4}
     assert tuning().changes() == {}
     proc = run_train(*overrides, "epochs=1", "progress=false", f"output_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"tuning: auto_chunk_min_tokens={thresholds}, group_share=0.5, bidirectional_backward=(64, 64, 8) (the " \
-           "other knobs at their defaults)" in proc.stdout
+    assert f"tuning: auto_chunk_min_tokens={thresholds}, cpu_auto_chunk_min_tokens={cpu_thresholds}, " \
+           "cpu_auto_chunk_size=4, group_share=0.5, bidirectional_backward=(64, 64, 8) (the other knobs at their " \
+           "defaults)" in proc.stdout
 
 
 def test_the_defaults_and_timms_optimizer_spellings_pass_the_setting_checks():

@@ -24,6 +24,7 @@ from timm.optim import list_optimizers
 from ..data.build import DECODES, KINDS
 from ..errors import UserError, first_line
 from ..ops import BACKENDS, FORM_CHOICES, Tuning
+from ..ops.tuning import THRESHOLD_KNOBS
 
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
@@ -204,26 +205,26 @@ class LoggerConfig:
 
 
 # The ops' tuning knobs (lion_vit.ops.Tuning): one setting each, null for the code's default. Tuning checks
-# the values (check_settings names the setting); auto_chunk_min_tokens takes {training: n, inference: n}, for
-# one and two scans alike, where Tuning keys it by (training, scans).
+# the values (check_settings names the setting); the thresholds of form auto (THRESHOLD_KNOBS) take
+# {training: n, inference: n}, for one and two scans alike, where Tuning keys them by (training, scans).
 TuningConfig = dataclasses.make_dataclass(
     "TuningConfig", [(f.name, Any, field(default=MISSING)) for f in dataclasses.fields(Tuning)])
 CHUNK_MODES = {True: "training", False: "inference"}  # the settings' names of its (training, scans) keys' flag
 
 
 def tuning_changes(tuning: Any) -> Dict[str, Any]:
-    """The tuning settings (a mapping) that are not null, as lion_vit.ops.tuned takes them; ValueError for an
-    auto_chunk_min_tokens that is not {training: n, inference: n} (either or both)."""
+    """The tuning settings (a mapping) that are not null, as lion_vit.ops.tuned takes them; ValueError for a
+    threshold of form auto that is not {training: n, inference: n} (either or both)."""
     settings = OmegaConf.to_container(tuning) if isinstance(tuning, DictConfig) else dict(tuning)
     changes = {name: value for name, value in settings.items() if value is not None}
-    if "auto_chunk_min_tokens" in changes:
-        modes = changes["auto_chunk_min_tokens"]
+    for name in [name for name in THRESHOLD_KNOBS if name in changes]:
+        modes = changes[name]
         if not isinstance(modes, dict) or not modes or not set(modes) <= set(CHUNK_MODES.values()) or \
                 not all(POSITIVE_INT[0](tokens) for tokens in modes.values()):
-            raise ValueError(f"auto_chunk_min_tokens must map training and / or inference to a positive number of "
+            raise ValueError(f"{name} must map training and / or inference to a positive number of "
                              f"tokens, e.g. {{training: 2048}}; got {modes!r}")
-        changes["auto_chunk_min_tokens"] = {(training, scans): modes.get(CHUNK_MODES[training], tokens)
-                                            for (training, scans), tokens in Tuning().auto_chunk_min_tokens.items()}
+        changes[name] = {(training, scans): modes.get(CHUNK_MODES[training], tokens)
+                         for (training, scans), tokens in getattr(Tuning(), name).items()}
     return changes
 
 

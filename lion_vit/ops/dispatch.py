@@ -9,8 +9,10 @@ exact way to get it:
   ours (one or two scans; nothing L x L in memory; more scans run the portable attention form), the chunk
   and rnn forms on FLA's; on a CPU without autograd, eagerly,
   "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
-- form "auto" is the attention form, except on the triton backend for decayed sequences of at least
-  Tuning.auto_chunk_min_tokens tokens (by training and number of scans), where the chunk kernels run;
+- form "auto" is the attention form, except for decayed sequences of at least Tuning.auto_chunk_min_tokens
+  tokens (by training and number of scans) on the triton backend, where the chunk kernels run, and of at least
+  Tuning.cpu_auto_chunk_min_tokens on a CPU, where the chunk form runs (chunks of the call's chunk size, or
+  Tuning.cpu_auto_chunk_size); on CUDA without the kernels, the portable attention form at any length;
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
   backend the fused attention form's, elsewhere the portable one's;
@@ -184,8 +186,12 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     knobs = tuning()
     if form == "auto":
-        form = "chunk" if backend == "triton" and decayed and \
-            length >= knobs.auto_chunk_min_tokens[training, num_scans] else "attention"
+        thresholds = knobs.auto_chunk_min_tokens if backend == "triton" else \
+            knobs.cpu_auto_chunk_min_tokens if device.type == "cpu" else None
+        form = "chunk" if thresholds is not None and decayed and length >= thresholds[training, num_scans] \
+            else "attention"
+        if form == "chunk" and chunk_size is None:
+            chunk_size = knobs.cpu_auto_chunk_size  # (on the triton backend its kernels' tile, below)
     grouped = backend == "triton" and not training
     fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
     if form == "attention":

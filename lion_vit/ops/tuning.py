@@ -1,4 +1,4 @@
-"""The ops' tuning knobs in one place: their defaults (what GPU timings chose, docs/benchmarks.md) and `tuned`,
+"""The ops' tuning knobs in one place: their defaults (what timings chose, docs/benchmarks.md) and `tuned`,
 which sets some for a block of code, as scripts do to time other settings.
 
     from lion_vit.ops import tuned
@@ -26,6 +26,15 @@ def _auto_chunk_min_tokens() -> Dict[Tuple[bool, int], int]:
     return {(False, 1): 3137, (False, 2): 3137, (True, 1): 1024, (True, 2): 1024}
 
 
+def _cpu_auto_chunk_min_tokens() -> Dict[Tuple[bool, int], int]:
+    return {(False, 1): 400, (False, 2): 400, (True, 1): 784, (True, 2): 784}
+
+
+# The knobs that give a number of tokens by (training, number of scans): form "auto"'s thresholds.
+THRESHOLD_KNOBS = {"auto_chunk_min_tokens": _auto_chunk_min_tokens,
+                   "cpu_auto_chunk_min_tokens": _cpu_auto_chunk_min_tokens}
+
+
 @dataclass(frozen=True, eq=False)
 class Tuning:
     """The knobs; each changes speed or memory, never the function computed.
@@ -34,6 +43,12 @@ class Tuning:
         px at patch 16 has 3,137), the attention form below, by (training, number of scans). Inference: the
         smallest length timed at which the kernels win (the inference part of `make gpu-check`); training: a
         guess until the forms part has timed both forms from 577 to 3,137 tokens.
+    cpu_auto_chunk_min_tokens: form "auto" on a CPU (the torch backend) runs the chunk form from this many tokens on,
+        the attention form below, by (training, number of scans): the smallest length timed on a 2-core CPU from
+        which no small model took clearly more time in the chunk form, and each less memory (400 tokens, 320 px, in
+        inference; 784, 448 px, in training; docs/benchmarks.md, "Form auto on a CPU").
+    cpu_auto_chunk_size: the most tokens a chunk holds where form "auto" runs the chunk form on a CPU and the call
+        names no chunk size.
     chunk_backward_fallback: training in the chunk form where FLA's chunk backward fails: "torch" (the portable
         chunk form, parallel over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward"
         (the chunk kernels, whose backward runs as three more of their forward passes): the fastest of the three
@@ -60,6 +75,8 @@ class Tuning:
     """
 
     auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
+    cpu_auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_cpu_auto_chunk_min_tokens)
+    cpu_auto_chunk_size: int = 64
     chunk_backward_fallback: str = "forward"
     chunk_backward_fails: Optional[bool] = None
     group_share: float = 4 / 3
@@ -79,12 +96,15 @@ class Tuning:
         if self.chunk_backward_fails not in (None, True, False):
             raise ValueError(f"chunk_backward_fails must be None (detect), True or False, got "
                              f"{self.chunk_backward_fails!r}")
-        thresholds = self.auto_chunk_min_tokens
-        if not isinstance(thresholds, Mapping) or sorted(thresholds) != sorted(_auto_chunk_min_tokens()) or \
-                not all(_positive_int(tokens) for tokens in thresholds.values()):
-            raise ValueError(f"auto_chunk_min_tokens must give a positive number of tokens for each of "
-                             f"{sorted(_auto_chunk_min_tokens())} (training, scans), got {thresholds!r}")
-        object.__setattr__(self, "auto_chunk_min_tokens", dict(thresholds))  # (a copy: not the caller's dict)
+        for name, default in THRESHOLD_KNOBS.items():
+            thresholds = getattr(self, name)
+            if not isinstance(thresholds, Mapping) or sorted(thresholds) != sorted(default()) or \
+                    not all(_positive_int(tokens) for tokens in thresholds.values()):
+                raise ValueError(f"{name} must give a positive number of tokens for each of {sorted(default())} "
+                                 f"(training, scans), got {thresholds!r}")
+            object.__setattr__(self, name, dict(thresholds))  # (a copy: not the caller's dict)
+        if not _positive_int(self.cpu_auto_chunk_size):
+            raise ValueError(f"cpu_auto_chunk_size must be a positive integer, got {self.cpu_auto_chunk_size!r}")
         if isinstance(self.group_share, bool) or not isinstance(self.group_share, (int, float)) or \
                 not self.group_share >= 0:
             raise ValueError(f"group_share must be a number >= 0 (0: one image a group), got {self.group_share!r}")
