@@ -129,8 +129,8 @@ def test_tuning_settings_are_checked_as_the_ops_check_them(override, needle):
 
 def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
     """configs/config.yaml names every knob of lion_vit.ops.Tuning, null for the code's default; the ones set
-    are in effect while train.py runs (its log names them) and only then, form auto's thresholds for one and
-    two scans alike."""
+    are in effect while train.py runs (its log names them, and the plans they give) and only then, form auto's
+    thresholds for one and two scans alike."""
     import dataclasses
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import tuning_changes
@@ -154,6 +154,10 @@ def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
     assert f"tuning: auto_chunk_min_tokens={thresholds}, cpu_auto_chunk_min_tokens={cpu_thresholds}, " \
            "cpu_auto_chunk_size=4, group_share=0.5, bidirectional_backward=(64, 64, 8) (the other knobs at their " \
            "defaults)" in proc.stdout
+    # the digits' 16 tokens: trained in the attention form, evaluated in the chunk form (the CPU's knobs above; its
+    # one product over the 16 tokens, which costs less than 4 chunks of 4)
+    assert "attention: attention form, torch backend: one masked product; in evaluation, chunk form, torch " \
+           "backend: one masked product\n" in proc.stdout
 
 
 def test_the_defaults_and_timms_optimizer_spellings_pass_the_setting_checks():
