@@ -217,12 +217,13 @@ class LionViT(VisionTransformer):
         return self
 
     def attn_plan(self, img_size: Tuple[int, int], device: Optional[torch.device] = None,
-                  dtype: Optional[torch.dtype] = None) -> Plan:
+                  dtype: Optional[torch.dtype] = None, training: Optional[bool] = None) -> Plan:
         """What every LION layer runs for an image of img_size (H, W) on device / dtype (default: the
-        weights'), in training when the model is in training mode: form, backend, and chunks or one
-        product (lion_vit.ops.dispatch.plan). print() it."""
+        weights'), in training if training is True, or where it is None when the model is in training mode:
+        form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it."""
         height, width = self.patch_embed.dynamic_feat_size(img_size)
-        return next(self.lion_attentions()).attn_plan(height * width + self.num_prefix_tokens, device, dtype)
+        return next(self.lion_attentions()).attn_plan(height * width + self.num_prefix_tokens, device, dtype,
+                                                      training)
 
     def chunks_per_sequence(self, img_size: Tuple[int, int]) -> Optional[int]:
         """In the chunk form, how many chunks every layer cuts the tokens of an image of img_size (H, W)

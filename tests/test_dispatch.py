@@ -118,6 +118,9 @@ def test_auto_form_on_a_cpu_by_default_and_what_it_computes():
                                        (448, "chunk", "chunk")]:
         assert model.eval().attn_plan((size, size)).form == evaluating, size
         assert model.train().attn_plan((size, size)).form == training, size
+        # (the mode asked for by name, whatever the model's)
+        assert model.attn_plan((size, size), training=False).form == evaluating, size
+        assert model.eval().attn_plan((size, size), training=True).form == training, size
     assert str(model.eval().attn_plan((320, 320))) == "chunk form, cpu backend: 7 chunks in groups of rows"
     assert str(model.train().attn_plan((448, 448))) == "chunk form, torch backend: 13 chunks"
     torch.manual_seed(0)

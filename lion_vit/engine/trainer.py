@@ -288,18 +288,13 @@ def _model_line(model_cfg: DictConfig, model: nn.Module, img_size: int) -> str:
 
 
 def _log_plan(model: nn.Module, img_size: int, dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
-    """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch), for a model in training mode
-    in evaluation too where that differs, and the tuning knobs set away from their defaults; return the plan (None
-    for a model without LION layers)."""
+    """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch), in evaluation too where that
+    differs, and the tuning knobs set away from their defaults; return the plan (None for a model without LION
+    layers)."""
     if not hasattr(model, "attn_plan"):
         return None
     run = model.attn_plan((img_size, img_size), dtype=dtype)
-    evaluated = run
-    if model.training:
-        modes = [(module, module.training) for module in model.modules()]
-        evaluated = model.eval().attn_plan((img_size, img_size), dtype=dtype)
-        for module, training in modes:
-            module.training = training
+    evaluated = model.attn_plan((img_size, img_size), dtype=dtype, training=False)
     log.info("attention: %s%s", run, "" if evaluated == run else f"; in evaluation, {evaluated}")
     changed = tuning().changes()
     if changed:
