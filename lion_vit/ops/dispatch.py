@@ -185,13 +185,14 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                         min(chunk_size or length, length) > 1)  # (chunks of one token: vector._in_loop)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     knobs = tuning()
-    if form == "auto":
-        thresholds = knobs.auto_chunk_min_tokens if backend == "triton" else \
-            knobs.cpu_auto_chunk_min_tokens if device.type == "cpu" else None
-        form = "chunk" if thresholds is not None and decayed and length >= thresholds[training, num_scans] \
-            else "attention"
-        if form == "chunk" and chunk_size is None:
-            chunk_size = knobs.cpu_auto_chunk_size  # (on the triton backend its kernels' tile, below)
+    if form == "auto":  # (the triton backend's chunks are its kernels' tile, below)
+        if backend == "triton":
+            form = "chunk" if decayed and length >= knobs.auto_chunk_min_tokens[training, num_scans] else "attention"
+        elif device.type == "cpu" and decayed and length >= knobs.cpu_auto_chunk_min_tokens[training, num_scans]:
+            form = "chunk"
+            chunk_size = knobs.cpu_auto_chunk_size if chunk_size is None else chunk_size
+        else:
+            form = "attention"
     grouped = backend == "triton" and not training
     fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
     if form == "attention":
