@@ -100,6 +100,20 @@ def test_settings_out_of_range_are_named(override, needle):
         check_settings(cfg)
 
 
+def test_a_checkpoint_is_read_by_evaluation_only():
+    """checkpoint= in a training run would be ignored (fresh weights): refused, naming what trains from a file."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        training = compose("config", overrides=["checkpoint=runs/a/checkpoint-best.pt"])
+        check_settings(compose("config", overrides=["checkpoint=runs/a/checkpoint-best.pt", "eval_only=true"]))
+    with pytest.raises(UserError, match=r"^checkpoint=runs/a/checkpoint-best.pt is read only with eval_only=true; "
+                                        r"to train from its weights pass model.init_from=<path>, to continue its run "
+                                        r"resume=<path>$"):
+        check_settings(training)
+
+
 @pytest.mark.parametrize("override, needle", [
     ("tuning.group_share=-1", "group_share must be a number >= 0"),
     ("tuning.chunk_backward_fallback=cpu", "unknown chunk_backward_fallback 'cpu'; choose one of"),

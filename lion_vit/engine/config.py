@@ -359,7 +359,10 @@ def _type_name(annotation: str) -> str:
 
 
 def _check_related(cfg: DictConfig) -> None:
-    """The rules that relate two settings."""
+    """The rules that relate two settings (of a training run)."""
+    if cfg.checkpoint:  # read by evaluation alone: a training run would start from fresh weights without a word
+        raise UserError(f"checkpoint={cfg.checkpoint} is read only with eval_only=true; to train from its weights "
+                        f"pass model.init_from=<path>, to continue its run resume=<path>")
     if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and cfg.batch_size % 2:  # timm's Mixup asserts, deep in a step
         raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
                            "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
