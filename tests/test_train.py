@@ -12,7 +12,8 @@ from runs import SMALL_LION, assert_clean_error, assert_ok, kill_after_first_epo
 
 def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=deit", "epochs=1",
-                     "batch_size=4", f"output_dir={tmp_path}", "ema.enabled=true", "optim.clip_grad=1.0")
+                     "batch_size=4", f"output_dir={tmp_path}", "ema.enabled=true", "optim.clip_grad=1.0",
+                     "distill.teacher=resnet18")  # named, but distill.type stays none: a warning, not built
     assert_ok(proc)
     (line,) = read_metrics(tmp_path)
     assert set(line) >= {"epoch", "train_loss", "val_loss", "val_acc1", "val_acc5", "lr", "epoch_time_s",
@@ -23,6 +24,8 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
     assert "optim.warmup_epochs=5 is not below epochs=1: the learning rate never leaves warm-up" in proc.stdout
+    assert "distillation is off (distill.type=none): the teacher resnet18 is not used; distill=soft or " \
+           "distill=hard distils from it" in proc.stdout
     assert line["epoch"] == 1 and state["best_epoch"] == 1
     assert proc.stdout.strip().splitlines()[-1].endswith(  # the run's closing line
         f"done: best top-1 {line['val_acc1']:.2f} % (epoch 1), last {line['val_acc1']:.2f} %; run folder "
