@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The normaliser scan's launch settings on a GPU (lion_vit/ops/triton/normaliser.py: CHUNK_TOKENS,
-NUM_WARPS, CARRY_TILE): its forward, and its forward and backward, at one LION-d layer's shapes, for
-every combination given, as ratios to the settings in the code (the first row).
+"""The normaliser scan's launch settings on a GPU (lion_vit/ops/triton/normaliser.py; the knob
+Tuning.normaliser_launch: tokens per chunk, chunk sums per carry tile, warps): its forward, and its forward and
+backward, at one LION-d layer's shapes, for every combination given, as ratios to the code's settings (the
+first row).
 
     python scripts/benchmark_normaliser.py                      # 1248 px, batch 1 and 16
     python scripts/benchmark_normaliser.py --tokens 32 64 128 --warps 2 4 8 --carry 8 16 32
@@ -26,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared 
 
 from benchmarking import HelpFormatter, kernel_time_us, kernel_timing, markdown_table, positive_int
 from lion_vit.ops.features import query_scale
-
-SETTINGS = ("CHUNK_TOKENS", "NUM_WARPS", "CARRY_TILE")
+from lion_vit.ops.tuning import Tuning, tuned
 
 
 def power_of_two(text: str) -> int:
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 16])
     parser.add_argument("--img-size", type=positive_int, default=1248, help="a multiple of 16")
-    parser.add_argument("--tokens", nargs="+", type=chunk_tokens, default=[32, 64, 128], help="CHUNK_TOKENS")
-    parser.add_argument("--warps", nargs="+", type=power_of_two, default=[1, 2, 4, 8], help="NUM_WARPS")
-    parser.add_argument("--carry", nargs="+", type=power_of_two, default=[16], help="CARRY_TILE")
+    parser.add_argument("--tokens", nargs="+", type=chunk_tokens, default=[32, 64, 128], help="tokens per chunk")
+    parser.add_argument("--warps", nargs="+", type=power_of_two, default=[1, 2, 4, 8], help="warps")
+    parser.add_argument("--carry", nargs="+", type=power_of_two, default=[16], help="chunk sums per carry tile")
     args = parser.parse_args(argv)
     timing = kernel_timing(parser, args.img_size)
     if timing is None:
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     from lion_vit.ops.triton import normaliser
 
     length, heads, width = (args.img_size // 16) ** 2 + 1, 6, 64
-    code = tuple(getattr(normaliser, name) for name in SETTINGS)
+    tokens, carry, warps = Tuning().normaliser_launch
+    code = (tokens, warps, carry)  # (the table's order)
     combinations = [code] + [c for c in itertools.product(args.tokens, args.warps, args.carry) if c != code]
     rows = []
     for batch in args.batch_sizes:
@@ -79,9 +80,8 @@ def main(argv=None) -> int:
 
         expected, first = None, len(rows)
         for combination in combinations:
-            for name, value in zip(SETTINGS, combination):
-                setattr(normaliser, name, value)
-            try:
+            tokens, warps, carry = combination
+            with tuned(normaliser_launch=(tokens, carry, warps)):
                 out = forward()
                 results = [out.detach(), *train(out)]
                 if expected is None:
@@ -89,9 +89,6 @@ def main(argv=None) -> int:
                 diff = max(float((got.float() - want.float()).norm() / want.float().norm())
                            for got, want in zip(results, expected))
                 forward_us, train_us = (None, None) if interpreted else (kernel_time_us(forward), kernel_time_us(train))
-            finally:
-                for name, value in zip(SETTINGS, code):
-                    setattr(normaliser, name, value)
             rows.append(dict(batch=batch, tokens=combination[0], warps=combination[1], carry=combination[2],
                              forward_us=forward_us, train_us=train_us, diff=f"{diff:.1e}"))
         if not interpreted:  # ratios to this batch's first row, the code's settings

@@ -123,6 +123,8 @@ def test_a_checkpoint_is_read_by_evaluation_only():
     ("tuning.bidirectional_backward=64", "bidirectional_backward must be (own tile, loop tile, warps)"),
     ("tuning.bidirectional_keys_first=1", "bidirectional_keys_first must be True or False"),
     ("tuning.bidirectional_factored_masks=0", "bidirectional_factored_masks must be True or False"),
+    ("tuning.normaliser_launch=[8,16,4]", "normaliser_launch must be (tokens per chunk, chunk sums per carry tile, "
+     "warps): powers of two, tokens per chunk at least 16"),
     ("tuning.auto_chunk_min_tokens={train: 2048}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens={training: 0}", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.auto_chunk_min_tokens=2048", "auto_chunk_min_tokens must map training and / or inference"),

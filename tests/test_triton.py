@@ -585,13 +585,13 @@ def test_the_forward_fallback_writes_its_stacked_inputs_once():
 
 
 @pytest.mark.parametrize("decay", ["lit", "selective", "near0", "near1"])
-def test_the_normaliser_scan_matches_its_recurrence(decay, monkeypatch):
+def test_the_normaliser_scan_matches_its_recurrence(decay):
     """The normaliser kernels (ops/triton/normaliser.py) against n_p = scale q_p . s_p, s_p = exp(g_p) s_{p-1} +
-    k_p run token by token in float64, with gradients of q, k and the gates, over four chunks of 64 tokens
-    (the last one partial), one program each, whose carries read the chunk sums before them two at a time,
-    and a width that is not a power of two."""
+    k_p run token by token in float64, with gradients of q, k and the gates, over seven chunks of 32 tokens
+    (the last one partial), one program each, whose carries read the chunk sums before them two at a time
+    (Tuning.normaliser_launch, set for the forward only: the backward launches as its forward did), and a
+    width that is not a power of two."""
     from lion_vit.ops.triton import normaliser
-    monkeypatch.setattr(normaliser, "CARRY_TILE", 2)
     sequences, length, heads, width, scale = 2, 200, 2, 40, 0.25
     q, k, _, lam = make_inputs(sequences, heads, length, width, decay, torch.float64)
     q, k = (t.transpose(1, 2).contiguous() for t in (q, k))  # the kernels' [N, L, H, W]
@@ -605,7 +605,8 @@ def test_the_normaliser_scan_matches_its_recurrence(decay, monkeypatch):
         return torch.stack(normalisers, 1)
 
     def kernel(q, k, gates=None):
-        return normaliser.Normaliser.apply(q, k, gates, scale)
+        with tuned(normaliser_launch=(32, 2, 4)):
+            return normaliser.Normaliser.apply(q, k, gates, scale)
 
     _check(kernel, recurrence, [q.float(), k.float()] + ([] if gates is None else [gates.float()]),
            value_shape=(sequences, length, heads))
@@ -617,14 +618,12 @@ def test_the_normaliser_sweep_compares_other_launch_settings_with_the_code(capsy
     of 16 tokens (three over 37 tokens) with carries read two at a time give the normalisers and gradients of
     the code's settings, which it leaves as they were."""
     import runpy
-    from lion_vit.ops.triton import normaliser
-    before = (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE)
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_normaliser.py"))["main"]
     assert main(["--img-size", "96", "--batch-sizes", "1", "--tokens", "16", "--warps", "4", "--carry", "2"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
     assert [[cell.strip() for cell in row[:4]] for row in rows] == [["1", "64", "4", "16"], ["1", "16", "4", "2"]]
     assert all(float(row[-1]) < 1e-4 for row in rows)
-    assert (normaliser.CHUNK_TOKENS, normaliser.NUM_WARPS, normaliser.CARRY_TILE) == before
+    assert tuning().normaliser_launch == (64, 16, 4)
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")

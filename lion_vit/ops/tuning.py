@@ -67,6 +67,9 @@ class Tuning:
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
         tiles as mma.sync), rather than [queries, keys] as the other kernels do.
+    normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
+        per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
+        of two) and warps (scripts/benchmark_normaliser.py times others on a GPU).
     bidirectional_factored_masks: the bidirectional kernels make a mask tile whose keys all come before its queries
         along the scan (or all after them) as the outer product of a vector over its queries and one over its keys,
         an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
@@ -85,6 +88,7 @@ class Tuning:
     bidirectional_backward: LaunchSetting = (64, 32, 8)
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
+    normaliser_launch: LaunchSetting = (64, 16, 4)
 
     def __post_init__(self) -> None:
         if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
@@ -113,6 +117,8 @@ class Tuning:
                              f"multiprocessors), got {self.recurrent_group_programs!r}")
         for name in ("bidirectional_forward", "bidirectional_backward"):
             object.__setattr__(self, name, check_launch_setting(getattr(self, name), name))
+        object.__setattr__(self, "normaliser_launch", check_launch_setting(
+            self.normaliser_launch, "normaliser_launch", NORMALISER_PARTS, least=(16, 1), example=(64, 16, 4)))
 
     def changes(self) -> Dict[str, object]:
         """The knobs set to other values than their defaults, by name."""
@@ -129,14 +135,22 @@ def _power_of_two(value: object, least: int = 1) -> bool:
     return _positive_int(value) and value >= least and not value & (value - 1)
 
 
-def check_launch_setting(setting: object, name: str = "launch setting") -> LaunchSetting:
-    """setting as a (own tile, loop tile, warps) tuple; ValueError where it is not one the kernels can run."""
-    parts = tuple(setting) if isinstance(setting, (tuple, list)) else ()
-    if len(parts) != 3 or not (_power_of_two(parts[0], 16) and _power_of_two(parts[1], 16)
-                               and _power_of_two(parts[2])):
-        raise ValueError(f"{name} must be (own tile, loop tile, warps): tiles powers of two of at least 16 tokens, "
-                         f"warps a power of two, e.g. (64, 32, 8); got {setting!r}")
-    return parts  # type: ignore[return-value]
+BIDIRECTIONAL_PARTS = ("own tile", "loop tile", "warps")
+NORMALISER_PARTS = ("tokens per chunk", "chunk sums per carry tile", "warps")
+
+
+def check_launch_setting(setting: object, name: str = "launch setting",
+                         parts: Tuple[str, str, str] = BIDIRECTIONAL_PARTS, least: Tuple[int, int] = (16, 16),
+                         example: LaunchSetting = (64, 32, 8)) -> LaunchSetting:
+    """setting as a tuple of three powers of two (the first two at least `least`, the last the warps), as the
+    kernels can run it; ValueError naming the parts where it is not."""
+    values = tuple(setting) if isinstance(setting, (tuple, list)) else ()
+    if len(values) != 3 or not (_power_of_two(values[0], least[0]) and _power_of_two(values[1], least[1])
+                                and _power_of_two(values[2])):
+        at_least = " and ".join(f"{part} at least {n}" for part, n in zip(parts, least) if n > 1)
+        raise ValueError(f"{name} must be ({', '.join(parts)}): powers of two, {at_least}, e.g. {example}; "
+                         f"got {setting!r}")
+    return values  # type: ignore[return-value]
 
 
 _current = Tuning()

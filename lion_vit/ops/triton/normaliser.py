@@ -5,10 +5,11 @@ a decayed running sum of the keys, a vector per token, not a matrix. FLA's kerne
 column of ones beside v, but at head width 64 that column needs a second value tile in their state and
 recurrent kernels, which re-read k for one useful column.
 
-Here the sequence is cut into chunks of CHUNK_TOKENS, and every chunk is a program of its own, so that even
-one image fills the GPU: one launch sums each chunk's keys, decayed to its end; a second one gives every
-chunk its carry (the decayed sum of the chunk sums before it, read CARRY_TILE at a time), adds the chunk's
-own decayed sum (one masked product; a cumulative sum without decays) and writes q . s. All in float32.
+Here the sequence is cut into chunks (Tuning.normaliser_launch: tokens per chunk, chunk sums per carry tile,
+warps), and every chunk is a program of its own, so that even one image fills the GPU: one launch sums each
+chunk's keys, decayed to its end; a second one gives every chunk its carry (the decayed sum of the chunk sums
+before it, read a carry tile at a time), adds the chunk's own decayed sum (one masked product; a cumulative
+sum without decays) and writes q . s. All in float32.
 
 Backward (dn the normaliser's gradient):  dq_p = scale dn_p s_p;  dk_j = r_j with r_j = exp(g_{j+1}) r_{j+1}
 + scale dn_j q_j, the same scan in reverse;  dG_j = dn_j n_j - k_j . r_j for the cumulative gate G, so dg is
@@ -23,10 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# launch settings, tuning hooks (scripts/benchmark_normaliser.py sweeps them on a GPU)
-CHUNK_TOKENS = 64  # tokens per chunk and program: a power of two, at least 16 (tl.dot)
-CARRY_TILE = 16  # chunk sums read at a time for a carry
-NUM_WARPS = 4
+from ..tuning import LaunchSetting, tuning
 
 
 @triton.jit
@@ -118,53 +116,56 @@ class _Chunks(NamedTuple):
     log_decays: Optional[Tensor]
 
 
-def _launch(kernel, x: Tensor, gates: Optional[Tensor], *args, x_factor: Optional[Tensor] = None,
-            reverse: bool = False, **flags) -> None:
+def _launch(kernel, launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], *args,
+            x_factor: Optional[Tensor] = None, reverse: bool = False, **flags) -> None:
     sequences, length, heads, width = x.shape
-    kernel[(triton.cdiv(length, CHUNK_TOKENS), sequences * heads)](
-        x, x_factor, gates, *args, length, heads, width, triton.cdiv(length, CHUNK_TOKENS),
+    chunk_tokens, _, warps = launch
+    kernel[(triton.cdiv(length, chunk_tokens), sequences * heads)](
+        x, x_factor, gates, *args, length, heads, width, triton.cdiv(length, chunk_tokens),
         HAS_X_FACTOR=x_factor is not None, HAS_GATES=gates is not None, REVERSE=reverse, **flags,
-        BLOCK_T=CHUNK_TOKENS, BLOCK_K=max(16, triton.next_power_of_2(width)), num_warps=NUM_WARPS)
+        BLOCK_T=chunk_tokens, BLOCK_K=max(16, triton.next_power_of_2(width)), num_warps=warps)
 
 
-def _chunk_sums(x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:
+def _chunk_sums(launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:
     sequences, length, heads, width = x.shape
-    sums = x.new_empty(sequences, heads, triton.cdiv(length, CHUNK_TOKENS), width, dtype=torch.float32)
+    sums = x.new_empty(sequences, heads, triton.cdiv(length, launch[0]), width, dtype=torch.float32)
     log_decays = None if gates is None else sums.new_empty(sums.shape[:-1])
-    _launch(_sums_kernel, x, gates, sums, log_decays, **options)
+    _launch(_sums_kernel, launch, x, gates, sums, log_decays, **options)
     return _Chunks(sums, log_decays)
 
 
-def _scan(x: Tensor, gates: Optional[Tensor], chunks: _Chunks, *, y: Optional[Tensor] = None, scale: float = 1.0,
-          out_factor: Optional[Tensor] = None, vectors: bool = False, **options
+def _scan(launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], chunks: _Chunks, *, y: Optional[Tensor] = None,
+          scale: float = 1.0, out_factor: Optional[Tensor] = None, vectors: bool = False, **options
           ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """(scale y . s [N, L, H] float32 where y is given, the states s (times out_factor) like x where vectors)."""
     dots = x.new_empty(x.shape[:-1], dtype=torch.float32) if y is not None else None
     out = torch.empty_like(x) if vectors else None
-    _launch(_scan_kernel, x, gates, chunks.sums, chunks.log_decays, y, dots, out, out_factor, scale, **options,
-            DOTS=y is not None, VECTORS=vectors, HAS_OUT_FACTOR=out_factor is not None, BLOCK_C=CARRY_TILE)
+    _launch(_scan_kernel, launch, x, gates, chunks.sums, chunks.log_decays, y, dots, out, out_factor, scale,
+            **options, DOTS=y is not None, VECTORS=vectors, HAS_OUT_FACTOR=out_factor is not None, BLOCK_C=launch[1])
     return dots, out
 
 
 class Normaliser(torch.autograd.Function):
     """(q, k [N, L, H, W], the kernels' operands; gates [N, L, H] float32 or None; scale), all contiguous ->
-    every position's normaliser, [N, L, H] float32."""
+    every position's normaliser, [N, L, H] float32. The backward launches as the forward did (its chunk sums)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, gates: Optional[Tensor], scale: float) -> Tensor:
-        chunks = _chunk_sums(k, gates)
-        normaliser, _ = _scan(k, gates, chunks, y=q, scale=scale)
+        launch = tuning().normaliser_launch
+        chunks = _chunk_sums(launch, k, gates)
+        normaliser, _ = _scan(launch, k, gates, chunks, y=q, scale=scale)
         ctx.save_for_backward(q, k, gates, normaliser, *chunks)
-        ctx.scale = scale
+        ctx.scale, ctx.launch = scale, launch
         return normaliser
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, gates, normaliser, *chunks = ctx.saved_tensors
         factor = (grad * ctx.scale).contiguous()  # scale dn
-        _, grad_q = _scan(k, gates, _Chunks(*chunks), out_factor=factor, vectors=True)
-        reverse = _chunk_sums(q, gates, x_factor=factor, reverse=True)
-        key_dots, grad_k = _scan(q, gates, reverse, y=k, x_factor=factor, vectors=True, reverse=True)
+        launch = ctx.launch
+        _, grad_q = _scan(launch, k, gates, _Chunks(*chunks), out_factor=factor, vectors=True)
+        reverse = _chunk_sums(launch, q, gates, x_factor=factor, reverse=True)
+        key_dots, grad_k = _scan(launch, q, gates, reverse, y=k, x_factor=factor, vectors=True, reverse=True)
         grad_gates = None
         if gates is not None and ctx.needs_input_grad[2]:
             grad_cumulative = grad * normaliser - key_dots  # dL/dG, G = cumsum(g) over positions
