@@ -151,10 +151,22 @@ def test_chunk_form_runs_one_product_where_cheaper(kernels):
         dispatch.Plan("chunk", "triton", chunks=13, chunk_size=64, grouped=True)
 
 
+def test_triton_off_cuda_is_an_error_unless_interpreted(kernels, monkeypatch):
+    """Triton launches on CUDA devices only; its interpreter (the tests' way on a CPU) runs the kernels anywhere."""
+    kernels(True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert plan("chunk", 64, 3136, 64, 64, device=CPU, backend="triton").backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="^the triton backend runs Triton kernels, which need a CUDA GPU, and this "
+                                         "call is on cpu; choose the backend auto"):
+        plan("chunk", 64, 3136, 64, 64, device=CPU, backend="triton")
+    assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton").backend == "triton"
+
+
 def test_triton_without_kernels_is_an_error_and_auto_warns_once_on_cuda(kernels):
     kernels(False)
     with pytest.raises(ValueError, match=r'pip install "lion-vit\[gpu\]"'):
-        plan("chunk", 64, 3136, 64, 64, backend="triton")
+        plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")
     with pytest.warns(UserWarning, match=r"lion-vit\[gpu\]") as record:
         assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "torch"
     with warnings.catch_warnings():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -98,6 +99,18 @@ def test_settings_out_of_range_are_named(override, needle):
         cfg = compose("config", overrides=["ema.enabled=true", override])
     with pytest.raises(UserError, match=f"^{re.escape(override.split('=')[0])}=.* is not allowed; set {needle} to"):
         check_settings(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the triton backend runs on this machine's GPU")
+def test_the_triton_backend_without_a_gpu_is_one_line(tmp_path):
+    """model.attn_backend=triton on a CPU (Triton's interpreter off, as for a user; the tests' processes run it):
+    one line naming the setting and the fix, no folder left, instead of Triton's traceback."""
+    proc = run_train("model.attn_backend=triton", "epochs=1", f"output_dir={tmp_path / 'run'}",
+                     launcher=["env", "-u", "TRITON_INTERPRET", sys.executable, str(ROOT / "train.py")])
+    assert proc.returncode == 2
+    assert_clean_error(proc, "model.attn_backend: the triton backend runs Triton kernels, which need a CUDA GPU, "
+                             "and this call is on cpu; choose the backend auto")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_checkpoint_is_read_by_evaluation_only():

@@ -297,8 +297,11 @@ def _log_plan(model: nn.Module, img_size: int, dtype: Optional[torch.dtype] = No
     layers)."""
     if not hasattr(model, "attn_plan"):
         return None
-    run = model.attn_plan((img_size, img_size), dtype=dtype)
-    evaluated = model.attn_plan((img_size, img_size), dtype=dtype, training=False)
+    try:
+        run = model.attn_plan((img_size, img_size), dtype=dtype)
+        evaluated = model.attn_plan((img_size, img_size), dtype=dtype, training=False)
+    except ValueError as error:  # a backend that cannot run here (triton without a GPU or the kernels)
+        raise UserError(f"model.attn_backend: {error}") from None
     log.info("attention: %s%s", run, "" if evaluated == run else f"; in evaluation, {evaluated}")
     changed = tuning().changes()
     if changed:

@@ -131,11 +131,16 @@ def check_backend(backend: str) -> None:
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """"torch" or "triton" for a call on this device and dtype (see the module docstring).
 
-    "triton" asked for without flash-linear-attention, for float64 or under torch.export is a ValueError;
-    "auto" on CUDA without it warns once how to get the kernels.
+    "triton" asked for off CUDA (unless Triton's interpreter runs), without flash-linear-attention, for float64
+    or under torch.export is a ValueError; "auto" on CUDA without it warns once how to get the kernels.
     """
     check_backend(backend)
     if backend == "triton":
+        if device.type != "cuda" and not triton_backend.interpreting():
+            raise ValueError(f"the triton backend runs Triton kernels, which need a CUDA GPU, and this call is on "
+                             f"{device.type}; choose the backend auto (the kernels on CUDA, the portable forms "
+                             f"elsewhere) or torch (TRITON_INTERPRET=1 runs the kernels on a CPU, slowly: the tests' "
+                             f"way)")
         if not triton_backend.available():
             raise ValueError(f"attn_backend='triton' needs flash-linear-attention, which "
                              f"{triton_backend.unavailable_reason()}: {_INSTALL_HINT}")

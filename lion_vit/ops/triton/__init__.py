@@ -7,7 +7,18 @@ flash-linear-attention's Triton kernels (PyPI `fla-core`, imported as `fla`) com
 backwards (fla.py), and two fused steps of ours build their operands and finish their outputs (operands.py).
 Nothing here is imported until a call picks the triton backend.
 """
+import os
+
+import torch
+
 from .fla import available, chunk_backward_fails, chunk_form, recurrent_form, unavailable_reason
+
+
+@torch.compiler.assume_constant_result  # (a compiled model's plan calls it instead of tracing into it)
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET=1, read as Triton reads it): the tests' way
+    of running them on a CPU, slowly; otherwise they launch on CUDA devices only."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def bidirectional_form(*args, **kwargs):
@@ -22,5 +33,5 @@ def vector_form(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ["available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "recurrent_form",
+__all__ = ["available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "interpreting", "recurrent_form",
            "unavailable_reason", "vector_form"]
