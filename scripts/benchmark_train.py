@@ -102,10 +102,11 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             lion = dict(attn_form=form or args.attn_form, chunk_size=chunk_size,
                         attn_backend=args.attn_backend) if name.startswith("lion_") else {}
             model = create_model_at_size(name, args.img_size, **lion).to(device).train()
-        except (ValueError, AssertionError) as error:  # e.g. a size the patch does not divide
+            if lion:
+                plans[label] = model.attn_plan((args.img_size, args.img_size), device)
+        except (ValueError, AssertionError) as error:  # a size the patch does not divide, a backend not here
             parser.error(f"{name} at --img-size {args.img_size}: {error}")
         if lion:
-            plans[label] = model.attn_plan((args.img_size, args.img_size), device)
             print(f"{label}: {plans[label]}", flush=True)
         step_model = torch.compile(model) if args.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -122,6 +122,20 @@ def test_a_timed_cpu_configuration_takes_memory_and_time_from_two_fresh_processe
     assert timing["repeats"] == 2 and timing["memory"] == "first" and timing_env == {}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the triton backend runs on this machine's GPU")
+def test_train_script_names_a_backend_that_cannot_run_here(tmp_path, monkeypatch, capsys):
+    """--attn-backend triton on a CPU (Triton's interpreter off, as for a user): the parser's one line."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(sys, "argv", ["benchmark_train.py", "--attn-backend", "triton", "--models",
+                                      "deit_tiny_patch16_224", "lion_d_tiny", "--img-size", "32", "--batch-size", "2",
+                                      "--steps", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "scripts" / "benchmark_train.py"), run_name="__main__")
+    assert stopped.value.code == 2
+    assert "benchmark_train.py: error: lion_d_tiny at --img-size 32: the triton backend runs Triton kernels, which " \
+           "need a CUDA GPU" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_train_script_ratios_and_profile(tmp_path):
     out = run_script("benchmark_train.py", "--models", "deit_tiny_patch16_224", "lion_d_tiny", "--batch-size", "2",
