@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-r"""The accuracy of a Hydra sweep of train.py (-m) as a markdown table. A training sweep: by model, last and
-best top-1 over its jobs (seeds), mean and standard deviation; a job that has not finished its epochs is left
-out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the sweep's order, with the form and
-resolution that ran.
+r"""The accuracy of a Hydra sweep of train.py (-m) as a markdown table; also of the runs in a folder such as
+outputs/ (train.py's default output_dirs, in the order of their names: their start times), or of one run. A
+training sweep: by model, last and best top-1 over its jobs (seeds), mean and standard deviation; a job that has
+not finished its epochs is left out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the
+sweep's order, with the form and resolution that ran.
 
     python train.py -m model.name=lion_gla_tiny,lion_d_natural_tiny seed=0,1,2 output_dir=runs/sweep
     python scripts/sweep_table.py runs/sweep
     python train.py -m eval_only=true checkpoint=runs/sweep/0/checkpoint-best.pt img_size=224,448 \
         model.attn_form=attention,chunk output_dir=runs/eval_sweep
     python scripts/sweep_table.py runs/eval_sweep
+    python scripts/sweep_table.py outputs                    # the runs of plain `python train.py ...` commands
 """
 from __future__ import annotations
 
@@ -23,8 +25,18 @@ import yaml
 
 
 def jobs(folder: Path) -> List[Path]:
-    """The sweep's job folders 0, 1, ... in order."""
-    return sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    """A sweep's job folders 0, 1, ... in order; else the runs in folder, by name; else folder, where it is a run."""
+    numbered = sorted((p for p in folder.iterdir() if p.name.isdigit() and p.is_dir()), key=lambda p: int(p.name))
+    if numbered:
+        return numbered
+    if is_run(folder):
+        return [folder]
+    return sorted(p for p in folder.iterdir() if p.is_dir() and is_run(p))
+
+
+def is_run(folder: Path) -> bool:
+    """Whether train.py wrote folder: a training run's settings or an evaluation's result."""
+    return (folder / "config.yaml").is_file() or (folder / "eval.json").is_file()
 
 
 def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
@@ -54,11 +66,13 @@ def spread(values) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path, help="the sweep's output_dir (its jobs 0, 1, ...)")
+    parser.add_argument("folder", type=Path, help="a sweep's output_dir (its jobs 0, 1, ...), a folder of runs "
+                                                  "(outputs/) or one run's folder")
     args = parser.parse_args()
     found, evaluated = (results(args.folder), evaluations(args.folder)) if args.folder.is_dir() else ({}, [])
     if not found and not evaluated:
-        parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran")
+        parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a "
+                     f"folder of runs (outputs/) or one run's folder")
     if found:
         print("| model | jobs | last top-1 (%) | best top-1 (%) |\n|---|---|---|---|")
     for name, runs in found.items():

@@ -681,19 +681,25 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
 
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     """scripts/sweep_table.py: last and best top-1 by model over the jobs of a train.py sweep, mean and standard
-    deviation; a job that stopped before its epochs is left out; a folder without jobs is one line."""
+    deviation; a job that stopped before its epochs is left out. The same for the runs of a folder such as
+    outputs/ (by name) and for one run; a folder without runs is one line."""
     jobs = [("lion_gla_tiny", [50.0, 70.0]), ("lion_gla_tiny", [60.0, 50.0]), ("deit_tiny", [40.0, 45.0]),
             ("deit_tiny", [90.0])]  # the last job stopped after one of its two epochs
     for index, (name, accuracies) in enumerate(jobs):
-        job = tmp_path / "sweep" / str(index)
-        job.mkdir(parents=True)
-        (job / "config.yaml").write_text(f"epochs: 2\nmodel:\n  name: {name}\n")
-        (job / "metrics.jsonl").write_text("".join(json.dumps({"val_acc1": a}) + "\n" for a in accuracies))
-    lines = run_script("sweep_table.py", str(tmp_path / "sweep")).splitlines()
-    assert lines[2:] == ["| lion_gla_tiny | 2 | 60.0 ± 14.1 | 65.0 ± 7.1 |", "| deit_tiny | 1 | 45.0 | 45.0 |"]
-    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path))
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith("holds no finished train.py job; "
-                                                                                 "give the output_dir of a sweep (-m) that ran")
+        for job in (tmp_path / "sweep" / str(index), tmp_path / "outputs" / f"2026-12-03_17-0{index}-00-{index}"):
+            job.mkdir(parents=True)
+            (job / "config.yaml").write_text(f"epochs: 2\nmodel:\n  name: {name}\n")
+            (job / "metrics.jsonl").write_text("".join(json.dumps({"val_acc1": a}) + "\n" for a in accuracies))
+    (tmp_path / "outputs" / "notes").mkdir()  # not a run
+    table = ["| lion_gla_tiny | 2 | 60.0 ± 14.1 | 65.0 ± 7.1 |", "| deit_tiny | 1 | 45.0 | 45.0 |"]
+    assert run_script("sweep_table.py", str(tmp_path / "sweep")).splitlines()[2:] == table
+    assert run_script("sweep_table.py", str(tmp_path / "outputs")).splitlines()[2:] == table
+    run = next((tmp_path / "outputs").glob("*-02-00-2"))
+    assert run_script("sweep_table.py", str(run)).splitlines()[2:] == ["| deit_tiny | 1 | 45.0 | 45.0 |"]
+    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "outputs" / "notes"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a folder of runs (outputs/) or "
+        "one run's folder")
 
 
 def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
