@@ -242,20 +242,28 @@ def test_odd_batch_with_mixup_is_named():
 
 
 def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
-    """logger.wandb.mode=online without an account names the fixes instead of wandb's traceback."""
+    """logger.wandb.mode=online without an account, or where wandb's server is out of reach, names the fixes
+    instead of wandb's traceback (each its own: a key does not help a machine without internet)."""
     import wandb
     from omegaconf import OmegaConf
     from lion_vit.engine.logs import WandbLogger
     from lion_vit.errors import UserError
 
-    def no_key(**kwargs):
-        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    def fails(error):
+        def init(**kwargs):
+            raise error
+        return init
 
-    monkeypatch.setattr(wandb, "init", no_key)
     cfg = OmegaConf.create({"logger": {"wandb": {"mode": "online", "project": "p", "entity": None, "name": None,
                                                  "tags": []}}})
+    monkeypatch.setattr(wandb, "init", fails(wandb.errors.UsageError("No API key configured. Use `wandb login`.")))
     with pytest.raises(UserError, match=r"wandb could not start in mode=online \(No API key configured.*\); "
-                                        r"run `wandb login`.*logger.wandb.mode=offline"):
+                                        r"run `wandb login` or set WANDB_API_KEY, or use logger.wandb.mode=offline"):
+        WandbLogger(cfg, tmp_path, enabled=True)
+    monkeypatch.setattr(wandb, "init", fails(wandb.errors.CommError("Timed out while retrying: dial tcp: no host")))
+    with pytest.raises(UserError, match=r"wandb could not start in mode=online \(Timed out while retrying.*\); check "
+                                        r"that this machine reaches wandb's server and logger.wandb.project / entity, "
+                                        r"or use logger.wandb.mode=offline \(no account needed; `wandb sync`"):
         WandbLogger(cfg, tmp_path, enabled=True)
 
 

@@ -41,8 +41,13 @@ class WandbLogger:
                                   id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(quiet=True))  # the run's history stays in wandb
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
-            raise UserError(f"wandb could not start in mode={wb.mode} ({first_line(error)}); run `wandb login` or set "
-                            f"WANDB_API_KEY, or use logger.wandb.mode=offline (no account needed)") from None
+            if isinstance(error, (wandb.errors.UsageError, wandb.errors.AuthenticationError)):
+                fix = "run `wandb login` or set WANDB_API_KEY"
+            else:  # the server out of reach (a compute node without internet) or refusing the project
+                fix = "check that this machine reaches wandb's server and logger.wandb.project / entity"
+            raise UserError(f"wandb could not start in mode={wb.mode} ({first_line(error)}); {fix}, or use "
+                            f"logger.wandb.mode=offline (no account needed; `wandb sync` uploads the run later)"
+                            ) from None
 
     @property
     def run_id(self) -> Optional[str]:
