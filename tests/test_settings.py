@@ -88,7 +88,7 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     ("aug.auto_augment=xyz", "aug.auto_augment"), ("aug.auto_augment=rand-m9-foo7", "aug.auto_augment"),
     ("aug.auto_augment=rand-mfoo", "aug.auto_augment"), ("aug.auto_augment=augmix-m5-z2", "aug.auto_augment"),
     ("distill.type=medium", "distill.type"), ("distill.alpha=1.5", "distill.alpha"), ("distill.tau=0", "distill.tau"),
-    ("device=gpu", "device"), ("model.attn_form=softmax", "model.attn_form"), ("model.attn_backend=cuda", "model.attn_backend"), ("data.name=svhn", "data.name"),
+    ("device=gpu", "device"), ("output_dir=", "output_dir"), ("output_dir= ", "output_dir"), ("model.attn_form=softmax", "model.attn_form"), ("model.attn_backend=cuda", "model.attn_backend"), ("data.name=svhn", "data.name"),
 ])
 def test_settings_out_of_range_are_named(override, needle):
     """Checked before anything is built: timm, torch and the DataLoader would fail deep inside instead."""

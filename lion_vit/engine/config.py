@@ -249,7 +249,9 @@ class RunConfig:
     num_workers: Any = setting(lambda v: v == "auto" or (_is_int(v) and v >= 0),
                                "auto (the cores this process may use) or an integer >= 0")
     prefetch_factor: int = setting(POSITIVE_INT)
-    output_dir: str = MISSING
+    output_dir: str = setting(lambda v: isinstance(v, str) and bool(v.strip()),
+                              "a folder (empty, as an unset shell variable leaves it, would write the run into the "
+                              "current folder); leave it out for a new folder under outputs/")
     resume: Optional[str] = MISSING
     eval_only: bool = setting(SWITCH)
     checkpoint: Optional[str] = MISSING
