@@ -113,6 +113,20 @@ def test_the_triton_backend_without_a_gpu_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_data_root_that_the_digits_do_not_read_is_refused():
+    """data.root without data=imagefolder (or another tree) would train on the digits, which read no folder."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        runs = [compose("config", overrides=["data.root=/datasets/imagenet", *more]) for more in ([], ["eval_only=true"])]
+        check_settings(compose("config", overrides=["data.root=/datasets/imagenet", "data=imagenet"]))
+    for cfg in runs:
+        with pytest.raises(UserError, match=r"^data.root=/datasets/imagenet is not read by data=digits, which "
+                                            r"scikit-learn ships; to read that folder add data=imagefolder"):
+            check_settings(cfg)
+
+
 def test_a_checkpoint_is_read_by_evaluation_only():
     """checkpoint= in a training run would be ignored (fresh weights): refused, naming what trains from a file."""
     from hydra import compose, initialize_config_dir
