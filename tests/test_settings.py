@@ -127,6 +127,13 @@ def test_a_data_root_that_the_digits_do_not_read_is_refused():
             check_settings(cfg)
 
 
+def test_help_says_what_train_py_does_and_where_the_settings_are_described():
+    proc = run_train("--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("train.py: train or evaluate LION-ViT (or any timm model) with the DeiT recipe.")
+    assert "docs/training.md" in proc.stdout and "model: deit, digits, lion" in proc.stdout  # (and Hydra's groups)
+
+
 def test_a_checkpoint_is_read_by_evaluation_only():
     """checkpoint= in a training run would be ignored (fresh weights): refused, naming what trains from a file."""
     from hydra import compose, initialize_config_dir
