@@ -158,6 +158,27 @@ def test_eval_only_takes_the_architecture_from_the_checkpoint(trained, folder, t
     assert result["acc1"] == pytest.approx(trained_acc1)
 
 
+def test_eval_only_reads_weights_alone_with_the_commands_architecture(trained, folder, tmp_path):
+    """A state dict (.safetensors, .pth) or timm's checkpoint (state_dict, state_dict_ema) holds no config: the
+    command's model settings build the architecture; the weights give the training checkpoint's accuracy."""
+    from safetensors.torch import save_file
+    state = torch.load(trained / "checkpoint-best.pt", weights_only=True)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file(state["model"], str(weights / "model.safetensors"))
+    torch.save({"state_dict": state["model"], "state_dict_ema": state["model"], "epoch": 2}, weights / "timm.pth.tar")
+    evaluate = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true"]
+    accuracy = max(m["val_acc1"] for m in read_metrics(trained))
+    for name, more in (("model.safetensors", []), ("timm.pth.tar", ["ema.eval_ema=true"])):
+        out = tmp_path / name
+        assert_ok(run_train(*evaluate, f"checkpoint={weights / name}", *more, f"output_dir={out}"))
+        result = json.loads((out / "eval.json").read_text())
+        assert result["acc1"] == pytest.approx(accuracy) and result["model"] == "lion_s_tiny"
+    assert_clean_error(run_train(*SMALL_LION, "resume=" + str(weights / "timm.pth.tar"), "data=imagefolder",
+                                 f"data.root={folder}", f"output_dir={tmp_path / 'resumed'}"),
+                       "holds no 'model' weights; expected a lion-vit training checkpoint")
+
+
 def test_resumed_run_continues_its_wandb_run(folder, tmp_path):
     """Offline wandb (no account, no network): the resumed run logs to the run id of the first part."""
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",

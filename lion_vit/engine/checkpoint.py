@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import UnsafeWeights, read_weights
+from ..weights import UnsafeWeights, read_weights, state_dict_of
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,10 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """A training checkpoint (read weights_only: a file that would run code is refused), or a UserError."""
+def load_checkpoint(path: Path, weights: bool = False) -> Dict[str, Any]:
+    """A training checkpoint (read weights_only: a file that would run code is refused), or a UserError.
+    weights=True (evaluation): also a file of weights alone, a state dict (.pth, .safetensors) or timm's
+    checkpoint, as {"model": its weights, "model_ema": its EMA weights where it has them}."""
     if Path(path).is_dir():
         raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
     try:
@@ -131,6 +133,10 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
         raise UserError(f"checkpoint {error}; use a checkpoint written by lion-vit's train.py") from None
     except ValueError as error:
         raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
+    if "model" not in state and weights and state:  # (chosen as timm's loaders choose them)
+        ema = state_dict_of(state, use_ema=True) if any(isinstance(state.get(key), dict) for key in
+                                                        ("state_dict_ema", "model_ema")) else None
+        state = {"model": state_dict_of(state), "model_ema": ema}
     if "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state
