@@ -69,14 +69,19 @@ def main(cfg: DictConfig) -> float:
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
 
-def _check_launcher(argv: list) -> None:
-    """hydra/launcher=slurm submits through SLURM's srun: without it, submitit's error would be a traceback
-    from inside Hydra's sweep, before main() runs (and a multirun.yaml left in output_dir)."""
+def _check_hydra_arguments(argv: list) -> None:
+    """Before Hydra runs. hydra/launcher=slurm submits through SLURM's srun: without it, submitit's error would be
+    a traceback from inside Hydra's sweep, before main() runs (and a multirun.yaml left in output_dir).
+    hydra.run.dir, where Hydra apps usually write, would be made empty while the run went to output_dir."""
     launchers = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+~").startswith("hydra/launcher=")]
     if any("slurm" in launcher for launcher in launchers) and shutil.which("srun") is None:
         print("error: hydra/launcher=slurm submits jobs through SLURM, but srun is not on this machine's PATH; run "
               "it on a SLURM login node, or without hydra/launcher=slurm (python train.py or torchrun)",
               file=sys.stderr)
+        sys.exit(2)
+    if any(arg.lstrip("+~").startswith("hydra.run.dir=") for arg in argv):
+        print("error: hydra.run.dir is not where train.py writes a run; pass output_dir=<folder> instead (with -m, "
+              "job k of the sweep writes to <output_dir>/k)", file=sys.stderr)
         sys.exit(2)
 
 
@@ -113,5 +118,5 @@ def _raised_in_the_run(error: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    _check_launcher(sys.argv[1:])
+    _check_hydra_arguments(sys.argv[1:])
     _run_main()

@@ -35,6 +35,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("img_size=[32",), ("cannot read the override img_size=[32",)),
         (("img_size=32,64",), ("Ambiguous value for argument 'img_size=32,64'", "add --multirun")),
         (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
+        ((f"hydra.run.dir={tmp_path / 'run_hydra'}",), ("hydra.run.dir is not where train.py writes a run; pass "
+                                                         "output_dir=<folder> instead",)),
     ]
     # independent processes, mostly Python start-up and imports: run side by side, each with its own
     # output_dir in the test's folder (the last case sets its own), which the failed run leaves out
