@@ -33,6 +33,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
                                    "+model.kwargs.foo=<value>",)),
         (("model=lionn",), ("there is no config model=lionn; the choices for model are deit, digits, lion",)),
         (("img_size=[32",), ("cannot read the override img_size=[32",)),
+        (("output_dir=~/runs/a",), ("cannot read the override output_dir=~/runs/a", "write $HOME/..., which the "
+                                                                                     "shell expands")),
         (("img_size=32,64",), ("Ambiguous value for argument 'img_size=32,64'", "add --multirun")),
         (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
         ((f"hydra.run.dir={tmp_path / 'run_hydra'}",), ("hydra.run.dir is not where train.py writes a run; pass "

@@ -353,6 +353,8 @@ def composition_error(error: Exception) -> str:
     override = getattr(error, "override", None)  # an override Hydra's grammar cannot read
     if override:
         lines.insert(0, f"cannot read the override {override}")
+        if "~" in str(override).partition("=")[2]:  # (Hydra's grammar has no ~; zsh leaves it unexpanded after =)
+            lines.append("for a path in your home folder write $HOME/..., which the shell expands")
     return "; ".join(lines)
 
 
