@@ -152,7 +152,8 @@ def kernel_timing(parser: argparse.ArgumentParser, img_size: int) -> Optional[Tu
     interpreter runs the kernels (TRITON_INTERPRET=1: a check on a CPU, no times; adapted here). None, after a
     line on stderr, where there is neither a GPU nor the interpreter; an img_size the patch does not divide is
     the parser's error."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    from lion_vit.ops.triton import interpreting
+    interpreted = interpreting()
     if not torch.cuda.is_available() and not interpreted:
         print(f"{parser.prog}: it times Triton kernels on a GPU (torch.cuda.is_available() is False); "
               "TRITON_INTERPRET=1 runs it on a CPU as a check, not a timing", file=sys.stderr)
