@@ -45,13 +45,21 @@ def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str
     return checkpoint
 
 
+EMA_KEYS = ("state_dict_ema", "model_ema")  # where timm's and this project's checkpoints keep EMA weights
+
+
 def state_dict_of(checkpoint: Dict[str, Any], use_ema: bool = False) -> Dict[str, Any]:
     """The weights in a checkpoint dict, chosen as timm's load_state_dict chooses them (with use_ema, its
     state_dict_ema / model_ema entry; then state_dict; then model, DeiT's and this project's; else the
     dict itself), with DDP's and torch.compile's prefixes removed (timm's clean_state_dict)."""
-    keys = (("state_dict_ema", "model_ema") if use_ema else ()) + ("state_dict", "model")
+    keys = (EMA_KEYS if use_ema else ()) + ("state_dict", "model")
     chosen = next((checkpoint[key] for key in keys if isinstance(checkpoint.get(key), dict)), checkpoint)
     return clean_state_dict(chosen)
+
+
+def has_ema(checkpoint: Dict[str, Any]) -> bool:
+    """Whether the checkpoint holds EMA weights, which state_dict_of(use_ema=True) then returns."""
+    return any(isinstance(checkpoint.get(key), dict) for key in EMA_KEYS)
 
 
 def load_into(model: nn.Module, state_dict: Dict[str, Any], what: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import UnsafeWeights, read_weights, state_dict_of
+from ..weights import UnsafeWeights, has_ema, read_weights, state_dict_of
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,8 @@ def load_checkpoint(path: Path, weights: bool = False) -> Dict[str, Any]:
     except ValueError as error:
         raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
     if "model" not in state and weights and state:  # (chosen as timm's loaders choose them)
-        ema = state_dict_of(state, use_ema=True) if any(isinstance(state.get(key), dict) for key in
-                                                        ("state_dict_ema", "model_ema")) else None
-        state = {"model": state_dict_of(state), "model_ema": ema}
+        state = {"model": state_dict_of(state), "model_ema": state_dict_of(state, use_ema=True) if has_ema(state)
+                 else None}
     if "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state
