@@ -315,9 +315,8 @@ def check_settings(cfg: DictConfig) -> None:
         if test is not None and value is not _ABSENT and (training or not training_only) and not test(value):
             raise _not_allowed(name, value, f.metadata["expected"])
     _check_tuning(cfg.tuning)
-    data = OmegaConf.select(cfg, "data")
-    if data is not None and data.name == "digits" and data.root:  # (the digits ship with scikit-learn)
-        raise UserError(f"data.root={data.root} is not read by data=digits, which scikit-learn ships; to read "
+    if cfg.data.name == "digits" and cfg.data.root:  # (the digits ship with scikit-learn)
+        raise UserError(f"data.root={cfg.data.root} is not read by data=digits, which scikit-learn ships; to read "
                         f"that folder add data=imagefolder (or data=imagenet, data=cifar10, data=cifar100)")
     if training:
         _check_related(cfg)
