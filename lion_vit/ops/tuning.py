@@ -67,15 +67,15 @@ class Tuning:
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
         tiles as mma.sync), rather than [queries, keys] as the other kernels do.
-    normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
-        per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
-        of two) and warps (scripts/benchmark_normaliser.py times others on a GPU). Read by the forward; its
-        backward launches the same, since it reuses the forward's chunk sums.
     bidirectional_factored_masks: the bidirectional kernels make a mask tile whose keys all come before its queries
         along the scan (or all after them) as the outer product of a vector over its queries and one over its keys,
         an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
         On until a GPU has timed both: less arithmetic for as many blocks a multiprocessor in the training launches
         (sm_90; docs/benchmarks.md, "Factored mask tiles").
+    normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
+        per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
+        of two) and warps (scripts/benchmark_normaliser.py times others on a GPU). Read by the forward; its
+        backward launches the same, since it reuses the forward's chunk sums.
     """
 
     auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
