@@ -14,7 +14,7 @@ signal), and any input size that the patch size divides works without rebuilding
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -216,18 +216,22 @@ class LionViT(VisionTransformer):
             attn.set_attn_form(attn_form, chunk_size, backend)
         return self
 
-    def attn_plan(self, img_size: Tuple[int, int], device: Optional[torch.device] = None,
+    def attn_plan(self, img_size: Union[int, Tuple[int, int]], device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None, training: Optional[bool] = None) -> Plan:
-        """What every LION layer runs for an image of img_size (H, W) on device / dtype (default: the
-        weights'), in training if training is True, or where it is None when the model is in training mode:
-        form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it."""
+        """What every LION layer runs for an image of img_size (H, W, or one int for a square) on device /
+        dtype (default: the weights'), in training if training is True, or where it is None when the model
+        is in training mode: form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it.
+        A size the patch does not divide is the forward's ValueError."""
+        img_size = to_2tuple(img_size)
+        if not self.patch_embed.dynamic_img_pad:
+            _check_divisible(img_size, self.patch_embed.patch_size, "img_size")
         height, width = self.patch_embed.dynamic_feat_size(img_size)
         return next(self.lion_attentions()).attn_plan(height * width + self.num_prefix_tokens, device, dtype,
                                                       training)
 
-    def chunks_per_sequence(self, img_size: Tuple[int, int]) -> Optional[int]:
-        """In the chunk form, how many chunks every layer cuts the tokens of an image of img_size (H, W)
-        into: 1 where it runs one product over the whole sequence, which costs less there; None in the
+    def chunks_per_sequence(self, img_size: Union[int, Tuple[int, int]]) -> Optional[int]:
+        """In the chunk form, how many chunks every layer cuts the tokens of an image of img_size (H, W, or
+        one int) into: 1 where it runs one product over the whole sequence, which costs less there; None in the
         other forms."""
         run = self.attn_plan(img_size)
         return run.chunks if run.form == "chunk" else None

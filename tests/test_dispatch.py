@@ -191,6 +191,10 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     kernels(True)
     model = timm.create_model("lion_d_natural_tiny", attn_form="chunk", chunk_size=64, attn_backend="torch")
     assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product"
+    assert model.attn_plan(896) == model.attn_plan((896, 896))  # one int: a square, as timm's img_size
+    assert model.attn_plan((896, 448)) != model.attn_plan((896, 896))
+    with pytest.raises(ValueError, match="img_size 900x896 is not divisible by the patch size 16x16"):
+        model.attn_plan((900, 896))  # as the forward would say, not the plan of the cropped image
     assert str(model.attn_plan((896, 896))) == "chunk form, torch backend: 49 chunks"
     model.set_attn_form("chunk", 64, backend="auto")
     assert str(model.eval().attn_plan((896, 896))) == "chunk form, cpu backend: 49 chunks in groups of rows"
