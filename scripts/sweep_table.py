@@ -69,7 +69,10 @@ def main() -> None:
     parser.add_argument("folder", type=Path, help="a sweep's output_dir (its jobs 0, 1, ...), a folder of runs "
                                                   "(outputs/) or one run's folder")
     args = parser.parse_args()
-    found, evaluated = (results(args.folder), evaluations(args.folder)) if args.folder.is_dir() else ({}, [])
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder; give the output_dir of a sweep (-m), a folder of runs "
+                     "(outputs/) or one run's folder")
+    found, evaluated = results(args.folder), evaluations(args.folder)
     if not found and not evaluated:
         parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a "
                      f"folder of runs (outputs/) or one run's folder")

@@ -682,7 +682,7 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     """scripts/sweep_table.py: last and best top-1 by model over the jobs of a train.py sweep, mean and standard
     deviation; a job that stopped before its epochs is left out. The same for the runs of a folder such as
-    outputs/ (by name) and for one run; a folder without runs is one line."""
+    outputs/ (by name) and for one run; a folder without runs, or no folder, is one line."""
     jobs = [("lion_gla_tiny", [50.0, 70.0]), ("lion_gla_tiny", [60.0, 50.0]), ("deit_tiny", [40.0, 45.0]),
             ("deit_tiny", [90.0])]  # the last job stopped after one of its two epochs
     for index, (name, accuracies) in enumerate(jobs):
@@ -700,6 +700,9 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         "holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a folder of runs (outputs/) or "
         "one run's folder")
+    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "sweeep"))  # a typo
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "sweeep is not a folder; give the output_dir of a sweep (-m), a folder of runs (outputs/) or one run's folder")
 
 
 def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
