@@ -17,14 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 from benchmarking import (HelpFormatter, add_baseline_ratios, add_inference_arguments, check_patch_multiples,
-                          describe_settings, inference_settings, label, markdown_table, measure_rows, model_name,
-                          plot_lines, positive_int, result_columns, write_table)
+                          describe_settings, inference_settings, label, lion_model_name, markdown_table, measure_rows,
+                          model_name, plot_lines, positive_int, result_columns, write_table)
 from lion_vit.ops import FORM_NAMES
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--models", nargs="+", type=model_name, default=["lion_d_small"], help="LION models")
+    parser.add_argument("--models", nargs="+", type=lion_model_name, default=["lion_d_small"], help="LION models")
     parser.add_argument("--chunk-sizes", nargs="+", type=positive_int, default=[16, 64, 256, 1024])
     parser.add_argument("--resolution", type=positive_int, default=1248, help="a multiple of the patch size (16)")
     parser.add_argument("--baseline", default="deit_small_patch16_224", type=lambda text: text and model_name(text),
@@ -34,9 +34,6 @@ def main() -> None:
     add_inference_arguments(parser)
     args = parser.parse_args()
     check_patch_multiples(parser, "--resolution", [args.resolution])
-    not_lion = [m for m in args.models if not m.startswith("lion_")]
-    if not_lion:
-        parser.error(f"argument --models: {not_lion[0]!r} has no chunk form; give LION models (lion_d_small, ...)")
 
     configs = [(args.baseline, None, None)] if args.baseline else []
     for model in args.models:

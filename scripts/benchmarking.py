@@ -39,15 +39,29 @@ import torch
 STATUS_OK, STATUS_OOM, STATUS_TIMEOUT, STATUS_ERROR = "ok", "OOM", "timeout", "error"
 
 
+def _small_lion_names() -> str:
+    import timm
+    import lion_vit  # noqa: F401  (registers the LION models)
+    return ", ".join(n for n in timm.list_models("lion_*") if n.endswith("_small"))
+
+
 def model_name(text: str) -> str:
     """argparse type: a model timm knows (the LION models registered), else a one-line usage error."""
     import timm
-    import lion_vit  # noqa: F401  (registers the LION models)
     if not timm.is_model(text):
         raise argparse.ArgumentTypeError(
-            f"unknown model {text!r}; use a LION name such as lion_d_small "
-            f"({', '.join(n for n in timm.list_models('lion_*') if n.endswith('_small'))}) or a timm model "
-            f"such as deit_small_patch16_224")
+            f"unknown model {text!r}; use a LION name such as lion_d_small ({_small_lion_names()}) or a timm "
+            f"model such as deit_small_patch16_224")
+    return text
+
+
+def lion_model_name(text: str) -> str:
+    """argparse type: a LION model (any variant or Table 1 family, size, distilled or not), else one line."""
+    from lion_vit.models import is_lion_model
+    if not is_lion_model(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a LION model; use one such as lion_d_small ({_small_lion_names()}), at _tiny, "
+            f"_small or _base, or its _distilled twin")
     return text
 
 

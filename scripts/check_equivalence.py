@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts\' shared helpers (benchmarking.py)
 
 import lion_vit
-from benchmarking import HelpFormatter, chunks_text, device_name, output_file, positive_int
+from benchmarking import HelpFormatter, chunks_text, device_name, lion_model_name, output_file, positive_int
 from lion_vit.testing import randomize_decays
 
 
@@ -45,10 +45,9 @@ def parse_size(text: str) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(lion_vit.LION_MODEL_NAMES),
-                        choices=lion_vit.LION_MODEL_NAMES + lion_vit.FAMILY_MODEL_NAMES, metavar="MODEL",
-                        help="LION models, or the paper's Table 1 families (lion_gla_small, ...; "
-                             "docs/models.md) (default: the 15 LION models)")
+    parser.add_argument("--models", nargs="+", type=lion_model_name, default=list(lion_vit.LION_MODEL_NAMES),
+                        metavar="MODEL", help="LION models, the paper's Table 1 families (lion_gla_small, ...; "
+                                              "docs/models.md), _distilled ones too (default: the 15 LION models)")
     # 320x480 (600 tokens): long enough that every model with decays, two-scan ones included, runs chunks
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(224, 224), (320, 480)],
                         help="HxW, multiples of the patch size 16 (default: 224x224 320x480)")

@@ -327,10 +327,11 @@ def test_device_argument_says_when_cuda_is_missing(monkeypatch):
     ("benchmark_resolution.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("benchmark_resolution.py", ["--group-share", "0"], "expected a positive number, got '0'"),
     ("benchmark_resolution.py", ["--resolutions", "224", "100"], "--resolutions 100 is not a multiple of the patch"),
-    ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "has no chunk form"),
+    ("benchmark_chunk.py", ["--models", "deit_tiny_patch16_224"], "'deit_tiny_patch16_224' is not a LION model"),
     ("benchmark_chunk.py", ["--resolution", "1250"], "--resolution 1250 is not a multiple of the patch size (16)"),
     ("benchmark_cuda_graph.py", ["--runs", "lion_d_tiny:fast"], "FORM one of"),
     ("check_equivalence.py", ["--models", "lion_d_tiny", "--sizes", "40x48"], "not divisible by the patch size"),
+    ("check_equivalence.py", ["--models", "lion_d_tiny_distiled"], "use one such as lion_d_small (lion_d_natural_"),
     # an output path that cannot be written fails before minutes of measurements, not after
     ("benchmark_resolution.py", ["--out", "README.md"], "cannot create 'README.md' (File exists)"),
     ("benchmark_train.py", ["--out", "README.md/results"], "(Not a directory); choose another folder"),
