@@ -252,6 +252,9 @@ def test_bad_shapes_and_decays_above_one_raise(form):
         ((q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), log_lam.expand(2, -1, -1)),
          r"S = 1 \(one scan: no orders\); got 2 scans .* for one scan pass log_decay\[None\]"),
         ((q, k, v, log_lam[0, 0, 0]), r"got a scalar"),
+        ((q, k.float(), v, None), r"q, k and v of one floating dtype; got torch.float64, torch.float32, torch.float64"),
+        ((q.long(), k.long(), v.long(), None), r"of one floating dtype; got torch.int64"),
+        ((q[:, :, :0], k[:, :, :0], v[:, :, :0], None), r"at least one token; got q \(1, 2, 0, 4\) \(L = 0\)"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -263,8 +266,11 @@ def test_bad_shapes_and_decays_above_one_raise(form):
     orders = snake_orders(3, 3, 1)
     with pytest.raises(ValueError, match=r"S = 2 \(the orders given\); got 3 scans"):
         lion_attention(q, k, v, torch.stack([log_lam] * 3), orders, form=form, chunk_size=3)
-    with pytest.raises(ValueError, match=r"orders must be \[S, L\] with L = 9 \(q's tokens\); got \[2, 10\]"):
+    with pytest.raises(ValueError, match=r"orders must be integer \[S, L\] with L = 9 \(q's tokens\); got torch.int64 "
+                                         r"\[2, 10\]"):
         lion_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, orders, form=form, chunk_size=3)
+    with pytest.raises(ValueError, match=r"got torch.float32 \[2, 10\]"):
+        lion_attention(q, k, v, torch.stack([log_lam] * 2), orders.float(), form=form, chunk_size=3)
     with pytest.raises(ValueError, match="must be <= 0"):
         lion_attention(q, k, v, torch.stack([log_lam, -log_lam]), orders, form=form, chunk_size=3)
 

@@ -294,15 +294,21 @@ def exporting() -> bool:
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                  orders: Optional[Tensor] = None) -> None:
     """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
-    decays, broadcast into a wrong result), and, on a CPU, for decays above 1: the log-space masks
-    assume log(lam) <= 0. (A GPU skips the value check, which would synchronise every layer; so does
-    a compiler.) log_decays: [S, ...] (ops.lion_attention); orders: [S, L], or None for one scan."""
+    decays, broadcast into a wrong result) or dtypes, and, on a CPU, for decays above 1: the log-space masks
+    assume log(lam) <= 0. (A GPU skips the value check, which would synchronise every layer; so does a
+    compiler.) log_decays: [S, ...] (ops.lion_attention); orders: [S, L], or None for one scan."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not q.is_floating_point() or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"expected q, k and v of one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}: "
+                         "cast them alike, e.g. .float()")
     batch, heads, length = q.shape[:3]
-    if orders is not None and (orders.dim() != 2 or orders.shape[-1] != length):
-        raise ValueError(f"orders must be [S, L] with L = {length} (q's tokens); got {list(orders.shape)}")
+    if length == 0:
+        raise ValueError(f"expected at least one token; got q {tuple(q.shape)} (L = 0)")
+    if orders is not None and (orders.dim() != 2 or orders.shape[-1] != length or orders.is_floating_point()):
+        raise ValueError(f"orders must be integer [S, L] with L = {length} (q's tokens); got {orders.dtype} "
+                         f"{list(orders.shape)}")
     if log_decays is None:
         return
     scans = 1 if orders is None else len(orders)
