@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import timm
 import torch
@@ -55,12 +55,20 @@ def _summary(names: List[str]) -> str:
     return ", ".join(folded)
 
 
-def load_vit_weights(source: str) -> Tuple[Dict[str, Tensor], Optional[int]]:
+Source = Union[str, Path, nn.Module, Mapping[str, Any]]
+
+
+def load_vit_weights(source: Source) -> Tuple[Dict[str, Tensor], Optional[int]]:
     """The state dict of a softmax ViT and its number of heads when known (None for a bare state dict).
 
     source: a file (a checkpoint of this project's train.py, a DeiT checkpoint {"model": ...}, a timm
-    state dict, .pth or .safetensors) or a timm model name, whose pretrained weights timm downloads.
+    state dict, .pth or .safetensors), a timm model name, whose pretrained weights timm downloads, or
+    what they hold in memory: a ViT module or a state dict (checkpoint dicts as in a file).
     """
+    if isinstance(source, nn.Module):
+        return source.state_dict(), _num_heads(source)
+    if isinstance(source, Mapping):
+        return _tensors(dict(source), "the state dict given"), None
     path = Path(source)
     if path.is_file():
         return _load_file(path)
@@ -78,15 +86,28 @@ def load_vit_weights(source: str) -> Tuple[Dict[str, Tensor], Optional[int]]:
 
 
 def _load_file(path: Path) -> Tuple[Dict[str, Tensor], Optional[int]]:
-    from .weights import read_weights, state_dict_of
+    from .weights import read_weights
     state = read_weights(path)
     heads = None
     if isinstance(state.get("config"), dict):  # this project's train.py
         heads = _configured_heads(state["config"].get("model", {}))
-    state = state_dict_of(state)
-    if not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"init_from file {path} holds no state dict of tensors")
-    return state, heads
+    return _tensors(state, f"file {path}"), heads
+
+
+def _tensors(checkpoint: Dict[str, Any], what: str) -> Dict[str, Tensor]:
+    from .weights import state_dict_of
+    state = state_dict_of(checkpoint)
+    if not state or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"init_from {what} holds no state dict of tensors")
+    return state
+
+
+def _describe(source: Source) -> str:
+    """How the log lines and errors name a source: its path or name, or what was passed in memory."""
+    if isinstance(source, nn.Module):
+        architecture = (getattr(source, "pretrained_cfg", None) or {}).get("architecture")
+        return f"the {type(source).__name__} given" + (f" ({architecture})" if architecture else "")
+    return "the state dict given" if isinstance(source, Mapping) else str(source)
 
 
 def _configured_heads(model_settings: dict) -> Optional[int]:
@@ -114,21 +135,26 @@ def _architecture(state: Dict[str, Tensor], heads: Optional[int]) -> str:
 
 
 @torch.no_grad()
-def init_from_vit(model: nn.Module, source: str) -> InitReport:
+def init_from_vit(model: nn.Module, source: Source) -> InitReport:
     """Copy a pretrained softmax ViT's weights into a LION model (see the module docstring); logs one
-    line each for the copied, adapted and fresh tensors and returns them. A model of another width,
-    depth, number of heads or patch size is a ValueError naming both."""
+    line each for the copied, adapted and fresh tensors and returns them. source: a file, a timm name, a
+    ViT module or a state dict (load_vit_weights). A model of another width, depth, number of heads or
+    patch size is a ValueError naming both."""
     weights, heads = load_vit_weights(source)
+    source = _describe(source)
     target = model.state_dict()
     model_heads = _num_heads(model)
     patch = "patch_embed.proj.weight"  # [width, channels, patch, patch]
-    if (patch not in weights or weights[patch].shape != target[patch].shape or _depth(weights) != _depth(target)
+    if patch not in weights:
+        raise ValueError(f"init_from {source} is no ViT (it has no {patch}); give a timm vit_*, deit_* or deit3_* "
+                         "model, its weights or a checkpoint of one")
+    if (weights[patch].shape != target[patch].shape or _depth(weights) != _depth(target)
             or (heads is not None and heads != model_heads)):
         raise ValueError(f"init_from {source} does not fit: the source has {_architecture(weights, heads)}, "
-                         f"patch embedding {list(weights.get(patch, torch.empty(0)).shape)}; "
+                         f"patch embedding {list(weights[patch].shape)}; "
                          f"the model has {_architecture(target, model_heads)}, patch embedding "
                          f"{list(target[patch].shape)}; choose a LION model of the source's size")
-    report = InitReport(str(source))
+    report = InitReport(source)
     weights, moved = _final_norm_where_pooled(weights, target, report)
     new: Dict[str, Tensor] = {}
     for name, value in target.items():

@@ -145,6 +145,31 @@ def test_init_from_adapts_positional_embeddings_and_prefix_tokens(tmp_path):
                                                      **{**dict(embed_dim=32, depth=2, num_heads=2), **wider}), str(path))
 
 
+def test_init_from_takes_a_vit_or_its_state_dict_in_memory(tmp_path):
+    """The module a researcher already holds, or its state dict (a DeiT checkpoint dict too), gives the weights the
+    same file gives; its heads are read from the module. What is no ViT is one line."""
+    deit = small_vit("deit_tiny_patch16_224")
+    torch.save(deit.state_dict(), tmp_path / "deit.pth")
+    torch.manual_seed(0)
+    from_file = small_vit("lion_d_tiny")
+    lion_vit.init_from_vit(from_file, str(tmp_path / "deit.pth"))
+    for source, name in ((deit, "the VisionTransformer given (deit_tiny_patch16_224)"),
+                         (deit.state_dict(), "the state dict given"),
+                         ({"model": deit.state_dict()}, "the state dict given")):
+        torch.manual_seed(0)
+        model = small_vit("lion_d_tiny")
+        report = lion_vit.init_from_vit(model, source)
+        assert report.source == name and len(report.copied) > 20
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), from_file.state_dict().values()))
+    with pytest.raises(ValueError, match="does not fit: the source has width 32, depth 2, 4 heads"):
+        lion_vit.init_from_vit(small_vit("lion_d_tiny"), small_vit("deit_tiny_patch16_224", num_heads=4))
+    with pytest.raises(ValueError, match=r"init_from the ResNet given \(resnet18\) is no ViT \(it has no "
+                                         r"patch_embed.proj.weight\); give a timm vit_\*, deit_\* or deit3_\* model"):
+        lion_vit.init_from_vit(small_vit("lion_d_tiny"), timm.create_model("resnet18", num_classes=5))
+    with pytest.raises(ValueError, match="init_from the state dict given holds no state dict of tensors"):
+        lion_vit.init_from_vit(small_vit("lion_d_tiny"), {})
+
+
 def test_distillation_loss_follows_deits_definitions():
     torch.manual_seed(0)
     images, labels = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 1])
