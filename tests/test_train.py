@@ -207,8 +207,11 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
     import shutil
     run = shutil.copytree(trained, tmp_path / "run")
     resumed = torch.load(run / "checkpoint-last.pt")["model"]
-    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4",
-                        "aug=none", f"output_dir={run}", "resume=auto", "ema.enabled=true"))
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=3", "batch_size=4",
+                     "aug=none", f"output_dir={run}", "resume=auto", "ema.enabled=true")
+    assert_ok(proc)
+    ema_acc1 = read_metrics(run)[-1]["val_acc1_ema"]
+    assert f"acc5 {read_metrics(run)[-1]['val_acc5']:.2f}  ema acc1 {ema_acc1:.2f}  lr " in proc.stdout + proc.stderr
     ema = torch.load(run / "checkpoint-last.pt")["model_ema"]
     assert ema.keys() == resumed.keys()
     # 6 updates at decay 0.99996 move the EMA by < 3e-4 of the way to the new weights

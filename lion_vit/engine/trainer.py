@@ -260,10 +260,11 @@ def _save_epoch(output_dir: Path, metrics: Dict[str, Any], state: Dict[str, Any]
 def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
     parts = "".join(f"  {name.removeprefix('train_')} {value:.4f}" for name, value in metrics.items()
                     if name.startswith("train_loss_"))
-    log.info("epoch %d/%d  train_loss %.4f%s  val_loss %.4f  acc1 %.2f  acc5 %.2f  lr %.2e  %.1fs (%.0f img/s, "
+    ema = f"  ema acc1 {metrics['val_acc1_ema']:.2f}" if "val_acc1_ema" in metrics else ""
+    log.info("epoch %d/%d  train_loss %.4f%s  val_loss %.4f  acc1 %.2f  acc5 %.2f%s  lr %.2e  %.1fs (%.0f img/s, "
              "%.0f %% waiting for data)", metrics["epoch"], epochs, metrics["train_loss"], parts, metrics["val_loss"],
-             metrics["val_acc1"], metrics["val_acc5"], metrics["lr"], metrics["epoch_time_s"], metrics["imgs_per_s"],
-             100 * metrics["data_wait_share"])
+             metrics["val_acc1"], metrics["val_acc5"], ema, metrics["lr"], metrics["epoch_time_s"],
+             metrics["imgs_per_s"], 100 * metrics["data_wait_share"])
 
 
 def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_classes: int, lr: float,
