@@ -113,6 +113,30 @@ def test_a_fresh_start_over_any_trace_of_a_run_is_refused(folder, tmp_path):
     assert "resumed after epoch 1" in proc.stdout and "nothing to resume" not in proc.stdout
 
 
+def test_resume_from_another_folder_never_writes_over_a_run_and_brings_its_history(run, folder, tmp_path):
+    """resume=<another run's checkpoint> continues that run in output_dir: into a folder holding a run it is refused
+    (it overwrote that run's checkpoints and mixed the two runs' metrics); into a new folder the run goes on there,
+    its metrics.jsonl starting with the checkpoint's run's lines, as resume=auto's would."""
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    before = _snapshot(other)
+    proc = run_train(*_args(folder, other), "epochs=3", f"resume={run / ckpt.LAST}")
+    assert_clean_error(proc, f"{other} already holds a run (metrics.jsonl, {ckpt.LAST}, {ckpt.PREVIOUS}, {ckpt.BEST}), "
+                       f"which resume={run / ckpt.LAST} would write over; pass resume=auto to continue the run in "
+                       f"{other}, or a new output_dir")
+    assert _snapshot(other) == before
+    new = tmp_path / "new"
+    proc = run_train(*_args(folder, new), "epochs=3", f"resume={run / ckpt.LAST}")
+    assert_ok(proc)
+    assert f"resumed after epoch 2 of {run / ckpt.LAST}" in proc.stdout
+    assert read_metrics(new)[:2] == read_metrics(run) and [m["epoch"] for m in read_metrics(new)] == [1, 2, 3]
+    assert f"best checkpoint {new / ckpt.BEST}" in proc.stdout or f"best checkpoint {run / ckpt.BEST}" in proc.stdout
+    # nothing left to train: the folder gets the history, and the done line names the checkpoint there is
+    proc = run_train(*_args(folder, tmp_path / "done"), "epochs=2", f"resume={run / ckpt.LAST}")
+    assert_ok(proc)
+    assert read_metrics(tmp_path / "done") == read_metrics(run) and f"best checkpoint {run / ckpt.BEST}" in proc.stdout
+
+
 @pytest.mark.parametrize("when", ["start", "resume"])
 def test_a_full_disk_writing_a_small_file_is_one_line_and_keeps_every_file(run, folder, tmp_path, when):
     """config.yaml at the start, metrics.jsonl's rewrite on resume: each written to a temp file first."""

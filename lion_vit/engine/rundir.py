@@ -154,6 +154,12 @@ def append_line(path: Path, line: str) -> None:
             raise
 
 
+def copy_metrics(source: Path, path: Path) -> None:
+    """Start metrics.jsonl (path, not yet there) as a copy of another run's (source), where it has one."""
+    if source.is_file() and not path.exists():
+        write_atomic(path, source.read_text())
+
+
 def drop_metrics_after(path: Path, epochs_done: int) -> None:
     """Keep metrics.jsonl's lines of the first epochs_done epochs (counted from 1), those of the resumed
     checkpoint: a line of a later epoch comes from a run killed after logging it and before its checkpoint

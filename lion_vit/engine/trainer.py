@@ -177,8 +177,11 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         logger.finish()
     if is_main and best[0] >= 0:
         last = f", last {metrics['val_acc1']:.2f} %" if metrics else ""
-        log.info("done: best top-1 %.2f %% (epoch %s)%s; run folder %s, best checkpoint %s", best[0], best[1], last,
-                 output_dir, output_dir / ckpt.BEST)
+        elsewhere = _resumed_elsewhere(cfg, output_dir)  # (its best, where the run resumed from it trained nothing)
+        best_file = next((path for path in (output_dir / ckpt.BEST, elsewhere and elsewhere.parent / ckpt.BEST)
+                          if path and path.is_file()), None)
+        log.info("done: best top-1 %.2f %% (epoch %s)%s; run folder %s%s", best[0], best[1], last, output_dir,
+                 f", best checkpoint {best_file}" if best_file else "")
     return metrics
 
 
@@ -239,8 +242,11 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
             load_weights(ema.module, trained_ema)
         else:  # EMA turned on for a run that trained without it: start from its weights
             ema.set(model)
-    log.info("resumed after epoch %d of %s", start_epoch, output_dir)
+    elsewhere = _resumed_elsewhere(cfg, output_dir)
+    log.info("resumed after epoch %d of %s", start_epoch, output_dir if cfg.resume == "auto" else cfg.resume)
     if is_main:
+        if elsewhere:  # continued in a new folder: it starts with the history of the checkpoint's run
+            rundir.copy_metrics(elsewhere.parent / METRICS, output_dir / METRICS)
         rundir.drop_metrics_after(output_dir / METRICS, start_epoch)
     if start_epoch >= cfg.epochs:
         log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (a larger epochs "
@@ -332,7 +338,20 @@ def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[
             log.info("resume=auto: nothing to resume in %s, a fresh start (to continue a run, pass output_dir=<its "
                      "folder>)", output_dir)
         return state
-    return ckpt.load_checkpoint(Path(cfg.resume))
+    path = Path(cfg.resume)
+    state = ckpt.load_checkpoint(path)
+    if found and _resumed_elsewhere(cfg, output_dir):
+        raise UserError(f"{output_dir} already holds a run ({', '.join(found)}), which resume={path} would write "
+                        f"over; pass resume=auto to continue the run in {output_dir}, or a new output_dir to "
+                        f"continue {path}'s run there")
+    return state
+
+
+def _resumed_elsewhere(cfg: DictConfig, output_dir: Path) -> Optional[Path]:
+    """resume=<path> of a checkpoint outside output_dir (a run continued in a new folder): that path, else None."""
+    if cfg.resume in (None, "", False, "auto") or Path(cfg.resume).resolve().parent == output_dir.resolve():
+        return None
+    return Path(cfg.resume)
 
 
 def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
