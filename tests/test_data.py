@@ -94,6 +94,27 @@ def test_flat_val_folder_is_named(tmp_path):
         image_folder(str(tmp_path), "empty")
 
 
+def test_a_missing_split_says_what_the_root_holds(tmp_path):
+    """A root that is missing, a root that is itself a split, and splits of other names each get their own fix."""
+    from lion_vit.data.datasets import image_folder
+    from lion_vit.errors import UserError
+    root = make_image_folder(tmp_path / "imgs", classes=2, train_per_class=1, val_per_class=1)
+    with pytest.raises(UserError, match=f"data.root {tmp_path / 'nowhere'} does not exist; set data.root to a folder "
+                                        "with train/ and val/ class subfolders"):
+        image_folder(str(tmp_path / "nowhere"), "train")
+    with pytest.raises(UserError, match=r"data.root .*train looks like one split: its subfolders "
+                                        r"\(class_0/, class_1/\) hold images; set data.root to the folder above"):
+        image_folder(str(root / "train"), "train")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    for split, name in (("train", "training"), ("val", "validation")):
+        (root / split).rename(renamed / name)
+    with pytest.raises(UserError, match=f"data folder {renamed / 'train'} does not exist; {renamed} holds training/, "
+                                        r"validation/: name its splits with data.train_split=<folder> data.val_split="):
+        image_folder(str(renamed), "train")
+    assert len(image_folder(str(renamed), "training")) == 2
+
+
 def test_cifar_download_failure_is_one_line(tmp_path, monkeypatch):
     """data.download=true without a network says so and where to fetch the archive, not a urllib traceback;
     the folders the download made (data.root and its missing parents) go, with what it wrote there."""

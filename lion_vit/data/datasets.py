@@ -138,6 +138,23 @@ class SafeImageFolder(ImageFolder):
         raise UserError(f"no readable image under {self.root}")
 
 
+def _missing_split(root: Path, path: Path) -> str:
+    """Why root/<split> is not there, and the fix: a root that is missing, that is itself a split (its
+    subfolders hold images), or whose splits have other names."""
+    fix = "set data.root to a folder with train/ and val/ class subfolders (see data/README.md)"
+    if not root.is_dir():
+        return f"data.root {root} does not exist; {fix}"
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    listed = ", ".join(f"{name}/" for name in folders[:6]) + (", ..." if len(folders) > 6 else "")
+    if any(f.suffix.lower() in IMG_EXTENSIONS for name in folders[:3] for f in (root / name).iterdir() if f.is_file()):
+        return (f"data.root {root} looks like one split: its subfolders ({listed}) hold images; set data.root to "
+                f"the folder above, which holds train/ and val/ (see data/README.md)")
+    if folders:
+        return (f"data folder {path} does not exist; {root} holds {listed}: name its splits with "
+                f"data.train_split=<folder> data.val_split=<folder>, or {fix}")
+    return f"data folder {path} does not exist; {fix}"
+
+
 def collate_dropping_unreadable(batch: List[Tuple[Any, int]]) -> Tuple[Tensor, Tensor]:
     """default_collate of the readable samples; the unreadable ones' -(index + 1) targets follow the
     readable targets (targets has more entries than images has rows: split_unreadable separates them)."""
@@ -161,8 +178,7 @@ def image_folder(root: str, split: str, transform: Optional[Callable] = None,
     loader: a file's path to what the transform takes (default: ImageFolder's, a PIL image)."""
     path = Path(root) / split
     if not path.is_dir():
-        raise UserError(f"data folder {path} does not exist; set data.root to a folder with train/ and val/ "
-                        f"class subfolders (see data/README.md)")
+        raise UserError(_missing_split(Path(root), path))
     try:
         return SafeImageFolder(str(path), transform=transform, drop_unreadable=drop_unreadable, loader=loader)
     except FileNotFoundError as error:
