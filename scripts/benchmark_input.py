@@ -34,6 +34,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,15 +62,35 @@ ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("workers", "device")  # where normalisation and erasing run: the old path, then train.py's
 
 
+SYNTHETIC_FILE = re.compile(r"(train|val)/class_\d+/\d{6}\.JPEG")  # a path make_image_folder writes
+
+
+def foreign_file(root: Path) -> Optional[Path]:
+    """The first file under root that make_image_folder did not write (a dataset's, say), or None."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder, name)
+            if not SYNTHETIC_FILE.fullmatch(path.relative_to(root).as_posix()):
+                return path
+    return None
+
+
 def make_image_folder(root: Path, count: int, classes: int = 10, val_per_class: int = 4) -> Path:
     """count JPEGs of ImageNet's sizes in root/train/<class>/, and val_per_class more per class in root/val/
-    (kept: a folder already holding them is reused); made by every core of the machine."""
+    (kept: a folder already holding them is reused; one made for another count loses its other JPEGs); made by
+    every core of the machine. root holds nothing else (foreign_file)."""
     classes = min(classes, count)  # every class in train/ too
     files = [root / "train" / f"class_{i % classes}" / f"{i:06d}.JPEG" for i in range(count)]
     files += [root / "val" / f"class_{c}" / f"{count + c * val_per_class + i:06d}.JPEG" for c in range(classes)
               for i in range(val_per_class)]
-    if sorted(root.glob("*/*/*.JPEG")) == sorted(files):
+    present = set(root.glob("*/*/*.JPEG"))
+    if present == set(files):
         return root
+    for stale in present - set(files):
+        stale.unlink()
+    for folder in {stale.parent for stale in present - set(files)}:
+        if not any(folder.iterdir()):
+            folder.rmdir()
     for file in files:
         file.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor() as pool:
@@ -231,7 +252,8 @@ def main() -> None:
     parser.add_argument("--img-size", type=positive_int, default=224)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed epochs per configuration")
     parser.add_argument("--data", type=output_folder, default="bench_out/input_images",
-                        help="where the synthetic ImageFolder is made (kept for the next run)")
+                        help="where the synthetic ImageFolder is made (kept for the next run); a folder of "
+                             "other files (a dataset) is refused")
     parser.add_argument("--out", type=output_folder, default="bench_out", help="folder for the CSV and JSON")
     parser.add_argument("--train", nargs="+", metavar="MODEL", help="end to end: train.py on the folder against "
                         "benchmark_train.py, for these models (see above)")
@@ -246,6 +268,11 @@ def main() -> None:
         parser.error(f"--images {args.images} makes fewer than two batches of --batch-size {args.batch_size}; "
                      f"time needs a batch after the first")
 
+    stray = foreign_file(args.data)
+    if stray is not None:
+        parser.error(f"--data {args.data} holds {stray.relative_to(args.data)}, which this script did not make: it "
+                     f"writes its synthetic JPEGs there (a dataset would gain their class folders); choose a new or "
+                     f"empty folder")
     keep_freed_memory()  # as train.py on a CPU (cpu_keep_freed_memory): no page faults for each batch's tensors
     started = time.perf_counter()
     make_image_folder(args.data, args.images)

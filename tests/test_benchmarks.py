@@ -594,6 +594,27 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     assert {row["omp_wait_policy"] for row in rows} == {policy} and f"OpenMP threads here wait: {policy}" in out
 
 
+def test_input_script_writes_only_into_a_folder_of_its_own(tmp_path):
+    """--data is where the synthetic JPEGs are made: a folder of other files (a dataset, which would gain ten class
+    folders) is refused before anything is written; one made for another count keeps exactly the new count."""
+    data = tmp_path / "images"
+    for count in (12, 8):
+        run_script("benchmark_input.py", "--images", str(count), "--batch-size", "4", "--img-size", "32", "--workers",
+                   "0", "--repeats", "1", "--data", str(data), "--out", str(tmp_path))
+    assert len(list(data.glob("train/*/*.JPEG"))) == 8 and len(list(data.glob("val/*/*.JPEG"))) == 32
+    assert sorted(p.name for p in (data / "train").iterdir()) == [f"class_{c}" for c in range(8)]
+    assert runpy.run_path(str(ROOT / "scripts" / "benchmark_input.py"))["foreign_file"](data) is None
+    dataset = tmp_path / "imagenet"
+    (dataset / "train" / "n01440764").mkdir(parents=True)
+    (dataset / "train" / "n01440764" / "n01440764_10026.JPEG").write_bytes(b"")
+    proc = run_python(str(ROOT / "scripts" / "benchmark_input.py"), "--data", str(dataset), "--images", "4",
+                      "--batch-size", "2")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        f"--data {dataset} holds train/n01440764/n01440764_10026.JPEG, which this script did not make: it writes its "
+        "synthetic JPEGs there (a dataset would gain their class folders); choose a new or empty folder")
+    assert [p.name for p in (dataset / "train").iterdir()] == ["n01440764"]
+
+
 def test_input_script_times_both_paths_from_the_dataloaders_first_batch(monkeypatch):
     """With each image costing one tick of a fake clock, both paths deliver one image a tick, though timm's
     PrefetchLoader (the device path) hands out a batch only once the next one is loaded."""
