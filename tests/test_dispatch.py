@@ -83,7 +83,7 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
 
 def test_auto_form_picks_the_chunk_form_for_long_decayed_sequences_on_a_cpu(kernels, knobs):
     """On a CPU, form auto runs the chunk form from Tuning.cpu_auto_chunk_min_tokens on (by training and number of
-    scans), in chunks of the call's chunk size or else Tuning.cpu_auto_chunk_size: in groups of rows without
+    scans), in chunks of the call's chunk size or else Tuning.default_chunk_size: in groups of rows without
     autograd, the portable chunk form with it. Each device reads its own thresholds, and CUDA without the kernels
     runs the portable attention form at any length."""
     kernels(True)
@@ -101,7 +101,7 @@ def test_auto_form_picks_the_chunk_form_for_long_decayed_sequences_on_a_cpu(kern
     assert plan("auto", 100, 600, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=6, chunk_size=100)
     assert plan("auto", None, 5000, 64, 64, decayed=False, device=CPU) == \
         dispatch.Plan("attention", "torch", whole=True, linear=True)
-    knobs(cpu_auto_chunk_size=32)
+    knobs(default_chunk_size=32)
     assert plan("auto", None, 600, 64, 64, device=CPU, training=True) == \
         dispatch.Plan("chunk", "torch", chunks=19, chunk_size=32)
     kernels(False)
@@ -149,6 +149,21 @@ def test_chunk_form_runs_one_product_where_cheaper(kernels):
     assert plan("chunk", 64, 784, 64, 64, num_scans=2) == dispatch.Plan("chunk", "cpu", chunks=13, chunk_size=64)
     assert plan("chunk", 64, 784, 64, 64, num_scans=2, device=CUDA) == \
         dispatch.Plan("chunk", "triton", chunks=13, chunk_size=64, grouped=True)
+
+
+def test_chunk_form_without_a_chunk_size_runs_chunks_of_the_default(kernels, knobs):
+    """chunk_size None is Tuning.default_chunk_size, not one chunk of the whole sequence: that is the attention
+    form's time and memory (docs/benchmarks.md, "The chunk form without a chunk size")."""
+    kernels(True)
+    assert plan("chunk", None, 600, 64, 64, training=True) == dispatch.Plan("chunk", "torch", chunks=10, chunk_size=64)
+    assert plan("chunk", None, 600, 64, 64, vector=True, backend="torch") == \
+        dispatch.Plan("chunk", "torch", chunks=10, chunk_size=64, vector=True)
+    assert plan("chunk", None, 600, 64, 64, device=CUDA).chunk_size == dispatch.TRITON_CHUNK  # (the kernels' tile)
+    knobs(default_chunk_size=32)
+    assert plan("chunk", None, 600, 64, 64, training=True) == dispatch.Plan("chunk", "torch", chunks=19, chunk_size=32)
+    assert plan("chunk", 600, 600, 64, 64, training=True).chunks == 1  # one chunk of all the tokens, where asked for
+    model = timm.create_model("lion_d_small").eval().set_attn_form("chunk")
+    assert model.attn_form == ("chunk", None) and model.chunks_per_sequence(1248) == 191  # 78 x 78 + 1 tokens / 32
 
 
 def test_triton_off_cuda_is_an_error_unless_interpreted(kernels, monkeypatch):
@@ -299,7 +314,7 @@ def test_tuned_sets_knobs_for_its_block_and_refuses_bad_ones(kernels):
             (dict(auto_chunk_min_tokens={(True, 1): 1}), "auto_chunk_min_tokens must give"),
             (dict(cpu_auto_chunk_min_tokens={key: 0 for key in code.auto_chunk_min_tokens}),
              "cpu_auto_chunk_min_tokens must give"),
-            (dict(cpu_auto_chunk_size=0), "cpu_auto_chunk_size must be a positive integer"),
+            (dict(default_chunk_size=0), "default_chunk_size must be a positive integer"),
             (dict(bidirectional_forward=(64, 48, 4)), r"bidirectional_forward must be \(own tile, loop tile, warps\)"),
             (dict(bidirectional_backward=(8, 16, 4)), "bidirectional_backward must be"),
             (dict(bidirectional_backward=(64, 32)), "bidirectional_backward must be"),

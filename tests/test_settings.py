@@ -168,7 +168,7 @@ def test_a_checkpoint_is_read_by_evaluation_only():
     ("tuning.auto_chunk_min_tokens=2048", "auto_chunk_min_tokens must map training and / or inference"),
     ("tuning.cpu_auto_chunk_min_tokens={inference: -1}",
      "cpu_auto_chunk_min_tokens must map training and / or inference"),
-    ("tuning.cpu_auto_chunk_size=0", "cpu_auto_chunk_size must be a positive integer"),
+    ("tuning.default_chunk_size=0", "default_chunk_size must be a positive integer"),
 ])
 def test_tuning_settings_are_checked_as_the_ops_check_them(override, needle):
     """Each tuning.* setting is one of lion_vit.ops.Tuning's knobs, refused in one line with Tuning's reason."""
@@ -190,7 +190,7 @@ def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
     from lion_vit.engine.config import tuning_changes
     from lion_vit.ops import Tuning, tuned, tuning
     overrides = ["tuning.group_share=0.5", "tuning.auto_chunk_min_tokens={training: 2048}",
-                 "tuning.cpu_auto_chunk_min_tokens={inference: 16}", "tuning.cpu_auto_chunk_size=4",
+                 "tuning.cpu_auto_chunk_min_tokens={inference: 16}", "tuning.default_chunk_size=4",
                  "tuning.bidirectional_backward=[64,64,8]"]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         assert tuning_changes(compose("config").tuning) == {}
@@ -201,12 +201,12 @@ def test_tuning_settings_set_the_ops_knobs_for_the_run(tmp_path):
     with tuned(**tuning_changes(cfg.tuning)) as knobs:
         assert knobs.changes() == {"group_share": 0.5, "bidirectional_backward": (64, 64, 8),
                                    "auto_chunk_min_tokens": thresholds, "cpu_auto_chunk_min_tokens": cpu_thresholds,
-                                   "cpu_auto_chunk_size": 4}
+                                   "default_chunk_size": 4}
     assert tuning().changes() == {}
     proc = run_train(*overrides, "epochs=1", "progress=false", f"output_dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"tuning: auto_chunk_min_tokens={thresholds}, cpu_auto_chunk_min_tokens={cpu_thresholds}, " \
-           "cpu_auto_chunk_size=4, group_share=0.5, bidirectional_backward=(64, 64, 8) (the other knobs at their " \
+           "default_chunk_size=4, group_share=0.5, bidirectional_backward=(64, 64, 8) (the other knobs at their " \
            "defaults)" in proc.stdout
     # the digits' 16 tokens: trained in the attention form, evaluated in the chunk form (the CPU's knobs above; its
     # one product over the 16 tokens, which costs less than 4 chunks of 4)

@@ -12,7 +12,9 @@ exact way to get it:
 - form "auto" is the attention form, except for decayed sequences of at least Tuning.auto_chunk_min_tokens
   tokens (by training and number of scans) on the triton backend, where the chunk kernels run, and of at least
   Tuning.cpu_auto_chunk_min_tokens on a CPU, where the chunk form runs (chunks of the call's chunk size, or
-  Tuning.cpu_auto_chunk_size); on CUDA without the kernels, the portable attention form at any length;
+  Tuning.default_chunk_size); on CUDA without the kernels, the portable attention form at any length;
+- the chunk form's chunks hold at most the call's chunk size, or Tuning.default_chunk_size tokens (the triton
+  backend: its kernels' tile);
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
   backend the fused attention form's, elsewhere the portable one's;
@@ -119,7 +121,8 @@ def check_form(form: str, chunk_size: Optional[int] = None) -> None:
         raise ValueError(f"unknown attn_form {form!r}; choose one of {sorted(FORM_CHOICES)}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive integer or None (whole sequence), got {chunk_size!r}")
+        raise ValueError(f"chunk_size must be a positive integer or None (Tuning.default_chunk_size), got "
+                         f"{chunk_size!r}")
 
 
 def check_backend(backend: str) -> None:
@@ -173,6 +176,9 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
     check_form(form, chunk_size)
     auto_backend = backend == "auto"
     backend = resolve_backend(backend, device, dtype)
+    knobs = tuning()
+    if form == "chunk" and chunk_size is None:  # chunks, as the form's name says (the triton kernels': their own)
+        chunk_size = knobs.default_chunk_size
     if vector:  # vector.py: the attention form one chunk (or FLA's chunks), the rnn form chunks of 1
         form = "attention" if form == "auto" else form
         if backend == "triton":  # FLA's vector-gate kernels: chunked (attention and chunk forms) or recurrent
@@ -189,13 +195,12 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                         hand_backward=rows and training and dtype in (torch.float32, torch.float64) and
                         min(chunk_size or length, length) > 1)  # (chunks of one token: vector._in_loop)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
-    knobs = tuning()
     if form == "auto":  # (the triton backend's chunks are its kernels' tile, below)
         if backend == "triton":
             form = "chunk" if decayed and length >= knobs.auto_chunk_min_tokens[training, num_scans] else "attention"
         elif device.type == "cpu" and decayed and length >= knobs.cpu_auto_chunk_min_tokens[training, num_scans]:
             form = "chunk"
-            chunk_size = knobs.cpu_auto_chunk_size if chunk_size is None else chunk_size
+            chunk_size = knobs.default_chunk_size if chunk_size is None else chunk_size
         else:
             form = "attention"
     grouped = backend == "triton" and not training

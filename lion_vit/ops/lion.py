@@ -30,7 +30,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
     orders: None (one scan in token order: S = 1) or [S, L] permutations (scan position -> token); each
     scan's mask is built along its order.
     form: "attention" | "rnn" | "chunk" | "auto"; chunk_size: for "chunk" on the torch backend, at most
-    this many tokens per chunk (ceil(L / chunk_size) equal chunks; None = one chunk of L).
+    this many tokens per chunk (ceil(L / chunk_size) equal chunks; None: Tuning.default_chunk_size, 64).
     backend: "auto" | "torch" | "triton"; feature_map: None (q, k are features) or a FEATURE_MAPS name
     (q, k are raw and mapped by it); scaling: "sum" (the division above), "none" (no division) or "max"
     (by max(|rowsum|, 1), xLSTM's), scalings.py. plan: a dispatch.Plan to run instead of the one these inputs and

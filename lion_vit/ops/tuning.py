@@ -47,8 +47,9 @@ class Tuning:
         the attention form below, by (training, number of scans): the smallest length timed on a 2-core CPU from
         which no small model took clearly more time in the chunk form, and each less memory (400 tokens, 320 px, in
         inference; 784, 448 px, in training; docs/benchmarks.md, "Form auto on a CPU").
-    cpu_auto_chunk_size: the most tokens a chunk holds where form "auto" runs the chunk form on a CPU and the call
-        names no chunk size.
+    default_chunk_size: the most tokens a chunk holds where the call names no chunk size: the chunk form off the
+        triton backend (whose kernels chunk by their own tile), and form "auto" where it runs the chunk form on a
+        CPU. (Without it a chunk form would run one chunk of the whole sequence: the attention form's cost.)
     chunk_backward_fallback: training in the chunk form where FLA's chunk backward fails: "torch" (the portable
         chunk form, parallel over chunks), "rnn" (FLA's fused recurrent kernels, serial over tokens) or "forward"
         (the chunk kernels, whose backward runs as three more of their forward passes): the fastest of the three
@@ -80,7 +81,7 @@ class Tuning:
 
     auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_auto_chunk_min_tokens)
     cpu_auto_chunk_min_tokens: Dict[Tuple[bool, int], int] = field(default_factory=_cpu_auto_chunk_min_tokens)
-    cpu_auto_chunk_size: int = 64
+    default_chunk_size: int = 64
     chunk_backward_fallback: str = "forward"
     chunk_backward_fails: Optional[bool] = None
     group_share: float = 4 / 3
@@ -108,8 +109,8 @@ class Tuning:
                 raise ValueError(f"{name} must give a positive number of tokens for each of {sorted(default())} "
                                  f"(training, scans), got {thresholds!r}")
             object.__setattr__(self, name, dict(thresholds))  # (a copy: not the caller's dict)
-        if not _positive_int(self.cpu_auto_chunk_size):
-            raise ValueError(f"cpu_auto_chunk_size must be a positive integer, got {self.cpu_auto_chunk_size!r}")
+        if not _positive_int(self.default_chunk_size):
+            raise ValueError(f"default_chunk_size must be a positive integer, got {self.default_chunk_size!r}")
         if isinstance(self.group_share, bool) or not isinstance(self.group_share, (int, float)) or \
                 not self.group_share >= 0:
             raise ValueError(f"group_share must be a number >= 0 (0: one image a group), got {self.group_share!r}")
