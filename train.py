@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lion_vit.engine import interrupts, rundir
 from lion_vit.engine.checkpoint import LAST
-from lion_vit.engine.config import composition_error
+from lion_vit.engine.config import check_setting, composition_error
 from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError
 
@@ -83,6 +83,14 @@ def _check_hydra_arguments(argv: list) -> None:
         print("error: hydra.run.dir is not where train.py writes a run; pass output_dir=<folder> instead (with -m, "
               "job k of the sweep writes to <output_dir>/k)", file=sys.stderr)
         sys.exit(2)
+    if {"-m", "--multirun"} & set(argv):  # output_dir is the sweep's folder, made and written before any job runs
+        for arg in argv:
+            if arg.lstrip("+").startswith("output_dir="):
+                try:
+                    check_setting("output_dir", arg.split("=", 1)[1])
+                except UserError as error:
+                    print(f"error: {error}", file=sys.stderr)
+                    sys.exit(2)
 
 
 def _interrupted(cfg: DictConfig, what: str) -> str:

@@ -39,6 +39,10 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
         ((f"hydra.run.dir={tmp_path / 'run_hydra'}",), ("hydra.run.dir is not where train.py writes a run; pass "
                                                          "output_dir=<folder> instead",)),
+        # a sweep's empty output_dir (an unset shell variable): its folder would be the current one, from which
+        # Hydra's multirun.yaml and the jobs' folders were written (here into the test's folder, were it not refused)
+        (("-m", "output_dir=", f"hydra.sweep.dir={tmp_path / 'run_sweep'}", "seed=0,1"),
+         ("output_dir= is not allowed; set output_dir to a folder (empty, as an unset shell variable",)),
     ]
     # independent processes, mostly Python start-up and imports: run side by side, each with its own
     # output_dir in the test's folder (the last case sets its own), which the failed run leaves out

@@ -322,6 +322,14 @@ def check_settings(cfg: DictConfig) -> None:
         _check_related(cfg)
 
 
+def check_setting(name: str, value: Any) -> None:
+    """One top-level setting's rule, for a value train.py reads before Hydra composes the config (with -m,
+    Hydra makes output_dir the sweep's folder before any job runs check_settings)."""
+    f = next(f for field_name, f, _ in _fields(RunConfig) if field_name == name)
+    if f.metadata.get("test") is not None and not f.metadata["test"](value):
+        raise _not_allowed(name, value, f.metadata["expected"])
+
+
 def unknown_setting(name: str) -> UserError:
     """A setting train.py does not have, with the nearest names it has (a typo is the usual cause)."""
     near = difflib.get_close_matches(name, [known for known, _, _ in _fields(RunConfig)], n=3, cutoff=0.7)
