@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,10 @@ def test_a_missing_split_says_what_the_root_holds(tmp_path):
     with pytest.raises(UserError, match=f"data.root {tmp_path / 'nowhere'} does not exist; set data.root to a folder "
                                         "with train/ and val/ class subfolders"):
         image_folder(str(tmp_path / "nowhere"), "train")
+    here = Path.cwd()
+    with pytest.raises(UserError, match=re.escape(f"data.root data/nowhere (from {here}: {here / 'data' / 'nowhere'}) "
+                                                  "does not exist")):
+        image_folder("data/nowhere", "train")  # a relative root, as the configs' defaults are, read from the cwd
     with pytest.raises(UserError, match=r"data.root .*train looks like one split: its subfolders "
                                         r"\(class_0/, class_1/\) hold images; set data.root to the folder above"):
         image_folder(str(root / "train"), "train")

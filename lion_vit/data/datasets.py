@@ -78,7 +78,7 @@ def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable
             raise UserError(f"could not download CIFAR-{num_classes} into {root} ({reason}); fetch {dataset.url} "
                             f"by hand and extract it under data.root") from None
     if not base.is_dir():
-        raise UserError(f"CIFAR-{num_classes} not found: expected {base}/ (the python version of the archive); "
+        raise UserError(f"CIFAR-{num_classes} not found: expected the folder {_shown(base)} (the python version of the archive); "
                         f"set data.root to the folder holding it, or add data.download=true")
     if num_classes == 10:
         files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
@@ -138,12 +138,17 @@ class SafeImageFolder(ImageFolder):
         raise UserError(f"no readable image under {self.root}")
 
 
+def _shown(path: Path) -> str:
+    """A path for an error line; a relative one (the configs' default roots) with where it was looked for."""
+    return str(path) if path.is_absolute() else f"{path} (from {Path.cwd()}: {path.resolve()})"
+
+
 def _missing_split(root: Path, path: Path) -> str:
     """Why root/<split> is not there, and the fix: a root that is missing, that is itself a split (its
     subfolders hold images), or whose splits have other names."""
     fix = "set data.root to a folder with train/ and val/ class subfolders (see data/README.md)"
     if not root.is_dir():
-        return f"data.root {root} does not exist; {fix}"
+        return f"data.root {_shown(root)} does not exist; {fix}"
     folders = sorted(p.name for p in root.iterdir() if p.is_dir())
     listed = ", ".join(f"{name}/" for name in folders[:6]) + (", ..." if len(folders) > 6 else "")
     if any(f.suffix.lower() in IMG_EXTENSIONS for name in folders[:3] for f in (root / name).iterdir() if f.is_file()):
