@@ -83,12 +83,12 @@ def make_image_folder(root: Path, count: int, classes: int = 10, val_per_class: 
     files = [root / "train" / f"class_{i % classes}" / f"{i:06d}.JPEG" for i in range(count)]
     files += [root / "val" / f"class_{c}" / f"{count + c * val_per_class + i:06d}.JPEG" for c in range(classes)
               for i in range(val_per_class)]
-    present = set(root.glob("*/*/*.JPEG"))
-    if present == set(files):
+    present, wanted = set(root.glob("*/*/*.JPEG")), set(files)
+    if present == wanted:
         return root
-    for stale in present - set(files):
+    for stale in present - wanted:
         stale.unlink()
-    for folder in {stale.parent for stale in present - set(files)}:
+    for folder in {stale.parent for stale in present - wanted}:
         if not any(folder.iterdir()):
             folder.rmdir()
     for file in files:

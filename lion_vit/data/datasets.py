@@ -78,8 +78,8 @@ def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable
             raise UserError(f"could not download CIFAR-{num_classes} into {root} ({reason}); fetch {dataset.url} "
                             f"by hand and extract it under data.root") from None
     if not base.is_dir():
-        raise UserError(f"CIFAR-{num_classes} not found: expected the folder {_shown(base)} (the python version of the archive); "
-                        f"set data.root to the folder holding it, or add data.download=true")
+        raise UserError(f"CIFAR-{num_classes} not found: expected the folder {_shown(base)} (the python version of "
+                        f"the archive); set data.root to the folder holding it, or add data.download=true")
     if num_classes == 10:
         files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
         meta = "batches.meta"

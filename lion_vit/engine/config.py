@@ -310,10 +310,9 @@ def check_settings(cfg: DictConfig) -> None:
         raise unknown_setting(str(error.full_key)) from None
     training = cfg.eval_only is not True
     for name, (f, training_only) in rules.items():
-        test = f.metadata.get("test")
         value = OmegaConf.select(cfg, name, default=_ABSENT)
-        if test is not None and value is not _ABSENT and (training or not training_only) and not test(value):
-            raise _not_allowed(name, value, f.metadata["expected"])
+        if value is not _ABSENT and (training or not training_only):
+            _check_rule(name, f, value)
     _check_tuning(cfg.tuning)
     if cfg.data.name == "digits" and cfg.data.root:  # (the digits ship with scikit-learn)
         raise UserError(f"data.root={cfg.data.root} is not read by data=digits, which scikit-learn ships; to read "
@@ -323,10 +322,14 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def check_setting(name: str, value: Any) -> None:
-    """One top-level setting's rule, for a value train.py reads before Hydra composes the config (with -m,
-    Hydra makes output_dir the sweep's folder before any job runs check_settings)."""
-    f = next(f for field_name, f, _ in _fields(RunConfig) if field_name == name)
-    if f.metadata.get("test") is not None and not f.metadata["test"](value):
+    """One setting's rule, for a value train.py reads before Hydra composes the config (with -m, Hydra makes
+    output_dir the sweep's folder before any job runs check_settings)."""
+    _check_rule(name, next(f for field_name, f, _ in _fields(RunConfig) if field_name == name), value)
+
+
+def _check_rule(name: str, f: dataclasses.Field, value: Any) -> None:
+    test = f.metadata.get("test")
+    if test is not None and not test(value):
         raise _not_allowed(name, value, f.metadata["expected"])
 
 

@@ -211,7 +211,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         return Plan("rnn", backend, grouped=grouped)
     if backend == "triton":
         chunk_size = TRITON_CHUNK
-    whole = (num_scans > 1 and (chunk_size is None or chunk_size >= length)) or whole_product_is_cheaper(
+    whole = (num_scans > 1 and chunk_size >= length) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
     if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
         return Plan("chunk", "triton" if fused else "torch", whole=True, linear=not decayed)
