@@ -140,6 +140,7 @@ class LionViT(VisionTransformer):
             self._add_distillation_token(kwargs.get("device"), kwargs.get("dtype"), init=weight_init != "skip")
         shared_orders: dict = {}  # every layer reads the same snake orders: compute and keep them once
         for attn in self.lion_attentions():
+            attn.__class__ = LionAttention  # the bound class only built it: a plain layer pickles (torch.save)
             attn.num_prefix_tokens = self.num_prefix_tokens
             attn._orders = shared_orders
             if weight_init != "skip":
@@ -307,7 +308,8 @@ torch.fx.wrap("_resampled_pos_embed")
 
 
 def _partial_attention(**lion_kwargs: Any) -> type:
-    """A LionAttention subclass with the LION arguments bound (timm's Block wants a class)."""
+    """A LionAttention subclass with the LION arguments bound (timm's Block wants a class); LionViT turns the
+    layers it built into plain LionAttention, which pickle by name as this local class cannot."""
     class BoundLionAttention(LionAttention):
         def __init__(self, dim: int, **timm_kwargs: Any) -> None:
             super().__init__(dim, **timm_kwargs, **lion_kwargs)

@@ -251,6 +251,20 @@ def test_state_dict_roundtrip_across_forms(tmp_path):
         assert rel_err(ema(x), model(x)) <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["lion_lit_tiny", "lion_s_natural_tiny_distilled", "lion_gla_tiny"])
+def test_a_whole_model_pickles(name, tmp_path):
+    """torch.save(model) and multiprocessing pickle a model by its classes' names: every layer is a plain
+    LionAttention, in the form it was set to."""
+    model = trained_like(timm.create_model(name, num_classes=4, depth=2)).eval()
+    model.set_attn_form("chunk", chunk_size=4)
+    torch.save(model, tmp_path / "model.pt")
+    restored = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(type(layer) is LionAttention for layer in restored.lion_attentions())
+    x = torch.randn(1, 3, 48, 48)
+    with torch.no_grad():
+        assert torch.equal(restored(x), model(x))
+        assert rel_err(restored.set_attn_form("rnn")(x), model(x)) <= 1e-4
+
 def test_autocast_bf16_forward():
     model = trained_like(timm.create_model("lion_s_tiny", num_classes=4)).eval()
     x = torch.randn(2, 3, 64, 64)
