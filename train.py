@@ -11,12 +11,15 @@ Every setting is in configs/ (start at configs/config.yaml); bad input ends with
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,6 +27,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from lion_vit.engine import interrupts, rundir
 from lion_vit.engine.checkpoint import LAST
@@ -63,8 +67,7 @@ def main(cfg: DictConfig) -> float:
         if isinstance(error, UserError):
             if job_dir is not None:  # a job failing before its first epoch leaves no folder, as a single run
                 rundir.remove_if_unused(job_dir, up_to=job_dir)
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            _exit_with_error(str(error))
         raise
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
@@ -75,22 +78,33 @@ def _check_hydra_arguments(argv: list) -> None:
     hydra.run.dir, where Hydra apps usually write, would be made empty while the run went to output_dir."""
     launchers = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+~").startswith("hydra/launcher=")]
     if any("slurm" in launcher for launcher in launchers) and shutil.which("srun") is None:
-        print("error: hydra/launcher=slurm submits jobs through SLURM, but srun is not on this machine's PATH; run "
-              "it on a SLURM login node, or without hydra/launcher=slurm (python train.py or torchrun)",
-              file=sys.stderr)
-        sys.exit(2)
+        _exit_with_error("hydra/launcher=slurm submits jobs through SLURM, but srun is not on this machine's PATH; "
+                         "run it on a SLURM login node, or without hydra/launcher=slurm (python train.py or torchrun)")
     if any(arg.lstrip("+~").startswith("hydra.run.dir=") for arg in argv):
-        print("error: hydra.run.dir is not where train.py writes a run; pass output_dir=<folder> instead (with -m, "
-              "job k of the sweep writes to <output_dir>/k)", file=sys.stderr)
-        sys.exit(2)
+        _exit_with_error("hydra.run.dir is not where train.py writes a run; pass output_dir=<folder> instead (with -m, "
+                         "job k of the sweep writes to <output_dir>/k)")
     if {"-m", "--multirun"} & set(argv):  # output_dir is the sweep's folder, made and written before any job runs
         for arg in argv:
             if arg.lstrip("+").startswith("output_dir="):
                 try:
                     check_setting("output_dir", arg.split("=", 1)[1])
                 except UserError as error:
-                    print(f"error: {error}", file=sys.stderr)
-                    sys.exit(2)
+                    _exit_with_error(str(error))
+
+
+def _exit_with_error(message: str) -> NoReturn:
+    """Bad input: one `error:` line on stderr, exit status 2. Under torchrun the line also goes to the process's
+    error file, which torchrun's report of the failed processes then shows as the root cause (without it, that
+    report names only a link to its docs)."""
+    line = f"error: {message}"
+    print(line, file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        except OSError:
+            pass  # (the line is on stderr all the same)
+    sys.exit(2)
 
 
 def _interrupted(cfg: DictConfig, what: str) -> str:
@@ -103,6 +117,7 @@ def _interrupted(cfg: DictConfig, what: str) -> str:
             f"resume=auto output_dir={output_dir}")
 
 
+@record  # under torchrun a crash's traceback goes to the error file that torchrun's report shows
 def _run_main() -> None:
     """main(), with Hydra's errors while it composes the config (a mistyped setting or config name, an
     override it cannot parse) as one line and exit 2, as for any bad setting; HYDRA_FULL_ERROR=1 shows Hydra's
@@ -115,8 +130,7 @@ def _run_main() -> None:
     except (HydraException, OmegaConfBaseException) as error:
         if report or _raised_in_the_run(error):
             raise
-        print(f"error: {composition_error(error)}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with_error(composition_error(error))
 
 
 def _raised_in_the_run(error: BaseException) -> bool:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from runs import ROOT, SMALL_LION, assert_clean_error, run_train
+from runs import ROOT, SMALL_LION, assert_clean_error, run_python, run_train
 
 
 @pytest.mark.slow
@@ -409,6 +409,22 @@ def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     proc = run_train("-m", *SMALL_LION, "model=lion,nonexistent", f"output_dir={tmp_path}")
     assert_clean_error(proc, "there is no config model=nonexistent")
     assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
+
+
+def test_under_torchrun_the_error_line_is_the_reported_root_cause(tmp_path):
+    """torchrun's report of the failed processes reads each one's error file (TORCHELASTIC_ERROR_FILE): it shows
+    the error line, not a link to torchrun's docs."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    error_file = tmp_path / "error.json"
+    as_a_torchrun_worker = ("import os, runpy, sys; os.environ['TORCHELASTIC_ERROR_FILE'] = sys.argv[1]; "
+                            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = run_python("-c", as_a_torchrun_worker, str(error_file), str(ROOT / "train.py"), *SMALL_LION, "epochs=0",
+                      f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert_clean_error(proc, "epochs=0 is not allowed")
+    failure = ProcessFailure(local_rank=0, pid=0, exitcode=proc.returncode, error_file=str(error_file))
+    assert failure.message == proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(shutil.which("srun") is not None, reason="SLURM is installed here")
