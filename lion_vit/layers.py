@@ -170,14 +170,16 @@ class LionAttention(nn.Module):
 
     def attn_plan(self, num_tokens: int, device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None, training: Optional[bool] = None) -> Plan:
-        """What this layer runs for num_tokens tokens on device / dtype (default: its weights'), in
-        training if training is True, or where it is None if the module is in training mode with gradients
-        on: form, backend, and whether the chunk form runs chunks or one product (ops.dispatch.plan)."""
+        """What this layer runs for num_tokens tokens on device (a torch.device or its name, "cuda") / dtype
+        (default: its weights'), in training if training is True, or where it is None if the module is in
+        training mode with gradients on: form, backend, and whether the chunk form runs chunks or one product
+        (ops.dispatch.plan)."""
         weight = self.qkv.weight
+        device = torch.device(device) if device is not None else weight.device
         if training is None:
             training = self.training and torch.is_grad_enabled() and weight.requires_grad
         return plan(self.attn_form, self.chunk_size, num_tokens, self.head_dim, self.head_dim,
-                    num_scans=self.num_scans, decayed=self.decayed, device=device or weight.device,
+                    num_scans=self.num_scans, decayed=self.decayed, device=device,
                     dtype=dtype or weight.dtype, backend=self.attn_backend, training=training,
                     vector=self.decay.vector)
 

@@ -217,13 +217,15 @@ class LionViT(VisionTransformer):
             attn.set_attn_form(attn_form, chunk_size, backend)
         return self
 
-    def attn_plan(self, img_size: Union[int, Tuple[int, int]], device: Optional[torch.device] = None,
-                  dtype: Optional[torch.dtype] = None, training: Optional[bool] = None) -> Plan:
-        """What every LION layer runs for an image of img_size (H, W, or one int for a square) on device /
-        dtype (default: the weights'), in training if training is True, or where it is None when the model
-        is in training mode: form, backend, and chunks or one product (lion_vit.ops.dispatch.plan). print() it.
-        A size the patch does not divide is the forward's ValueError."""
-        img_size = to_2tuple(img_size)
+    def attn_plan(self, img_size: Union[None, int, Tuple[int, int]] = None,
+                  device: Union[None, str, torch.device] = None, dtype: Optional[torch.dtype] = None,
+                  training: Optional[bool] = None) -> Plan:
+        """What every LION layer runs for an image of img_size (H, W, one int for a square, or by default the
+        size the model was built for) on device ("cuda" or a torch.device) / dtype (default: the weights'), in
+        training if training is True, or where it is None when the model is in training mode: form, backend,
+        and chunks or one product (lion_vit.ops.dispatch.plan). print() it. A size the patch does not divide is
+        the forward's ValueError."""
+        img_size = to_2tuple(self.patch_embed.img_size if img_size is None else img_size)
         if not self.patch_embed.dynamic_img_pad:
             _check_divisible(img_size, self.patch_embed.patch_size, "img_size")
         height, width = self.patch_embed.dynamic_feat_size(img_size)

@@ -207,6 +207,8 @@ def test_model_reports_its_plan_and_switches_backend(kernels):
     model = timm.create_model("lion_d_natural_tiny", attn_form="chunk", chunk_size=64, attn_backend="torch")
     assert str(model.attn_plan((224, 224))) == "chunk form, torch backend: one masked product"
     assert model.attn_plan(896) == model.attn_plan((896, 896))  # one int: a square, as timm's img_size
+    assert model.attn_plan() == model.attn_plan(224)  # the size it was built for
+    assert model.attn_plan(896, "cuda") == model.attn_plan(896, CUDA)  # a device's name, as .to() takes
     assert model.attn_plan((896, 448)) != model.attn_plan((896, 896))
     with pytest.raises(ValueError, match="img_size 900x896 is not divisible by the patch size 16x16"):
         model.attn_plan((900, 896))  # as the forward would say, not the plan of the cropped image
