@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Inference time and peak memory against resolution (the paper's Figure 3, with time added).
 
-    python scripts/benchmark_resolution.py                                   # CPU defaults, a few minutes
+    python scripts/benchmark_resolution.py                   # CPU defaults: 12-15 min on 2 cores (benchmarks.md)
     python scripts/benchmark_resolution.py --device cuda --dtype bfloat16 --resolutions 224 448 896 1248 1792
 
 Writes <out>/resolution.{csv,json,png} and prints a markdown table with each configuration's
