@@ -289,6 +289,23 @@ def test_resume_with_another_optimizer_is_named(trained, folder, tmp_path):
                        "resume with the same optimizer")
 
 
+def test_resume_starts_an_ema_or_refuses_to_drop_one(trained, folder, tmp_path):
+    """ema.enabled=true on a resume of a run without an EMA starts one from the resumed weights, and says so;
+    a resume without it of a run that keeps one would drop its EMA weights: one line, nothing changed."""
+    import shutil
+    run = shutil.copytree(trained, tmp_path / "run")
+    args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none", f"output_dir={run}",
+            "resume=auto"]
+    proc = run_train(*args, "epochs=3", "ema.enabled=true")
+    assert_ok(proc)
+    assert "the EMA starts from the resumed weights" in proc.stdout
+    before = (run / "checkpoint-last.pt").read_bytes()
+    assert torch.load(run / "checkpoint-last.pt")["model_ema"] is not None
+    assert_clean_error(run_train(*args, "epochs=4"), "holds its run's EMA weights",
+                       "this run has ema.enabled=false", "resume with ema.enabled=true")
+    assert (run / "checkpoint-last.pt").read_bytes() == before
+
+
 def test_gradient_accumulation_equals_the_larger_batch(folder, tmp_path):
     """batch_size=4 grad_accum_steps=2 takes the optimizer steps of batch_size=8 (same images per step,
     same lr scaling and schedule), up to float rounding; an epoch whose batches do not divide evenly ends

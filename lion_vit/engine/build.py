@@ -180,6 +180,9 @@ def check_resumable(cfg: DictConfig, state: Dict[str, Any]) -> None:
     _require_same("optim", {key: trained_optim[key] for key in OPTIMIZER_STATE_SETTINGS if key in trained_optim},
                   {key: OmegaConf.select(cfg, f"optim.{key}") for key in OPTIMIZER_STATE_SETTINGS},
                   RESUME_SAME_OPTIMIZER)
+    if state.get("model_ema") is not None and not cfg.ema.enabled:  # the EMA weights would be dropped
+        raise UserError("the checkpoint to resume holds its run's EMA weights (ema.enabled=true), this run has "
+                        "ema.enabled=false and would not keep them; resume with ema.enabled=true")
 
 
 def _require_same(group: str, trained: Dict[str, Any], current: Dict[str, Any], fix: str) -> None:

@@ -242,6 +242,8 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
             load_weights(ema.module, trained_ema)
         else:  # EMA turned on for a run that trained without it: start from its weights
             ema.set(model)
+            log.info("ema: the checkpoint holds no EMA weights (its run had ema.enabled=false); the EMA starts "
+                     "from the resumed weights")
     elsewhere = _resumed_elsewhere(cfg, output_dir)
     log.info("resumed after epoch %d of %s", start_epoch, output_dir if cfg.resume == "auto" else cfg.resume)
     if is_main:
