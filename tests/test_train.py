@@ -76,6 +76,12 @@ def test_sweep_jobs_get_their_own_output_dirs(folder, tmp_path):
     # in wandb: one group per sweep, runs named after it and the job
     assert [(c["config"]["logger"]["wandb"]["group"], c["config"]["logger"]["wandb"]["name"]) for c in (first, second)] \
         == [(tmp_path.name, f"{tmp_path.name}/0"), (tmp_path.name, f"{tmp_path.name}/1")]
+    # a single run (the sweep's command without -m) pointed at the sweep's folder would mix a run in beside its jobs
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=2", "batch_size=4", "aug=none",
+                     f"output_dir={tmp_path}", "resume=auto")
+    assert_clean_error(proc, f"{tmp_path} is the folder of a sweep (-m: multirun.yaml, jobs 0, 1)",
+                       f"output_dir={tmp_path}/<job number> resume=auto")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]
 
 
 def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):

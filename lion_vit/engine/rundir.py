@@ -19,6 +19,7 @@ from ..errors import UserError
 LOCK = ".lock"
 # files a run leaves behind: a folder holding any of them holds a run
 RUN_FILES = ("metrics.jsonl", "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt")
+SWEEP_RECORD = "multirun.yaml"  # Hydra's, in a sweep's folder (output_dir with -m)
 _held: List[Tuple[Path, int]] = []  # the locks this process holds: (path, descriptor)
 
 
@@ -72,6 +73,12 @@ def claim(output_dir: Path) -> Optional[Path]:
     """Create output_dir, check that it is writable and lock it for this run (rank 0); returns the outermost
     folder it created (output_dir itself, or a parent such as outputs/ on a first run), or None."""
     created = outermost_missing(output_dir)
+    if (output_dir / SWEEP_RECORD).is_file():  # a sweep's folder: its jobs are in <output_dir>/<job number>
+        jobs = sorted((p.name for p in output_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
+        listed = ", ".join(jobs[:5]) + (", ..." if len(jobs) > 5 else "") if jobs else "none"
+        raise UserError(f"{output_dir} is the folder of a sweep (-m: {SWEEP_RECORD}, jobs {listed}), not a run's; "
+                        f"continue a job with output_dir={output_dir}/<job number> resume=auto, or the sweep with -m "
+                        f"and its overrides, or choose a new output_dir")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file of that name, no permission, a read-only disk
@@ -120,14 +127,14 @@ class SweepFolder(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not (sweep_dir / "multirun.yaml").exists():  # (an earlier sweep's record stays)
+        if not (sweep_dir / SWEEP_RECORD).exists():  # (an earlier sweep's record stays)
             # at exit, however the sweep ends: Hydra calls on_multirun_end only after every job has succeeded
             atexit.register(self._remove_if_no_job, sweep_dir, outermost_missing(sweep_dir))
 
     @staticmethod
     def _remove_if_no_job(sweep_dir: Path, created: Optional[Path]) -> None:
-        if sweep_dir.is_dir() and [path.name for path in sweep_dir.iterdir()] == ["multirun.yaml"]:
-            (sweep_dir / "multirun.yaml").unlink()
+        if sweep_dir.is_dir() and [path.name for path in sweep_dir.iterdir()] == [SWEEP_RECORD]:
+            (sweep_dir / SWEEP_RECORD).unlink()
             if created is not None:  # a folder that was there before stays
                 _remove_empty(sweep_dir, up_to=created)
 
