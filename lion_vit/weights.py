@@ -15,6 +15,9 @@ from timm.models import clean_state_dict
 from torch import nn
 
 
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+
+
 class UnsafeWeights(ValueError):
     """A weights file that would run code when unpickled: torch's weights_only load refuses it."""
 
@@ -24,8 +27,11 @@ def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str
     with the path; one that would run code when unpickled (weights_only refuses it), an UnsafeWeights.
     allow: classes a trusted format pickles besides tensors (the official checkpoints' argparse.Namespace)."""
     path = Path(path)
+    if path.is_dir():  # a run's folder, say: name the files it holds
+        held = sorted(p.name for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+        raise ValueError(f"{path} is a folder, not a file" + (f" (it holds {', '.join(held[:4])})" if held else ""))
     if not path.is_file():
-        raise ValueError(f"{path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+        raise ValueError(f"{path} does not exist")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

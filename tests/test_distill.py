@@ -273,6 +273,12 @@ def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
             build_teacher(OmegaConf.create({"teacher": None, **settings}), 10, [str(d) for d in range(10)])
     with pytest.raises(UserError, match="^model.init_from=.*nowhere.pt: init_from file .* does not exist"):
         _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path / "nowhere.pt"))
+    torch.save({}, tmp_path / "checkpoint-best.pt")  # a run's folder named instead of a file in it
+    with pytest.raises(UserError, match=f"^model.init_from={tmp_path}: {tmp_path} is a folder, not a file "
+                                        r"\(it holds checkpoint-best.pt, resnet.pth\)"):
+        _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path))
+    with pytest.raises(UserError, match=f"^distill.teacher_checkpoint {tmp_path} is a folder, not a file"):
+        build_teacher(OmegaConf.create({"teacher": None, "teacher_checkpoint": str(tmp_path)}), 10, ["0"])
 
 
 def test_hub_names_fail_at_once_offline(tmp_path):

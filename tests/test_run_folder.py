@@ -284,8 +284,12 @@ def test_unreadable_images_are_left_out_of_the_evaluation_and_named_once(run, fo
 
 
 def test_a_checkpoint_that_is_a_folder_says_so(tmp_path):
-    with pytest.raises(UserError, match=r"is a folder; pass a checkpoint file in it, e.g. .*checkpoint-best.pt"):
+    with pytest.raises(UserError, match=r"^checkpoint=.* is a folder; pass a checkpoint file in it, e.g. "
+                                        r".*checkpoint-best.pt"):
         ckpt.load_checkpoint(tmp_path)
+    with pytest.raises(UserError, match=f"^resume={tmp_path} is a folder; to continue its run there, pass "
+                                        f"resume=auto output_dir={tmp_path}; or .*checkpoint-last.pt"):
+        ckpt.load_checkpoint(tmp_path, setting="resume")
 
 
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):

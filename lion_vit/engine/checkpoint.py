@@ -121,12 +121,16 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def load_checkpoint(path: Path, weights: bool = False) -> Dict[str, Any]:
+def load_checkpoint(path: Path, weights: bool = False, setting: str = "checkpoint") -> Dict[str, Any]:
     """A training checkpoint (read weights_only: a file that would run code is refused), or a UserError.
     weights=True (evaluation): also a file of weights alone, a state dict (.pth, .safetensors) or timm's
-    checkpoint, as {"model": its weights, "model_ema": its EMA weights where it has them}."""
+    checkpoint, as {"model": its weights, "model_ema": its EMA weights where it has them}. setting: the
+    setting that named path (checkpoint, resume), for the errors."""
     if Path(path).is_dir():
-        raise UserError(f"checkpoint={path} is a folder; pass a checkpoint file in it, e.g. {Path(path) / BEST}")
+        resume = setting == "resume"
+        fix = f"to continue its run there, pass resume=auto output_dir={path}; or " if resume else ""
+        raise UserError(f"{setting}={path} is a folder; {fix}pass a checkpoint file in it, e.g. "
+                        f"{Path(path) / (LAST if resume else BEST)}")
     try:
         state = read_weights(path)
     except UnsafeWeights as error:

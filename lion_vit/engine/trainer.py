@@ -341,7 +341,7 @@ def _resume_state(cfg: DictConfig, output_dir: Path, is_main: bool) -> Optional[
                      "folder>)", output_dir)
         return state
     path = Path(cfg.resume)
-    state = ckpt.load_checkpoint(path)
+    state = ckpt.load_checkpoint(path, setting="resume")
     if found and _resumed_elsewhere(cfg, output_dir):
         raise UserError(f"{output_dir} already holds a run ({', '.join(found)}), which resume={path} would write "
                         f"over; pass resume=auto to continue the run in {output_dir}, or a new output_dir to "
