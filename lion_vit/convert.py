@@ -52,6 +52,11 @@ def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]
             checkpoint = read_weights(source, allow=[argparse.Namespace])  # (DeiT's checkpoints keep their args)
         except ValueError as error:
             raise ValueError(f"official checkpoint {error}") from None
+    trained_here = checkpoint.get("config", {}).get("model", {}) if isinstance(checkpoint.get("config"), dict) else {}
+    if isinstance(trained_here, dict) and trained_here.get("name"):
+        raise ValueError(f"{'the checkpoint' if isinstance(source, Mapping) else source} was written by lion-vit's "
+                         f"train.py ({trained_here['name']}): it needs no conversion; use it as it is "
+                         f"(checkpoint=, model.init_from=, timm's checkpoint_path=)")
     if "model" not in checkpoint:
         checkpoint = {"model": checkpoint}
     return checkpoint
