@@ -78,3 +78,15 @@ def test_keep_freed_memory_stops_page_faulting_large_tensors_again():
         return int(run.stdout.split()[-1])
     assert repeat_faults("default") > 3 * 10_000
     assert repeat_faults("keep") < 1_000
+
+
+def test_an_epoch_that_mostly_waited_for_data_names_what_feeds_it():
+    """train.py logs this after a run's first epoch: num_workers=0 names num_workers=auto; workers that cannot
+    keep up name the faster pipelines; an epoch that waited less gets no advice."""
+    from lion_vit.engine.loop import waiting_advice
+    assert waiting_advice(0.74, 0) == ("waited for its data 74 % of its time: num_workers=0: the main process loads "
+                                       "every batch between the steps; num_workers=auto gives the loader this node's "
+                                       "cores")
+    assert "its 8 DataLoader workers cannot keep up" in waiting_advice(0.5, 8)
+    assert "data.decode=gpu" in waiting_advice(0.5, 8)
+    assert waiting_advice(0.49, 0) is None and waiting_advice(0.9, 0, share_to_advise=0.95) is None

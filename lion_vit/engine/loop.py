@@ -85,6 +85,20 @@ class WaitedFor:
             yield item
 
 
+def waiting_advice(data_wait_share: float, workers: int, share_to_advise: float = 0.5) -> Optional[str]:
+    """Where an epoch mostly waited for its data (its data_wait_share at least share_to_advise), what feeds it
+    faster, as a phrase after "epoch N"; else None."""
+    if data_wait_share < share_to_advise:
+        return None
+    if workers == 0:
+        fix = ("num_workers=0: the main process loads every batch between the steps; num_workers=auto gives the "
+               "loader this node's cores")
+    else:
+        fix = (f"its {workers} DataLoader workers cannot keep up; more cores, Pillow-SIMD or data.decode=gpu feed "
+               "it faster (docs/training.md, the input pipeline)")
+    return f"waited for its data {100 * data_wait_share:.0f} % of its time: {fix}"
+
+
 def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
     """The schedule's current lr: the largest group's (with optim.layer_decay the head's, of lr_scale 1)."""
     return max(group["lr"] for group in optimizer.param_groups)

@@ -40,7 +40,7 @@ from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .logs import WandbLogger, setup_logging
 from .loop import NonFiniteLoss, Precision, Training, classification_loss, evaluate, train_one_epoch, \
-    updates_per_epoch
+    updates_per_epoch, waiting_advice
 
 log = logging.getLogger("lion_vit")
 METRICS = "metrics.jsonl"
@@ -172,6 +172,9 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     _save_epoch(output_dir, metrics, state, is_best)
                     _log_epoch(metrics, cfg.epochs)
+                    advice = waiting_advice(metrics["data_wait_share"], resolve_num_workers(cfg.num_workers))
+                    if epoch == start_epoch and advice:
+                        log.warning("epoch %d %s", epoch + 1, advice)
                     logger.log(metrics, step=epoch + 1)
     finally:
         logger.finish()
