@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from lion_vit.engine import interrupts, rundir
+from lion_vit.engine.build import check_model_group
 from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.config import check_setting, composition_error
 from lion_vit.engine.trainer import train
@@ -54,6 +55,7 @@ def main(cfg: DictConfig) -> float:
             cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
     signal.signal(signal.SIGTERM, interrupts.raise_terminated)  # SIGTERM stops the run as Ctrl-C does
     try:
+        check_model_group(hydra_cfg.runtime.choices.get("model"), cfg.model.name)
         metrics = train(cfg)
     except (KeyboardInterrupt, Exception) as error:
         # Ctrl-C or SIGTERM: say where the run stands instead of a traceback, also when a second signal,

@@ -411,6 +411,18 @@ def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
 
 
+def test_model_deit_with_an_experiments_lion_name_names_the_softmax_twin(tmp_path):
+    """An experiment sets model.name after the model group's, so experiment=... model=deit would train the
+    experiment's LION model, not the baseline: one line naming the DeiT of the same size."""
+    for experiment, twin in (("cifar100", "deit_small_patch16_224"),
+                             ("deit_tiny_imagenet", "deit_tiny_patch16_224"),
+                             ("deit_small_imagenet_distill", "deit_small_distilled_patch16_224")):
+        proc = run_train(f"experiment={experiment}", "model=deit", f"output_dir={tmp_path / experiment}")
+        assert proc.returncode == 2
+        assert_clean_error(proc, "model=deit trains the softmax baseline", f"add model.name={twin}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_under_torchrun_the_error_line_is_the_reported_root_cause(tmp_path):
     """torchrun's report of the failed processes reads each one's error file (TORCHELASTIC_ERROR_FILE): it shows
     the error line, not a link to torchrun's docs."""

@@ -165,6 +165,17 @@ def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any],
     return model
 
 
+def check_model_group(group: Optional[str], name: str) -> None:
+    """model=deit is the softmax baseline; an experiment's model.name, merged after the group's, would make it a LION
+    model all the same (experiment=deit_small_imagenet model=deit trained LION-d-natural)."""
+    if group != "deit" or not lion_models.is_lion_model(name):
+        return
+    size = name.removesuffix("_distilled").rpartition("_")[2]
+    twin = f"deit_{size}{'_distilled' if name.endswith('_distilled') else ''}_patch16_224"
+    raise UserError(f"model=deit trains the softmax baseline, but model.name={name} (an experiment's, which it keeps) "
+                    f"is a LION model; add model.name={twin}")
+
+
 # optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
 OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
 RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "
