@@ -69,6 +69,12 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size=30 is not divisible by its patch "
                                         "size 8; pass img_size=<a multiple of 8>"):
         build_model(model, 3, 30)
+    # a timm argument that a setting of its own passes: it would clash with it (a TypeError), or lose to it silently
+    with pytest.raises(UserError, match=r"^model.kwargs.num_classes: train.py sets it from the data \(3 classes "):
+        build_model(OmegaConf.merge(model, {"kwargs": {"num_classes": 5}}), 3, 32)
+    with pytest.raises(UserError, match="^model.kwargs.attn_form is the setting model.attn_form; pass "
+                                        "model.attn_form=<value> instead"):
+        build_model(OmegaConf.merge(model, {"kwargs": {"attn_form": "rnn"}}), 3, 32)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")
     with pytest.raises(UserError, match="is corrupt or not a torch checkpoint"):

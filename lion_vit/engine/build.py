@@ -23,6 +23,12 @@ INITIAL_WEIGHT_KWARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay
 HUB_WEIGHTS = "timm's pretrained weights"
 
 
+# timm.create_model arguments that train.py passes from settings of their own: not model.kwargs
+SETTINGS_NOT_KWARGS = {"num_classes": None, "img_size": "img_size", "patch_size": "model.patch_size",
+                       "drop_path_rate": "model.drop_path_rate", "attn_form": "model.attn_form",
+                       "chunk_size": "model.chunk_size", "attn_backend": "model.attn_backend"}
+
+
 def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
     """timm.create_model from the `model` config group, with clear errors for bad settings;
     initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights)."""
@@ -37,6 +43,11 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "
                         f"not {name}")
     model_kwargs = OmegaConf.to_container(model_cfg.kwargs, resolve=True)
+    for key in sorted(set(model_kwargs) & set(SETTINGS_NOT_KWARGS)):  # (each would clash with, or lose to, it)
+        setting = SETTINGS_NOT_KWARGS[key]
+        raise UserError(f"model.kwargs.{key}: train.py sets it from the data ({num_classes} classes here); drop it"
+                        if setting is None else f"model.kwargs.{key} is the setting {setting}; pass {setting}=<value> "
+                        f"instead")
     if not initial_weights:
         model_kwargs = _without_initial_weights(model_kwargs)
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
