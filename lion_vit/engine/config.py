@@ -47,9 +47,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_numbers(value: Any, test: Callable[[Any], bool]) -> bool:
+    return isinstance(value, (list, tuple, ListConfig)) and len(value) > 0 and all(test(x) for x in value)
+
+
 def _is_pair(value: Any, test: Callable[[Any], bool]) -> bool:
     return isinstance(value, (list, tuple, ListConfig)) and len(value) == 2 and all(test(x) for x in value)
 
+
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")  # timm's transforms' names
 
 # A rule is a test of a value and how an error line states it: the wording lives with the test.
 Rule = Tuple[Callable[[Any], bool], str]
@@ -126,9 +132,10 @@ class DataConfig:
     train_split: Optional[str] = MISSING
     val_split: Optional[str] = MISSING
     download: bool = setting(SWITCH)
-    mean: List[float] = MISSING
-    std: List[float] = MISSING
-    interpolation: str = MISSING
+    mean: List[float] = setting(lambda v: _is_numbers(v, _is_number), "a list of numbers, one per channel")
+    std: List[float] = setting(lambda v: _is_numbers(v, lambda x: _is_number(x) and x > 0),
+                               "a list of positive numbers, one per channel")
+    interpolation: str = setting(choices=INTERPOLATIONS)
     crop_pct: float = setting(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
     decode: str = setting(choices=DECODES)
 
