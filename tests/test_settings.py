@@ -98,7 +98,8 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     ("optim.betas=[0.9]", "optim.betas"), ("optim.eps=0", "optim.eps"), ("optim.min_lr=-1", "optim.min_lr"),
     ("aug.mixup=-1", "aug.mixup"), ("aug.mixup_prob=2", "aug.mixup_prob"), ("aug.mixup_mode=elements", "aug.mixup_mode"),
     ("aug.smoothing=1.5", "aug.smoothing"), ("aug.reprob=2", "aug.reprob"), ("aug.scale=[1.0]", "aug.scale"),
-    ("aug.scale=[0.9,0.1]", "aug.scale"), ("aug.repeated_aug=-1", "aug.repeated_aug"),
+    ("aug.scale=[0.9,0.1]", "aug.scale"), ("aug.remode=foo", "aug.remode"),
+    ("aug.recount=0", "aug.recount"), ("aug.repeated_aug=-1", "aug.repeated_aug"),
     # timm asserts on an unknown policy or option, and skips an option without a number
     ("aug.auto_augment=xyz", "aug.auto_augment"), ("aug.auto_augment=rand-m9-foo7", "aug.auto_augment"),
     ("aug.auto_augment=rand-mfoo", "aug.auto_augment"), ("aug.auto_augment=augmix-m5-z2", "aug.auto_augment"),

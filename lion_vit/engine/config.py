@@ -169,8 +169,8 @@ class AugConfig:
                                  "[low, high] with 0 < low <= high <= 1 (RandomResizedCrop's area range)")
     hflip: float = setting(FRACTION)
     reprob: float = setting(FRACTION)
-    remode: str = MISSING
-    recount: int = MISSING
+    remode: str = setting(choices=("pixel", "rand", "const"))  # timm's RandomErasing: per-pixel, per-channel or 0
+    recount: int = setting(POSITIVE_INT, "a positive integer (erasings per image, at most)")
     mixup: float = setting(NON_NEGATIVE, "a number >= 0 (0: off)")
     cutmix: float = setting(NON_NEGATIVE, "a number >= 0 (0: off)")
     mixup_prob: float = setting(FRACTION)
