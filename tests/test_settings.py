@@ -302,6 +302,18 @@ def test_wandb_that_cannot_start_is_one_line(tmp_path, monkeypatch):
                                         r"that this machine reaches wandb's server and logger.wandb.project / entity, "
                                         r"or use logger.wandb.mode=offline \(no account needed; `wandb sync`"):
         WandbLogger(cfg, tmp_path, enabled=True)
+    # offline, no account or server is involved: what wandb refuses is a setting's value, and tags are labels
+    monkeypatch.setattr(wandb, "init", fails(wandb.errors.UsageError("Invalid project name 'a/b': cannot contain "
+                                                                      "characters '/'")))
+    cfg.logger.wandb.mode = "offline"
+    with pytest.raises(UserError, match=r"^wandb could not start in mode=offline \(Invalid project name 'a/b'.*\); "
+                                        r"change the logger.wandb setting it names$"):
+        WandbLogger(cfg, tmp_path, enabled=True)
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.update(kwargs))
+    cfg.logger.wandb.tags = [2026, "lion"]
+    WandbLogger(cfg, tmp_path, enabled=True)
+    assert seen["tags"] == ["2026", "lion"]  # (wandb's settings refuse numbers)
 
 
 def test_configure_cuda_sets_the_timm_defaults():

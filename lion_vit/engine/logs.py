@@ -36,11 +36,14 @@ class WandbLogger:
         try:
             self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name or output_dir.name,
                                   group=OmegaConf.select(wb, "group"),
-                                  mode=wb.mode, tags=list(wb.tags), dir=str(output_dir),
+                                  mode=wb.mode, tags=[str(tag) for tag in wb.tags], dir=str(output_dir),
                                   config=OmegaConf.to_container(cfg, resolve=True),
                                   id=run_id, resume="allow" if run_id else None,
                                   settings=wandb.Settings(quiet=True))  # the run's history stays in wandb
         except wandb.errors.Error as error:  # no API key, no network, an unknown project or entity
+            if wb.mode == "offline":  # no account or server involved: a value wandb refuses (a project's name)
+                raise UserError(f"wandb could not start in mode=offline ({first_line(error)}); change the "
+                                f"logger.wandb setting it names") from None
             if isinstance(error, (wandb.errors.UsageError, wandb.errors.AuthenticationError)):
                 fix = "run `wandb login` or set WANDB_API_KEY"
             else:  # the server out of reach (a compute node without internet) or refusing the project
