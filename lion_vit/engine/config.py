@@ -72,6 +72,13 @@ def optional(rule: Rule) -> Rule:
     return (lambda v: v is None or rule[0](v)), f"null or {rule[1]}"
 
 
+def _non_blank(what: str) -> Rule:
+    """A string that is not blank: an unset shell variable (resume=$CKPT) leaves an empty one, which would mean
+    something else (no resume, data.root itself as the split) without a word."""
+    return (lambda v: isinstance(v, str) and bool(v.strip())), \
+        f"{what} (not empty, as an unset shell variable leaves it)"
+
+
 def _is_timm_optimizer(value: Any) -> bool:
     """A name timm's create_optimizer_v2 takes: any case, optionally with its lookahead_ prefix."""
     return str(value).lower().removeprefix("lookahead_") in list_optimizers()
@@ -129,8 +136,8 @@ class ModelConfig:
 class DataConfig:
     name: str = setting(choices=KINDS)
     root: Optional[str] = MISSING
-    train_split: Optional[str] = MISSING
-    val_split: Optional[str] = MISSING
+    train_split: Optional[str] = setting(optional(_non_blank("a folder's name under data.root")))
+    val_split: Optional[str] = setting(optional(_non_blank("a folder's name under data.root")))
     download: bool = setting(SWITCH)
     mean: List[float] = setting(lambda v: _is_numbers(v, _is_number), "a list of numbers, one per channel")
     std: List[float] = setting(lambda v: _is_numbers(v, lambda x: _is_number(x) and x > 0),
@@ -259,9 +266,9 @@ class RunConfig:
     output_dir: str = setting(lambda v: isinstance(v, str) and bool(v.strip()),
                               "a folder (empty, as an unset shell variable leaves it, would write the run into the "
                               "current folder); leave it out for a new folder under outputs/")
-    resume: Optional[str] = MISSING
+    resume: Optional[str] = setting(optional(_non_blank("auto or a checkpoint's path")))
     eval_only: bool = setting(SWITCH)
-    checkpoint: Optional[str] = MISSING
+    checkpoint: Optional[str] = setting(optional(_non_blank("a checkpoint's path")))
     amp: bool = setting(SWITCH)
     amp_dtype: str = setting(choices=AMP_DTYPES)
     compile: bool = setting(SWITCH)
