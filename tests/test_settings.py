@@ -32,6 +32,9 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("model.kwargs.foo=1",), ("model.kwargs.foo is not in the config yet; add it with "
                                    "+model.kwargs.foo=<value>",)),
         (("model=lionn",), ("there is no config model=lionn; the choices for model are deit, digits, lion",)),
+        (("+data=imagefolder",), ("+data=imagefolder appends a config group that the config already has; choose it "
+                                  "without the +: data=imagefolder",)),
+        (("+model=deit",), ("the config group model is chosen twice; choose it once, without a +",)),  # (model=lion)
         (("img_size=[32",), ("cannot read the override img_size=[32",)),
         (("output_dir=~/runs/a",), ("cannot read the override output_dir=~/runs/a", "write $HOME/..., which the "
                                                                                      "shell expands")),

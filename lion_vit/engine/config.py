@@ -370,6 +370,15 @@ def composition_error(error: Exception) -> str:
     if missing and options:  # group=option, where configs/<group>/ has no <option>.yaml
         group, _, option = missing.rpartition("/")
         return f"there is no config {group}={option}; the choices for {group} are {', '.join(options)}"
+    appended = re.match(r"Multiple values for (\S+)\. To override a value use 'override \1: (\S+)'", str(error))
+    if appended:  # +group=option (Hydra's idiom for a group its defaults leave out) where the defaults have it
+        group, option = appended.groups()
+        return f"+{group}={option} appends a config group that the config already has; choose it without the +: " \
+               f"{group}={option}"
+    twice = re.match(r"(\S+) appears more than once in the final defaults list", str(error))
+    if twice:  # group=a +group=b
+        group = twice.group(1)
+        return f"the config group {group} is chosen twice; choose it once, without a +: {group}=<option>"
     text = str(error).split("Config search path:")[0]  # (a missing config's report ends with where it looked)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if cause is not None:
