@@ -435,6 +435,16 @@ def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
 
 
+def test_an_experiment_of_ones_own_is_found_with_config_dir(tmp_path):
+    """docs/training.md: an experiment YAML in a folder of the user's, found through Hydra's --config-dir."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: lion\n"
+                                                       "epochs: 7\nmodel:\n  name: lion_s_tiny\n")
+    proc = run_train("--config-dir", str(tmp_path), "experiment=mine", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    assert "epochs: 7" in proc.stdout and "name: lion_s_tiny" in proc.stdout
+
+
 def test_model_deit_with_an_experiments_lion_name_names_the_softmax_twin(tmp_path):
     """An experiment sets model.name after the model group's, so experiment=... model=deit would train the
     experiment's LION model, not the baseline: one line naming the DeiT of the same size."""
