@@ -24,6 +24,7 @@ def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     assert {"model", "model_ema", "optimizer", "scheduler", "scaler", "epoch", "classes", "config"} <= set(state)
     assert (tmp_path / "checkpoint-best.pt").exists()
     assert "optim.warmup_epochs=5 is not below epochs=1: the learning rate never leaves warm-up" in proc.stdout
+    assert "lr 3.91e-06 (optim.lr 5.00e-04 per 512 images), global batch 4," in proc.stdout  # DeiT's lr scaling
     assert "distillation is off (distill.type=none): the teacher resnet18 is not used; distill=soft or " \
            "distill=hard distils from it" in proc.stdout
     assert line["epoch"] == 1 and state["best_epoch"] == 1

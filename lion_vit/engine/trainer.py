@@ -280,8 +280,10 @@ def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
 
 def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_classes: int, lr: float,
                   global_batch: int, dist_info: DistInfo, device: torch.device, is_main: bool) -> None:
-    log.info("%s, %d train / %d val images, %d classes, lr %.2e, global batch %d, %d process(es), %s",
-             _model_line(cfg.model, model, cfg.img_size), len(train_set), len(val_set), num_classes, lr,
+    base = cfg.optim.lr_base_batch  # DeiT's scaling: the lr given is for a global batch of this size
+    scaled = f" (optim.lr {cfg.optim.lr:.2e} per {base} images)" if base and base != global_batch else ""
+    log.info("%s, %d train / %d val images, %d classes, lr %.2e%s, global batch %d, %d process(es), %s",
+             _model_line(cfg.model, model, cfg.img_size), len(train_set), len(val_set), num_classes, lr, scaled,
              global_batch, dist_info.world_size, device)
     _log_plan(model, cfg.img_size)
     if is_main and cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
