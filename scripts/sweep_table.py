@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 r"""The accuracy of a Hydra sweep of train.py (-m) as a markdown table; also of the runs in a folder such as
 outputs/ (train.py's default output_dirs, in the order of their names: their start times), or of one run. A
-training sweep: by model, last and best top-1 over its jobs (seeds), mean and standard deviation; a job that has
-not finished its epochs is left out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the
+training sweep: a row per model and combination of the other settings its jobs differ in (a column each; the seed,
+output_dir and logging aside), last and best top-1 over its jobs (seeds), mean and standard deviation; a job that
+has not finished its epochs is left out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the
 sweep's order, with the form and resolution that ran.
 
     python train.py -m model.name=lion_gla_tiny,lion_d_natural_tiny seed=0,1,2 output_dir=runs/sweep
@@ -39,9 +40,26 @@ def is_run(folder: Path) -> bool:
     return (folder / "config.yaml").is_file() or (folder / "eval.json").is_file()
 
 
-def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
-    """model name -> (last, best) top-1 of each finished job, in the order the sweep named the models."""
-    found: Dict[str, List[Tuple[float, float]]] = {}
+# settings that name or feed a run without changing what it trains: never a reason for a row of its own
+NOT_COMPARED = ("seed", "output_dir", "resume", "checkpoint", "progress", "log_interval", "num_workers",
+                "prefetch_factor", "logger.", "tuning.")
+
+
+def _flat(settings: Dict[str, Any], prefix: str = "") -> Dict[str, str]:
+    """config.yaml's settings as dotted names -> their values as text (lists included)."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return flat
+
+
+def results(folder: Path) -> Tuple[List[str], Dict[Tuple[str, ...], List[Tuple[float, float]]]]:
+    """The settings the finished jobs differ in (model.name first, seeds and run names aside), and for each of their
+    combinations, in the order the jobs ran, the (last, best) top-1 of its jobs."""
+    finished = []
     for job in jobs(folder):
         config, metrics = job / "config.yaml", job / "metrics.jsonl"
         if not (config.is_file() and metrics.is_file()):
@@ -50,9 +68,15 @@ def results(folder: Path) -> Dict[str, List[Tuple[float, float]]]:
         lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         if len(lines) < settings["epochs"]:
             continue
-        found.setdefault(settings["model"]["name"], []).append(
-            (lines[-1]["val_acc1"], max(line["val_acc1"] for line in lines)))
-    return found
+        finished.append((_flat(settings), (lines[-1]["val_acc1"], max(line["val_acc1"] for line in lines))))
+    names = list(dict.fromkeys(name for flat, _ in finished for name in flat))
+    differing = [name for name in names if not name.startswith(NOT_COMPARED) and name != "model.name"
+                 and len({flat.get(name) for flat, _ in finished}) > 1]
+    columns = ["model.name", *differing]
+    found: Dict[Tuple[str, ...], List[Tuple[float, float]]] = {}
+    for flat, accuracies in finished:
+        found.setdefault(tuple(flat.get(name, "") for name in columns), []).append(accuracies)
+    return differing, found
 
 
 def evaluations(folder: Path) -> List[Dict[str, Any]]:
@@ -72,15 +96,16 @@ def main() -> None:
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder; give the output_dir of a sweep (-m), a folder of runs "
                      "(outputs/) or one run's folder")
-    found, evaluated = results(args.folder), evaluations(args.folder)
+    (differing, found), evaluated = results(args.folder), evaluations(args.folder)
     if not found and not evaluated:
         parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a "
                      f"folder of runs (outputs/) or one run's folder")
     if found:
-        print("| model | jobs | last top-1 (%) | best top-1 (%) |\n|---|---|---|---|")
-    for name, runs in found.items():
+        header = ["model", *differing, "jobs", "last top-1 (%)", "best top-1 (%)"]
+        print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+    for values, runs in found.items():
         last, best = zip(*runs)
-        print(f"| {name} | {len(runs)} | {spread(last)} | {spread(best)} |")
+        print(f"| {' | '.join(values)} | {len(runs)} | {spread(last)} | {spread(best)} |")
     if evaluated:
         print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images |\n"
               "|---|---|---|---|---|---|---|---|---|---|")

@@ -702,8 +702,8 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
 
 
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
-    """scripts/sweep_table.py: last and best top-1 by model over the jobs of a train.py sweep, mean and standard
-    deviation; a job that stopped before its epochs is left out. The same for the runs of a folder such as
+    """scripts/sweep_table.py: last and best top-1 by model (and any other setting the jobs differ in) over the jobs
+    of a train.py sweep, mean and standard deviation; a job that stopped before its epochs is left out. The same for the runs of a folder such as
     outputs/ (by name) and for one run; a folder without runs, or no folder, is one line."""
     jobs = [("lion_gla_tiny", [50.0, 70.0]), ("lion_gla_tiny", [60.0, 50.0]), ("deit_tiny", [40.0, 45.0]),
             ("deit_tiny", [90.0])]  # the last job stopped after one of its two epochs
@@ -718,6 +718,16 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     assert run_script("sweep_table.py", str(tmp_path / "outputs")).splitlines()[2:] == table
     run = next((tmp_path / "outputs").glob("*-02-00-2"))
     assert run_script("sweep_table.py", str(run)).splitlines()[2:] == ["| deit_tiny | 1 | 45.0 | 45.0 |"]
+    # a sweep over another setting too: a row per model and value, a column for it; the seed is what jobs average
+    for index, (lr, seed, accuracy) in enumerate([(1e-3, 0, 50.0), (1e-4, 0, 30.0), (1e-3, 1, 70.0), (1e-4, 1, 40.0)]):
+        job = tmp_path / "lr_sweep" / str(index)
+        job.mkdir(parents=True)
+        (job / "config.yaml").write_text(f"epochs: 1\nseed: {seed}\noutput_dir: {job}\nmodel:\n  name: deit_tiny\n"
+                                         f"optim:\n  lr: {lr}\n  opt: adamw\n")
+        (job / "metrics.jsonl").write_text(json.dumps({"val_acc1": accuracy}) + "\n")
+    assert run_script("sweep_table.py", str(tmp_path / "lr_sweep")).splitlines() == [
+        "| model | optim.lr | jobs | last top-1 (%) | best top-1 (%) |", "|---|---|---|---|---|",
+        "| deit_tiny | 0.001 | 2 | 60.0 ± 14.1 | 60.0 ± 14.1 |", "| deit_tiny | 0.0001 | 2 | 35.0 ± 7.1 | 35.0 ± 7.1 |"]
     proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "outputs" / "notes"))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         "holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a folder of runs (outputs/) or "
