@@ -43,6 +43,14 @@ def test_a_table_1_family_trains_with_the_lion_settings(folder, tmp_path):
     assert "chunk form" in proc.stdout and len(read_metrics(tmp_path)) == 1
 
 
+def test_validating_on_the_training_split_warns(folder, tmp_path):
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "data.val_split=train", "epochs=1",
+                     "batch_size=4", "aug=none", f"output_dir={tmp_path}")
+    assert_ok(proc)
+    assert "data.val_split=train is the training split: every epoch's validation accuracy is on the training " \
+           "images" in proc.stdout
+
+
 def test_one_epoch_deit_baseline(folder, tmp_path):
     proc = run_train("model=deit", "model.name=deit_tiny_patch16_224", "model.patch_size=8", "img_size=32",
                      "+model.kwargs.depth=2", "optim=adamw", "progress=false", "data=imagefolder",

@@ -290,6 +290,10 @@ def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_cla
         log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
                     "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "
                     "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr)
+    split = cfg.data.train_split
+    if is_main and split and split == cfg.data.val_split:  # (a quick check of fitting, or a slip)
+        log.warning("data.val_split=%s is the training split: every epoch's validation accuracy is on the training "
+                    "images", split)
     teacher = cfg.distill.teacher_checkpoint or cfg.distill.teacher
     if is_main and cfg.distill.type == "none" and teacher:  # (not an error: distill=none on a distilling experiment)
         log.warning("distillation is off (distill.type=none): the teacher %s is not used; distill=soft or "
