@@ -97,7 +97,8 @@ def _check_hydra_arguments(argv: list) -> None:
 def _exit_with_error(message: str) -> NoReturn:
     """Bad input: one `error:` line on stderr, exit status 2. Under torchrun the line also goes to the process's
     error file, which torchrun's report of the failed processes then shows as the root cause (without it, that
-    report names only a link to its docs)."""
+    report names only a link to its docs). Written by hand: torch's ErrorHandler.record_exception would put a
+    traceback there."""
     line = f"error: {message}"
     print(line, file=sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

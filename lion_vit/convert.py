@@ -52,7 +52,8 @@ def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]
             checkpoint = read_weights(source, allow=[argparse.Namespace])  # (DeiT's checkpoints keep their args)
         except ValueError as error:
             raise ValueError(f"official checkpoint {error}") from None
-    trained_here = checkpoint.get("config", {}).get("model", {}) if isinstance(checkpoint.get("config"), dict) else {}
+    config = checkpoint.get("config")  # (only lion-vit's train.py writes one)
+    trained_here = config.get("model") if isinstance(config, dict) else None
     if isinstance(trained_here, dict) and trained_here.get("name"):
         raise ValueError(f"{'the checkpoint' if isinstance(source, Mapping) else source} was written by lion-vit's "
                          f"train.py ({trained_here['name']}): it needs no conversion; use it as it is "

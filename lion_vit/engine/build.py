@@ -43,8 +43,9 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"model.attn_form / model.chunk_size / model.attn_backend apply to LION models only, "
                         f"not {name}")
     model_kwargs = OmegaConf.to_container(model_cfg.kwargs, resolve=True)
-    for key in sorted(set(model_kwargs) & set(SETTINGS_NOT_KWARGS)):  # (each would clash with, or lose to, it)
-        setting = SETTINGS_NOT_KWARGS[key]
+    clashes = sorted(set(model_kwargs) & set(SETTINGS_NOT_KWARGS))  # (each would clash with, or lose to, its setting)
+    if clashes:
+        key, setting = clashes[0], SETTINGS_NOT_KWARGS[clashes[0]]
         raise UserError(f"model.kwargs.{key}: train.py sets it from the data ({num_classes} classes here); drop it"
                         if setting is None else f"model.kwargs.{key} is the setting {setting}; pass {setting}=<value> "
                         f"instead")

@@ -72,11 +72,14 @@ def optional(rule: Rule) -> Rule:
     return (lambda v: v is None or rule[0](v)), f"null or {rule[1]}"
 
 
+def _is_non_blank(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
 def _non_blank(what: str) -> Rule:
     """A string that is not blank: an unset shell variable (resume=$CKPT) leaves an empty one, which would mean
     something else (no resume, data.root itself as the split) without a word."""
-    return (lambda v: isinstance(v, str) and bool(v.strip())), \
-        f"{what} (not empty, as an unset shell variable leaves it)"
+    return _is_non_blank, f"{what} (not empty, as an unset shell variable leaves it)"
 
 
 def _is_timm_optimizer(value: Any) -> bool:
@@ -263,7 +266,7 @@ class RunConfig:
     num_workers: Any = setting(lambda v: v == "auto" or (_is_int(v) and v >= 0),
                                "auto (the cores this process may use) or an integer >= 0")
     prefetch_factor: int = setting(POSITIVE_INT)
-    output_dir: str = setting(lambda v: isinstance(v, str) and bool(v.strip()),
+    output_dir: str = setting(_is_non_blank,
                               "a folder (empty, as an unset shell variable leaves it, would write the run into the "
                               "current folder); leave it out for a new folder under outputs/")
     resume: Optional[str] = setting(optional(_non_blank("auto or a checkpoint's path")))

@@ -172,9 +172,10 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     _save_epoch(output_dir, metrics, state, is_best)
                     _log_epoch(metrics, cfg.epochs)
-                    advice = waiting_advice(metrics["data_wait_share"], resolve_num_workers(cfg.num_workers))
-                    if epoch == start_epoch and advice:
-                        log.warning("epoch %d %s", epoch + 1, advice)
+                    if epoch == start_epoch:  # (the first epoch this process trains says it once)
+                        advice = waiting_advice(metrics["data_wait_share"], resolve_num_workers(cfg.num_workers))
+                        if advice:
+                            log.warning("epoch %d %s", epoch + 1, advice)
                     logger.log(metrics, step=epoch + 1)
     finally:
         logger.finish()
