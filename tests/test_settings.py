@@ -78,6 +78,12 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^model.kwargs.attn_form is the setting model.attn_form; pass "
                                         "model.attn_form=<value> instead"):
         build_model(OmegaConf.merge(model, {"kwargs": {"attn_form": "rnn"}}), 3, 32)
+    # a timm model without stochastic depth takes no drop_path_rate: built without it at 0, else named
+    cnn = OmegaConf.create({**OmegaConf.to_container(model), "name": "dla46_c", "patch_size": None, "kwargs": {}})
+    assert build_model(OmegaConf.merge(cnn, {"drop_path_rate": 0.0}), 3, 32)(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+    with pytest.raises(UserError, match=r"^model.drop_path_rate=0.1: dla46_c has no stochastic depth \(timm builds it "
+                                        r"without drop_path_rate\); set model.drop_path_rate=0$"):
+        build_model(OmegaConf.merge(cnn, {"drop_path_rate": 0.1}), 3, 32)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"this is not a checkpoint")
     with pytest.raises(UserError, match="is corrupt or not a torch checkpoint"):

@@ -57,7 +57,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
     _keep_a_file_classifier_that_fits(name, kwargs)
     try:
         with hub_or_cache(downloads=_initial_weights_source(kwargs) == HUB_WEIGHTS):
-            return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
+            return _create_model(name, img_size, patch, kwargs)
     except (ValueError, TypeError) as error:
         hint = ""
         if "unexpected keyword argument" in str(error) and model_cfg.kwargs:
@@ -77,6 +77,21 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         hint = "; download them where the hub is reachable and pass the file: " \
             "+model.kwargs.pretrained_cfg_overlay.file=<path>" if isinstance(error, HubUnreachable) else ""
         raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}{hint}") from None
+
+
+def _create_model(name: str, img_size: int, patch: Optional[int], kwargs: Dict[str, Any]) -> nn.Module:
+    """create_model_at_size; a timm model without stochastic depth (DLA, VGG) takes no drop_path_rate, and is
+    built without it where it is 0."""
+    try:
+        return lion_models.create_model_at_size(name, img_size, patch, **kwargs)
+    except TypeError as error:
+        if "unexpected keyword argument 'drop_path_rate'" not in str(error):
+            raise
+        if kwargs["drop_path_rate"]:
+            raise UserError(f"model.drop_path_rate={kwargs['drop_path_rate']}: {name} has no stochastic depth "
+                            f"(timm builds it without drop_path_rate); set model.drop_path_rate=0") from None
+        return lion_models.create_model_at_size(name, img_size, patch,
+                                                **{k: v for k, v in kwargs.items() if k != "drop_path_rate"})
 
 
 def _keep_a_file_classifier_that_fits(name: str, kwargs: Dict[str, Any]) -> None:
