@@ -21,7 +21,7 @@ from timm.layers import resample_abs_pos_embed
 from torch import Tensor, nn
 
 from .hub import HubUnreachable, hub_or_cache
-from .weights import WEIGHT_SUFFIXES, read_weights
+from .weights import WEIGHT_SUFFIXES, is_url, read_weights
 
 __all__ = ["init_from_vit", "InitReport", "load_vit_weights"]
 log = logging.getLogger("lion_vit")
@@ -71,8 +71,8 @@ def load_vit_weights(source: Source) -> Tuple[Dict[str, Tensor], Optional[int]]:
     if isinstance(source, Mapping):
         return _tensors(dict(source), "the state dict given"), None
     path = Path(source)
-    if path.is_file() or (path.is_dir() and not timm.is_model(source)):  # (a folder says so)
-        return _load_file(path)
+    if is_url(source) or path.is_file() or (path.is_dir() and not timm.is_model(source)):  # (a folder says so)
+        return _load_file(source)
     if not timm.is_model(source):
         if path.suffix in WEIGHT_SUFFIXES or "/" in source:
             raise FileNotFoundError(f"init_from file {source} does not exist")
@@ -86,7 +86,7 @@ def load_vit_weights(source: Source) -> Tuple[Dict[str, Tensor], Optional[int]]:
     return vit.state_dict(), _num_heads(vit)
 
 
-def _load_file(path: Path) -> Tuple[Dict[str, Tensor], Optional[int]]:
+def _load_file(path: Union[str, Path]) -> Tuple[Dict[str, Tensor], Optional[int]]:
     state = read_weights(path)
     heads = None
     if isinstance(state.get("config"), dict):  # this project's train.py

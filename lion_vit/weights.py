@@ -5,8 +5,11 @@ chooses it; and loading one into a model, where a mismatch is one line."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import pickle
 import re
+import urllib.error
+import urllib.parse
 from pathlib import Path
 from typing import Any, Dict, Sequence, Union
 
@@ -22,11 +25,39 @@ class UnsafeWeights(ValueError):
     """A weights file that would run code when unpickled: torch's weights_only load refuses it."""
 
 
+URL = re.compile(r"^(https?|file)://")
+
+
+def is_url(source: Union[str, Path]) -> bool:
+    return isinstance(source, str) and bool(URL.match(source))
+
+
+def download(url: str) -> Path:
+    """The file at url, downloaded once into torch.hub's cache (as DeiT's URLs load through
+    torch.hub.load_state_dict_from_url), in a folder of its own per URL: two runs' checkpoint-best.pt stay apart
+    where torch.hub's one folder would mix them up. An unreachable URL is a ValueError of one line."""
+    name = Path(urllib.parse.urlparse(url).path).name or "weights"
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:16] / name
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        try:  # (into a temporary file, renamed once whole: an interrupted download leaves nothing cached)
+            torch.hub.download_url_to_file(url, str(cached), progress=False)
+        except (OSError, ValueError) as error:  # (urllib's URLError and HTTPError are OSErrors)
+            with contextlib.suppress(OSError):
+                cached.parent.rmdir()
+            reason = f"HTTP {error.code} {error.reason}" if isinstance(error, urllib.error.HTTPError) else \
+                getattr(error, "reason", None) or error
+            raise ValueError(f"{url} cannot be downloaded ({reason}); download it where it is reachable and pass "
+                             f"the file's path") from None
+    return cached
+
+
 def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str, Any]:
-    """The dict in a weights file. A missing, corrupt or foreign file is a ValueError of one line starting
-    with the path; one that would run code when unpickled (weights_only refuses it), an UnsafeWeights.
-    allow: classes a trusted format pickles besides tensors (the official checkpoints' argparse.Namespace)."""
-    path = Path(path)
+    """The dict in a weights file, or at a URL (https://, file://: downloaded once, see download). A missing,
+    corrupt or foreign file is a ValueError of one line starting with the path; one that would run code when
+    unpickled (weights_only refuses it), an UnsafeWeights. allow: classes a trusted format pickles besides
+    tensors (the official checkpoints' argparse.Namespace)."""
+    path = download(path) if is_url(path) else Path(path)
     if path.is_dir():  # a run's folder, say: name the files it holds
         held = sorted(p.name for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
         raise ValueError(f"{path} is a folder, not a file" + (f" (it holds {', '.join(held[:4])})" if held else ""))

@@ -30,6 +30,42 @@ def test_checkpoint_loads_into_timm_create_model(trained):
         assert torch.equal(value, weights[key]), key
 
 
+def test_weights_at_a_url_are_downloaded_once_each_into_torch_hubs_cache(trained, tmp_path, monkeypatch):
+    """model.init_from, distill.teacher_checkpoint, checkpoint= and from_official read weights as DeiT's
+    commands take them, at a URL (file:// here, as https:// without a network): downloaded once into
+    torch.hub's cache, a folder per URL (two runs' checkpoint-best.pt stay apart). An unreachable URL is one
+    line and leaves no folder in the cache."""
+    import shutil
+    import timm
+    from omegaconf import OmegaConf
+    import lion_vit
+    from lion_vit.engine.distill import build_teacher
+    from lion_vit.weights import read_weights
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    served = tmp_path / "served"
+    for run in ("a", "b"):
+        (served / run).mkdir(parents=True)
+        shutil.copy(trained / "checkpoint-best.pt", served / run / "checkpoint-best.pt")
+    url = (served / "a" / "checkpoint-best.pt").as_uri()
+    assert url.startswith("file:///")
+    teacher, (size, _, _) = build_teacher(OmegaConf.create({"teacher": None, "teacher_checkpoint": url}), 3,
+                                          [f"class_{k}" for k in range(3)])
+    weights = torch.load(trained / "checkpoint-best.pt")["model"]
+    assert size == 32 and all(torch.equal(teacher.state_dict()[k], v) for k, v in weights.items())
+    (served / "a" / "checkpoint-best.pt").unlink()  # read again from the cache
+    model = timm.create_model("lion_d_tiny", img_size=32, patch_size=8, depth=2, num_classes=3)
+    assert len(lion_vit.init_from_vit(model, url).copied) > 20
+    assert torch.equal(model.state_dict()["blocks.0.attn.qkv.weight"], weights["blocks.0.attn.qkv.weight"])
+    read_weights((served / "b" / "checkpoint-best.pt").as_uri())
+    cache = tmp_path / "torch_home" / "hub" / "checkpoints"
+    assert sorted(p.name for p in cache.glob("*/*")) == ["checkpoint-best.pt"] * 2
+    with pytest.raises(ValueError, match=r"^http://127.0.0.1:9/deit.pth cannot be downloaded \(\[Errno 111\] "
+                                         r"Connection refused\); download it where it is reachable and pass the "
+                                         r"file's path$"):
+        read_weights("http://127.0.0.1:9/deit.pth")
+    assert len(list(cache.iterdir())) == 2
+
+
 @pytest.mark.slow
 def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
     """The README's fine-tuning overrides: the backbone starts from the checkpoint, and so does its

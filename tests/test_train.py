@@ -194,6 +194,19 @@ def test_eval_only_reads_weights_alone_with_the_commands_architecture(trained, f
                        "holds no 'model' weights; expected a lion-vit training checkpoint")
 
 
+def test_eval_only_of_a_checkpoint_at_a_url(trained, folder, tmp_path):
+    """checkpoint=<URL>, as DeiT's `--eval --resume https://...`: downloaded (here from a file:// URL) and
+    evaluated; eval.json names the URL. resume= takes a run's own file, not a URL."""
+    url = (trained / "checkpoint-best.pt").as_uri()
+    assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true", f"checkpoint={url}",
+                        f"output_dir={tmp_path / 'eval'}"))
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["acc1"] == pytest.approx(max(m["val_acc1"] for m in read_metrics(trained)))
+    assert result["checkpoint"] == url
+    assert_clean_error(run_train(*SMALL_LION, f"resume={url}", f"output_dir={tmp_path / 'resumed'}"),
+                       f"resume={url} is not allowed", "nor a URL: download it first")
+
+
 def test_resumed_run_continues_its_wandb_run(folder, tmp_path):
     """Offline wandb (no account, no network): the resumed run logs to the run id of the first part."""
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",

@@ -6,7 +6,7 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -121,8 +121,9 @@ def _fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def load_checkpoint(path: Path, weights: bool = False, setting: str = "checkpoint") -> Dict[str, Any]:
-    """A training checkpoint (read weights_only: a file that would run code is refused), or a UserError.
+def load_checkpoint(path: Union[str, Path], weights: bool = False, setting: str = "checkpoint") -> Dict[str, Any]:
+    """A training checkpoint (a file's path or a URL, read weights_only: a file that would run code is refused),
+    or a UserError.
     weights=True (evaluation): also a file of weights alone, a state dict (.pth, .safetensors) or timm's
     checkpoint, as {"model": its weights, "model_ema": its EMA weights where it has them}. setting: the
     setting that named path (checkpoint, resume), for the errors."""

@@ -25,6 +25,7 @@ from ..data.build import DECODES, KINDS
 from ..errors import UserError, first_line
 from ..ops import BACKENDS, FORM_CHOICES, Tuning
 from ..ops.tuning import THRESHOLD_KNOBS
+from ..weights import is_url
 
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own
 OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
@@ -80,6 +81,11 @@ def _non_blank(what: str) -> Rule:
     """A string that is not blank: an unset shell variable (resume=$CKPT) leaves an empty one, which would mean
     something else (no resume, data.root itself as the split) without a word."""
     return _is_non_blank, f"{what} (not empty, as an unset shell variable leaves it)"
+
+
+# a run continues from its files, not a download (checkpoint=, model.init_from=, distill.teacher_checkpoint= read URLs)
+_RESUMABLE: Rule = (lambda v: _is_non_blank(v) and not is_url(v), "auto or a checkpoint file's path (not empty, as "
+                    "an unset shell variable leaves it, nor a URL: download it first)")
 
 
 def _is_timm_optimizer(value: Any) -> bool:
@@ -269,9 +275,9 @@ class RunConfig:
     output_dir: str = setting(_is_non_blank,
                               "a folder (empty, as an unset shell variable leaves it, would write the run into the "
                               "current folder); leave it out for a new folder under outputs/")
-    resume: Optional[str] = setting(optional(_non_blank("auto or a checkpoint's path")))
+    resume: Optional[str] = setting(optional(_RESUMABLE))
     eval_only: bool = setting(SWITCH)
-    checkpoint: Optional[str] = setting(optional(_non_blank("a checkpoint's path")))
+    checkpoint: Optional[str] = setting(optional(_non_blank("a checkpoint's path or URL")))
     amp: bool = setting(SWITCH)
     amp_dtype: str = setting(choices=AMP_DTYPES)
     compile: bool = setting(SWITCH)

@@ -13,7 +13,6 @@ and does not resize the teacher's input.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 import timm
@@ -112,11 +111,11 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     path = distill.teacher_checkpoint
     if path:
         try:
-            state = read_weights(Path(path))
+            state = read_weights(path)  # (a path or a URL)
         except ValueError as error:
             raise UserError(f"distill.teacher_checkpoint {error}; pass the path to the teacher's weights") from None
         if isinstance(state.get("config"), dict):
-            return _trained_teacher(state, Path(path), distill, classes)
+            return _trained_teacher(state, path, distill, classes)
     name = distill.teacher
     if not name:
         raise UserError("distill.teacher_checkpoint holds no train.py config; also set distill.teacher=<timm model "
@@ -142,7 +141,7 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
     return teacher, (int(config["input_size"][-1]), config["mean"], config["std"])
 
 
-def _trained_teacher(state: Dict[str, Any], path: Path, distill: DictConfig, classes: Sequence[str]):
+def _trained_teacher(state: Dict[str, Any], path: str, distill: DictConfig, classes: Sequence[str]):
     config, name = state["config"], trained_architecture(state).get("name")
     if distill.teacher and distill.teacher != name:
         raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {name}; drop distill.teacher (the "

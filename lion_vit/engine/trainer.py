@@ -372,7 +372,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
         raise UserError("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>")
     if (output_dir / EVAL).exists():  # as a training run never overwrites a run
         raise UserError(f"{output_dir} already holds an evaluation ({EVAL}); choose a new output_dir")
-    state = ckpt.load_checkpoint(Path(cfg.checkpoint), weights=True)
+    state = ckpt.load_checkpoint(cfg.checkpoint, weights=True)  # (a path or a URL)
     use_ema = cfg.ema.eval_ema
     if use_ema and state.get("model_ema") is None:
         raise UserError(f"ema.eval_ema=true, but {cfg.checkpoint} holds no EMA weights (its run had "
