@@ -60,6 +60,8 @@ def main() -> None:
                         help="timed rounds (one step per model each) after one warm-up; the best step and the "
                              "median per-round ratio are reported")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--grad-checkpointing", action="store_true",
+                        help="timm's gradient checkpointing in every model (train.py's grad_checkpointing=true)")
     parser.add_argument("--attn-form", default="auto", choices=FORM_CHOICES,
                         help="the LION models' form (auto: attention, or for long sequences the chunk form on a CPU "
                              "and the chunk kernels on CUDA)")
@@ -102,6 +104,7 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             lion = dict(attn_form=form or args.attn_form, chunk_size=chunk_size,
                         attn_backend=args.attn_backend) if name.startswith("lion_") else {}
             model = create_model_at_size(name, args.img_size, **lion).to(device).train()
+            model.set_grad_checkpointing(args.grad_checkpointing)
             if lion:
                 plans[label] = model.attn_plan((args.img_size, args.img_size), device)
         except (ValueError, AssertionError) as error:  # a size the patch does not divide, a backend not here
@@ -159,7 +162,8 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             if label in setups:
                 result = train_memory_in_subprocess(dict(
                     model_name=name, form=form or args.attn_form, chunk_size=chunk_size, img_size=args.img_size,
-                    batch_size=args.batch_size, attn_backend=args.attn_backend), timeout_s=3600)
+                    batch_size=args.batch_size, attn_backend=args.attn_backend,
+                    grad_checkpointing=args.grad_checkpointing), timeout_s=3600)
                 peaks[label] = result["peak_mem_mb"] if result["status"] == STATUS_OK else None
                 print(f"{label}: peak RSS growth of a step "
                       + (f"{peaks[label]:.0f} MB" if peaks[label] is not None else result["status"]), flush=True)
@@ -173,6 +177,7 @@ def _measure(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         row = dict(model=name, form=plans[label].form if label in plans else None,
                    chunk_size=plans[label].chunk_size if label in plans else None, batch_size=args.batch_size,
                    img_size=args.img_size, device=args.device, dtype=args.dtype,
+                   grad_checkpointing=args.grad_checkpointing,
                    malloc=args.malloc if args.device == "cpu" else None, status=failed.get(label, "ok"))
         if label in times:
             best, paired = min(times[label]), paired_ratio(times[label], baseline_times)

@@ -363,10 +363,12 @@ def measure_inference(model_name: str, form: Optional[str], chunk_size: Optional
 
 
 def measure_train_memory(model_name: str, form: Optional[str], chunk_size: Optional[int], img_size: int,
-                         batch_size: int, attn_backend: str = "auto") -> Dict[str, Any]:
+                         batch_size: int, attn_backend: str = "auto", grad_checkpointing: bool = False
+                         ) -> Dict[str, Any]:
     """CPU, in this process: the growth of peak RSS during a training step (forward, cross-entropy, backward,
     AdamW) over the RSS before it, the second step (the first also makes the optimizer's state)."""
     model = build(model_name, form, chunk_size, img_size, torch.device("cpu"), torch.float32, attn_backend).train()
+    model.set_grad_checkpointing(grad_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = torch.randn(batch_size, 3, img_size, img_size), torch.randint(0, 1000, (batch_size,))
 

@@ -42,7 +42,7 @@ def is_run(folder: Path) -> bool:
 
 # settings that name or feed a run without changing what it trains: never a reason for a row of its own
 NOT_COMPARED = ("seed", "output_dir", "resume", "checkpoint", "progress", "log_interval", "num_workers",
-                "prefetch_factor", "logger.", "tuning.")
+                "prefetch_factor", "grad_checkpointing", "logger.", "tuning.")
 
 
 def _flat(settings: Dict[str, Any], prefix: str = "") -> Dict[str, str]:

@@ -202,6 +202,27 @@ def test_train_script_leaves_out_a_model_that_runs_out_of_memory(tmp_path, monke
         ("lion_d_tiny", "ok", True), ("lion_lit_tiny", "error", False), ("lion_s_tiny", "ok", True)]
 
 
+def test_train_script_with_grad_checkpointing_in_every_model_and_its_memory_step(tmp_path, monkeypatch):
+    """--grad-checkpointing: every model timed with timm's gradient checkpointing, and so measured by --memory's
+    fresh processes (their runner recorded here), the CSV saying so."""
+    import benchmarking
+    import lion_vit.models
+    build, built, measured = lion_vit.models.create_model_at_size, [], []
+    monkeypatch.setattr(lion_vit.models, "create_model_at_size",
+                        lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1])
+    monkeypatch.setattr(benchmarking, "train_memory_in_subprocess",
+                        lambda config, timeout_s: measured.append(config) or {"status": "ok", "peak_mem_mb": 1.0})
+    for flag in (["--grad-checkpointing"], []):
+        built.clear(), measured.clear()
+        monkeypatch.setattr(sys, "argv", ["benchmark_train.py", "--models", "deit_tiny_patch16_224", "lion_d_tiny",
+                                          "--batch-size", "2", "--img-size", "32", "--steps", "1", "--memory", *flag,
+                                          "--out", str(tmp_path)])
+        runpy.run_path(str(ROOT / "scripts" / "benchmark_train.py"), run_name="__main__")
+        assert [model.grad_checkpointing for model in built] == [bool(flag)] * 2
+        assert [config["grad_checkpointing"] for config in measured] == [bool(flag)] * 2
+        assert [r["grad_checkpointing"] for r in read_rows(tmp_path / "train.csv")] == [str(bool(flag))] * 2
+
+
 @pytest.mark.slow
 def test_resolution_script_compiles_and_times_the_compile_apart(tmp_path):
     """--compile: the compiling first call is reported as compile_s, the measured forward after it

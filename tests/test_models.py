@@ -251,6 +251,28 @@ def test_state_dict_roundtrip_across_forms(tmp_path):
         assert rel_err(ema(x), model(x)) <= 1e-4
 
 
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 5)], ids=lambda f: f[0])
+def test_grad_checkpointing_keeps_less_for_backward_and_gives_the_same_gradients(form):
+    """timm's set_grad_checkpointing (train.py's grad_checkpointing=true) in every form: the blocks' activations
+    are recomputed in backward, drop path's draws included, for the same bits."""
+    model = trained_like(timm.create_model("lion_s_natural_tiny", num_classes=5, drop_path_rate=0.2,
+                                           attn_form=form[0], chunk_size=form[1]))
+    x = torch.randn(2, 3, 64, 48)
+    grads, saved = [], []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        numels = []
+        torch.manual_seed(1)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: numels.append(t.numel()) or t, lambda t: t):
+            loss = model(x).logsumexp(-1).sum()
+        model.zero_grad()
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+        saved.append(sum(numels))
+    assert saved[1] < saved[0] / 5
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("name", ["lion_lit_tiny", "lion_s_natural_tiny_distilled", "lion_gla_tiny"])
 def test_a_whole_model_pickles(name, tmp_path):
     """torch.save(model) and multiprocessing pickle a model by its classes' names: every layer is a plain

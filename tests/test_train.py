@@ -358,6 +358,23 @@ def test_gradient_accumulation_equals_the_larger_batch(folder, tmp_path):
     assert {s["step"].item() for s in optimizer["state"].values()} == {4}  # 2 steps x 2 epochs
 
 
+def test_grad_checkpointing_trains_the_same_weights(trained, folder, tmp_path):
+    """grad_checkpointing=true recomputes each block in backward: the `trained` run's command with it ends on
+    the same bits; a timm model without gradient checkpointing is one line."""
+    proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=2", "batch_size=4", "aug=none",
+                     f"output_dir={tmp_path / 'run'}", "optim.lr=2e-3", "optim.lr_base_batch=null",
+                     "optim.warmup_epochs=0", "grad_checkpointing=true")
+    assert_ok(proc)
+    ours, theirs = (torch.load(run / "checkpoint-last.pt")["model"] for run in (tmp_path / "run", trained))
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    proc = run_train("model=deit", "model.name=dla46_c", "model.patch_size=null", "model.drop_path_rate=0",
+                     "img_size=32", "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4", "aug=none",
+                     "progress=false", f"output_dir={tmp_path / 'dla'}", "grad_checkpointing=true")
+    assert_clean_error(proc, "grad_checkpointing=true: dla46_c has no gradient checkpointing in timm (gradient "
+                             "checkpointing not supported); set grad_checkpointing=false")
+    assert proc.returncode == 2 and not (tmp_path / "dla").exists()
+
+
 def test_resume_drops_metrics_logged_after_the_checkpoint(trained, folder, tmp_path):
     """A run killed after logging an epoch but before writing its checkpoint trains that epoch again:
     metrics.jsonl keeps one line per epoch."""

@@ -281,6 +281,7 @@ class RunConfig:
     amp: bool = setting(SWITCH)
     amp_dtype: str = setting(choices=AMP_DTYPES)
     compile: bool = setting(SWITCH)
+    grad_checkpointing: bool = setting(SWITCH, training=True)
     tf32: bool = setting(SWITCH)
     cpu_keep_freed_memory: bool = setting(SWITCH)
     progress: bool = setting(SWITCH)

@@ -108,6 +108,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         _init_from_vit(model, cfg.model.init_from)
     model.to(device)
     ema = ModelEmaV3(model, decay=cfg.ema.decay) if cfg.ema.enabled else None
+    if cfg.grad_checkpointing:  # (after the EMA's copy, which is only evaluated)
+        _grad_checkpointing(model, cfg.model.name)
 
     updates = updates_per_epoch(len(train_loader), cfg.grad_accum_steps)
     global_batch = cfg.batch_size * dist_info.world_size * cfg.grad_accum_steps
@@ -277,6 +279,16 @@ def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
              "%.0f %% waiting for data)", metrics["epoch"], epochs, metrics["train_loss"], parts, metrics["val_loss"],
              metrics["val_acc1"], metrics["val_acc5"], ema, metrics["lr"], metrics["epoch_time_s"],
              metrics["imgs_per_s"], 100 * metrics["data_wait_share"])
+
+
+def _grad_checkpointing(model: nn.Module, name: str) -> None:
+    """timm's gradient checkpointing: each block's activations are recomputed in backward, not kept."""
+    try:
+        model.set_grad_checkpointing(True)
+    except (AssertionError, NotImplementedError, AttributeError) as error:  # timm's models that have none assert
+        raise UserError(f"grad_checkpointing=true: {name} has no gradient checkpointing in timm "
+                        f"({first_line(error) or 'set_grad_checkpointing refused'}); set grad_checkpointing=false") \
+            from None
 
 
 def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_classes: int, lr: float,
