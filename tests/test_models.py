@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Tuple
 
 import pytest
@@ -35,6 +36,19 @@ def test_all_fifteen_registered_with_and_without_a_distillation_token():
     assert model.distilled and model.pretrained_cfg["classifier"] == ("head", "head_dist")
     assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in timm.create_model("lion_d_small").parameters()) \
         == 384 + 384 * 1000 + 1000  # the token and its head
+
+
+def test_the_packages_docstring_names_every_registered_model():
+    """help(lion_vit) names the models as brace patterns (lion_{d,s}_natural_{tiny,small,base}): expanded, they
+    are the registered ones, so the docstring cannot fall behind the registry."""
+    def expand(pattern: str) -> set:
+        match = re.search(r"\{([^}]*)\}|\[([^]]*)\]", pattern)  # {a,b}: either; [a]: with or without
+        if not match:
+            return {pattern}
+        options = match.group(1).split(",") if match.group(1) is not None else ["", match.group(2)]
+        return {name for option in options for name in expand(pattern[:match.start()] + option + pattern[match.end():])}
+    patterns = [p for p in re.findall(r"lion_[\w{},\[\]]+", lion_vit.__doc__) if p != "lion_vit"]
+    assert set().union(*map(expand, patterns)) == set(LION_MODEL_NAMES) | set(FAMILY_MODEL_NAMES)
 
 
 @pytest.mark.parametrize("name", LION_MODEL_NAMES)
