@@ -49,7 +49,7 @@ def load_official(source: Union[str, Path, Mapping[str, Any]]) -> Dict[str, Any]
         checkpoint = dict(source)
     else:
         try:
-            checkpoint = read_weights(source, allow=[argparse.Namespace])  # (DeiT's checkpoints keep their args)
+            checkpoint = read_weights(source)  # (with the official code's arguments: weights.ARGUMENTS)
         except ValueError as error:
             raise ValueError(f"official checkpoint {error}") from None
     config = checkpoint.get("config")  # (only lion-vit's train.py writes one)

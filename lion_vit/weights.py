@@ -4,6 +4,7 @@ load_state_dict / load_checkpoint read them; the state dict inside it, chosen an
 chooses it; and loading one into a model, where a mismatch is one line."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import pickle
@@ -11,7 +12,7 @@ import re
 import urllib.error
 import urllib.parse
 from pathlib import Path
-from typing import Any, Dict, Sequence, Union
+from typing import Any, Dict, Union
 
 import torch
 from timm.models import clean_state_dict
@@ -52,11 +53,15 @@ def download(url: str) -> Path:
     return cached
 
 
-def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str, Any]:
+# DeiT's main.py (and so the official LION code, a DeiT fork) and timm's train.py keep their argparse arguments in
+# every checkpoint: a Namespace, whose values weights_only still checks like any others
+ARGUMENTS = (argparse.Namespace,)
+
+
+def read_weights(path: Union[str, Path]) -> Dict[str, Any]:
     """The dict in a weights file, or at a URL (https://, file://: downloaded once, see download). A missing,
     corrupt or foreign file is a ValueError of one line starting with the path; one that would run code when
-    unpickled (weights_only refuses it), an UnsafeWeights. allow: classes a trusted format pickles besides
-    tensors (the official checkpoints' argparse.Namespace)."""
+    unpickled (weights_only refuses it, ARGUMENTS aside), an UnsafeWeights."""
     path = download(path) if is_url(path) else Path(path)
     if path.is_dir():  # a run's folder, say: name the files it holds
         held = sorted(p.name for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
@@ -67,7 +72,7 @@ def read_weights(path: Union[str, Path], allow: Sequence[type] = ()) -> Dict[str
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(path))
-        with _allowed(allow):
+        with torch.serialization.safe_globals(list(ARGUMENTS)):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         refused = re.search(r"GLOBAL (\S+)", str(error))
@@ -115,8 +120,3 @@ def what_model(model: nn.Module) -> str:
     """A model's timm name where it has one (pretrained_cfg's architecture), else its class name."""
     return (getattr(model, "pretrained_cfg", None) or {}).get("architecture") or type(model).__name__
 
-
-@contextlib.contextmanager
-def _allowed(classes: Sequence[type]):
-    with torch.serialization.safe_globals(list(classes)) if classes else contextlib.nullcontext():
-        yield

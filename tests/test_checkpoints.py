@@ -117,6 +117,27 @@ def test_checkpoint_with_foreign_objects_is_refused_not_run(tmp_path):
     assert not marker.exists()
 
 
+def test_checkpoints_of_deit_and_timm_train_scripts_read_with_their_arguments(tmp_path):
+    """DeiT's main.py and timm's train.py save their argparse Namespace ('args') in every checkpoint: it is read,
+    for evaluation, init_from and teachers alike; an object inside it is still refused, and not run."""
+    import argparse
+    from lion_vit.engine.checkpoint import load_checkpoint
+    from lion_vit.errors import UserError
+    weights = {"head.weight": torch.ones(2, 3)}
+    torch.save({"model": weights, "epoch": 299, "args": argparse.Namespace(model="deit_small_patch16_224",
+                                                                         lr=5e-4)}, tmp_path / "deit.pth")
+    torch.save({"state_dict": weights, "arch": "vit_small_patch16_224", "args": argparse.Namespace(amp=True)},
+               tmp_path / "timm.pth.tar")
+    for name in ("deit.pth", "timm.pth.tar"):
+        assert torch.equal(load_checkpoint(tmp_path / name, weights=True)["model"]["head.weight"], weights["head.weight"])
+    marker = tmp_path / "ran"
+    torch.save({"model": {}, "args": argparse.Namespace(payload=_WritesFileWhenUnpickled(str(marker)))},
+               tmp_path / "evil.pth")
+    with pytest.raises(UserError, match=r"holds a Python object \(\S+\) that torch's safe load"):
+        load_checkpoint(tmp_path / "evil.pth")
+    assert not marker.exists()
+
+
 class _WritesFileWhenUnpickled:
     def __init__(self, path: str) -> None:
         self.path = path
