@@ -119,8 +119,11 @@ def test_checkpoint_with_foreign_objects_is_refused_not_run(tmp_path):
 
 def test_checkpoints_of_deit_and_timm_train_scripts_read_with_their_arguments(tmp_path):
     """DeiT's main.py and timm's train.py save their argparse Namespace ('args') in every checkpoint: it is read,
-    for evaluation, init_from and teachers alike; an object inside it is still refused, and not run."""
+    for evaluation, init_from and teachers alike (their runs do not resume here: the line names init_from); an
+    object inside it is still refused, and not run."""
     import argparse
+    from omegaconf import OmegaConf
+    from lion_vit.engine.build import check_resumable
     from lion_vit.engine.checkpoint import load_checkpoint
     from lion_vit.errors import UserError
     weights = {"head.weight": torch.ones(2, 3)}
@@ -130,6 +133,10 @@ def test_checkpoints_of_deit_and_timm_train_scripts_read_with_their_arguments(tm
                tmp_path / "timm.pth.tar")
     for name in ("deit.pth", "timm.pth.tar"):
         assert torch.equal(load_checkpoint(tmp_path / name, weights=True)["model"]["head.weight"], weights["head.weight"])
+    with pytest.raises(UserError, match=r"is a checkpoint of DeiT's or timm's own training script .*; start from its "
+                                        f"weights with model.init_from={tmp_path / 'deit.pth'}, or evaluate it"):
+        check_resumable(OmegaConf.create({"resume": str(tmp_path / "deit.pth")}),
+                        load_checkpoint(tmp_path / "deit.pth", setting="resume"))
     marker = tmp_path / "ran"
     torch.save({"model": {}, "args": argparse.Namespace(payload=_WritesFileWhenUnpickled(str(marker)))},
                tmp_path / "evil.pth")

@@ -212,6 +212,11 @@ RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weigh
 def check_resumable(cfg: DictConfig, state: Dict[str, Any]) -> None:
     """Resuming continues the checkpoint's run: another architecture, or another optimizer (which cannot
     take the saved optimizer state), is a mistake to name, not a wall of missing keys or a traceback."""
+    if "args" in state and "config" not in state:  # DeiT's main.py or timm's train.py: their state is not ours
+        raise UserError(f"resume={cfg.resume} is a checkpoint of DeiT's or timm's own training script (it holds "
+                        f"their args, not train.py's config), whose run cannot continue here; start from its "
+                        f"weights with model.init_from={cfg.resume}, or evaluate it with eval_only=true "
+                        f"checkpoint={cfg.resume}")
     _require_same("model", trained_architecture(state), architecture(OmegaConf.to_container(cfg.model, resolve=True)),
                   "resume with the same model settings or choose a new output_dir")
     trained_optim = state.get("config", {}).get("optim", {})
