@@ -40,12 +40,15 @@ def download(url: str) -> Path:
     name = Path(urllib.parse.urlparse(url).path).name or "weights"
     cached = Path(torch.hub.get_dir()) / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:16] / name
     if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
         try:  # (into a temporary file, renamed once whole: an interrupted download leaves nothing cached)
+            cached.parent.mkdir(parents=True, exist_ok=True)
             torch.hub.download_url_to_file(url, str(cached), progress=False)
         except (OSError, ValueError) as error:  # (urllib's URLError and HTTPError are OSErrors)
             with contextlib.suppress(OSError):
                 cached.parent.rmdir()
+            if isinstance(error, PermissionError):
+                raise ValueError(f"{url} cannot be downloaded into {cached.parent} ({error.strerror}); set "
+                                 f"TORCH_HOME to a folder you can write, or pass a downloaded file's path") from None
             reason = f"HTTP {error.code} {error.reason}" if isinstance(error, urllib.error.HTTPError) else \
                 getattr(error, "reason", None) or error
             raise ValueError(f"{url} cannot be downloaded ({reason}); download it where it is reachable and pass "

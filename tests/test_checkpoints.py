@@ -65,6 +65,15 @@ def test_weights_at_a_url_are_downloaded_once_each_into_torch_hubs_cache(trained
         read_weights("http://127.0.0.1:9/deit.pth")
     assert len(list(cache.iterdir())) == 2
 
+    def refused(url, destination, progress):  # a cache folder this user cannot write (as root, none is)
+        raise PermissionError(13, "Permission denied", destination)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", refused)
+    with pytest.raises(ValueError, match=r"^file:///elsewhere/deit.pth cannot be downloaded into .*torch_home/hub/"
+                                         r"checkpoints/\w+ \(Permission denied\); set TORCH_HOME to a folder you "
+                                         r"can write, or pass a downloaded file's path$"):
+        read_weights("file:///elsewhere/deit.pth")
+    assert len(list(cache.iterdir())) == 2
+
 
 @pytest.mark.slow
 def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_path):
