@@ -107,11 +107,17 @@ def main() -> None:
         last, best = zip(*runs)
         print(f"| {' | '.join(values)} | {len(runs)} | {spread(last)} | {spread(best)} |")
     if evaluated:
-        print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images |\n"
-              "|---|---|---|---|---|---|---|---|---|---|")
-    for e in evaluated:  # (chunk_size: where chunks ran; attn_form and attn_plan: null for a softmax model)
+        print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images "
+              "| images/s | peak GPU memory (MB) |\n" + "|---" * 12 + "|")
+    for e in evaluated:  # (chunk_size: where chunks ran; attn_form and attn_plan: null for a softmax model; the
+        # speed and memory: empty in an eval.json from before they were recorded, the memory on a CPU)
         print(f"| {e['model']} | {e['weights']} | {e['img_size']} | {e['attn_form'] or ''} | {e['chunk_size'] or ''} "
-              f"| {e['attn_plan'] or ''} | {e['acc1']:.2f} | {e['acc5']:.2f} | {e['loss']:.4f} | {e['num_images']} |")
+              f"| {e['attn_plan'] or ''} | {e['acc1']:.2f} | {e['acc5']:.2f} | {e['loss']:.4f} | {e['num_images']} "
+              f"| {_figure(e.get('imgs_per_s'))} | {_figure(e.get('peak_gpu_mem_mb'))} |")
+
+
+def _figure(value) -> str:
+    return "" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 if __name__ == "__main__":
