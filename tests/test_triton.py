@@ -423,6 +423,26 @@ def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always
             assert rel_err(model(x), expected) < TOL, form
 
 
+def test_grad_checkpointing_recomputes_the_fused_attention_form_to_the_same_gradients():
+    """grad_checkpointing=true on the triton backend's training form (the fused kernel): the block's forward runs
+    again in backward, its kernels' gradients the same bits as without checkpointing."""
+    model = grid_model("lion_d_tiny").train().set_attn_form("attention", backend="triton")
+    assert model.attn_plan(GRID, device=DEVICE).backend == "triton"
+    x = grid_images(2)
+    grads, saved = [], []
+    for checkpointing in (False, True):
+        model.set_grad_checkpointing(checkpointing)
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((checkpointing, t.numel())) or t,
+                                                      lambda t: t):
+            loss = model(x).logsumexp(-1).sum()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    kept = [sum(n for flag, n in saved if flag == checkpointing) for checkpointing in (False, True)]
+    assert kept[1] < kept[0] / 2  # (the one block's input kept, not its activations)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("form, scans, decay", [("chunk", 1, "selective"), ("rnn", 2, "fixed_per_batch")])
 def test_inference_runs_the_batch_in_groups_of_images(form, scans, decay, knobs):
     """Without autograd the plan groups the images (Plan.grouped); one image per group (group_share 0) is
