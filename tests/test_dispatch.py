@@ -123,6 +123,21 @@ def test_auto_form_on_a_cpu_by_default_and_what_it_computes():
         assert model.eval().attn_plan((size, size), training=True).form == training, size
     assert str(model.eval().attn_plan((320, 320))) == "chunk form, cpu backend: 7 chunks in groups of rows"
     assert str(model.train().attn_plan((448, 448))) == "chunk form, torch backend: 13 chunks"
+
+
+def test_auto_form_on_a_gpu_by_default_from_the_sizes_timed(kernels):
+    """The code's triton thresholds, as the GPU timings chose them for LION-d and LION-d-natural (no class token):
+    the chunk kernels from 896 px in evaluation (where they won, against 448 px where they lost) and 512 px in
+    training; a model with a class token, one token more, too."""
+    kernels(True)
+    for name in ("lion_d_small", "lion_d_natural_small"):
+        model = timm.create_model(name, attn_form="auto")
+        for size, evaluating, training in [(496, "attention", "attention"), (512, "attention", "chunk"),
+                                           (880, "attention", "chunk"), (896, "chunk", "chunk")]:
+            assert model.attn_plan((size, size), CUDA, training=False).form == evaluating, (name, size)
+            assert model.attn_plan((size, size), CUDA, training=True).form == training, (name, size)
+    token = timm.create_model("lion_d_small", attn_form="auto", global_pool="token")
+    assert token.attn_plan((896, 896), CUDA, training=False).form == "chunk"
     torch.manual_seed(0)
     model = timm.create_model("lion_s_tiny", attn_form="auto", img_size=448, dynamic_img_size=True,
                               drop_path_rate=0.0).double()

@@ -217,7 +217,7 @@ def test_settings_table_picks_from_the_timings(tmp_path):
           "lion_d_natural_small,chunk,out of memory,")
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
-    assert row["auto_chunk_min_tokens[True, 1] (lion_d_small)"][1] == "1601"  # 640 px: 40 x 40 patches + 1
+    assert row["auto_chunk_min_tokens[True, 1] (lion_d_small)"][1] == "1600"  # 640 px: 40 x 40 patches
     assert row["auto_chunk_min_tokens[False, 2] (lion_d_natural_small)"] == ["not measured", "-"]
     assert row["chunk_backward_fallback (lion_d_small, 896 px b32)"] == [
         "portable chunk form x0.80, recurrent kernels x1.30, chunk kernels (backward by forward) x0.70 of DeiT-S",
@@ -229,7 +229,7 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     lines = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))["setting_lines"](tmp_path)
     row = {cells[1].strip(): [c.strip() for c in cells[2:4]] for cells in (line.split("|") for line in lines[2:])}
     measured, pick = row["auto_chunk_min_tokens[True, 1] (lion_d_small)"]
-    assert "640 px: fallback x0.90" in measured and pick.startswith("1601 (not for the chunk kernels")
+    assert "640 px: fallback x0.90" in measured and pick.startswith("1600 (not for the chunk kernels")
     assert row["group_share (lion_d_small, b16)"] == ["not measured", "-"]
     assert row["recurrent_group_programs (lion_d_small rnn, b16)"] == ["not measured", "-"]
     assert row["bidirectional_forward / _backward (224 px b256)"] == ["not measured", "-"]
