@@ -213,7 +213,8 @@ def test_train_script_with_grad_checkpointing_in_every_model_and_its_memory_step
     monkeypatch.setattr(benchmarking, "train_memory_in_subprocess",
                         lambda config, timeout_s: measured.append(config) or {"status": "ok", "peak_mem_mb": 1.0})
     for flag in (["--grad-checkpointing"], []):
-        built.clear(), measured.clear()
+        built.clear()
+        measured.clear()
         monkeypatch.setattr(sys, "argv", ["benchmark_train.py", "--models", "deit_tiny_patch16_224", "lion_d_tiny",
                                           "--batch-size", "2", "--img-size", "32", "--steps", "1", "--memory", *flag,
                                           "--out", str(tmp_path)])

@@ -31,8 +31,8 @@ def test_checkpoint_loads_into_timm_create_model(trained):
 
 
 def test_weights_at_a_url_are_downloaded_once_each_into_torch_hubs_cache(trained, tmp_path, monkeypatch):
-    """model.init_from, distill.teacher_checkpoint, checkpoint= and from_official read weights as DeiT's
-    commands take them, at a URL (file:// here, as https:// without a network): downloaded once into
+    """The one reader of weight files (checkpoint=, model.init_from, distill.teacher_checkpoint, from_official) takes
+    them as DeiT's commands do, at a URL (file:// here, as https:// without a network): downloaded once into
     torch.hub's cache, a folder per URL (two runs' checkpoint-best.pt stay apart). An unreachable URL is one
     line and leaves no folder in the cache."""
     import shutil
