@@ -339,15 +339,21 @@ def test_configure_cuda_sets_the_timm_defaults():
 
 
 def test_out_of_memory_becomes_one_line():
-    """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower."""
+    """An allocation failure (CPU allocator or CUDA) is reported with its size and what to lower; in training, how to
+    keep the global batch, and gradient checkpointing where it is off."""
     from omegaconf import OmegaConf
     from lion_vit.engine.trainer import _out_of_resources
-    cfg = OmegaConf.create({"img_size": 230, "batch_size": 64})
+    cfg = OmegaConf.create({"img_size": 230, "batch_size": 64, "eval_only": True, "grad_checkpointing": False})
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
                        "you tried to allocate 179098240000 bytes. Error code 12 (Cannot allocate memory)")
     message = str(_out_of_resources(cpu, cfg))
     assert message.startswith("out of memory at img_size 230, batch_size 64") and "179.1 GB requested" in message
-    assert "lower batch_size or img_size" in message and "\n" not in message
+    assert "lower batch_size or img_size (the attention form" in message and "\n" not in message
+    training = str(_out_of_resources(cpu, OmegaConf.merge(cfg, {"eval_only": False})))
+    assert "; lower batch_size (grad_accum_steps=<k> keeps the global batch) or img_size, or set " \
+           "grad_checkpointing=true (each block's" in training
+    checkpointed = str(_out_of_resources(cpu, OmegaConf.merge(cfg, {"eval_only": False, "grad_checkpointing": True})))
+    assert "grad_checkpointing" not in checkpointed and "keeps the global batch) or img_size (the" in checkpointed
     cuda = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has ...")
     assert "(20.00 GiB requested)" in str(_out_of_resources(cuda, cfg))
     assert _out_of_resources(RuntimeError("shape mismatch"), cfg) is None

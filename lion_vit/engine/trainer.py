@@ -471,6 +471,10 @@ def _out_of_resources(error: BaseException, cfg: DictConfig) -> Optional[UserErr
     amount, unit = found.groups() if found else ("", "")
     size = "" if not found else f" ({float(amount) / 1e9:.1f} GB requested)" if unit == "bytes" else \
         f" ({amount} {unit} requested)"
+    training = "" if cfg.eval_only else " (grad_accum_steps=<k> keeps the global batch)"
+    checkpointing = "" if cfg.eval_only or cfg.grad_checkpointing else \
+        ", or set grad_checkpointing=true (each block's activations computed again in backward, not kept)"
     return UserError(f"out of memory at img_size {cfg.img_size}, batch_size {cfg.batch_size} per process{size}; "
-                     f"lower batch_size or img_size (the attention form's memory grows with the square of the "
-                     f"tokens per image; to evaluate at high resolution use model.attn_form=chunk)")
+                     f"lower batch_size{training} or img_size{checkpointing} (the attention form's memory grows "
+                     f"with the square of the tokens per image; to evaluate at high resolution use "
+                     f"model.attn_form=chunk)")
