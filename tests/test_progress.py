@@ -26,6 +26,20 @@ def test_progress_off_a_terminal_is_a_log_line_every_log_interval_steps(tmp_path
     assert (tmp_path / "train.log").read_text().count(" INFO train 1 [") == 4
 
 
+def test_the_epoch_line_names_the_gpu_memory_where_the_epoch_measured_it(caplog):
+    """On CUDA an epoch's metrics hold this process's peak GPU memory (as DeiT's log's "max mem"): its line says
+    it; a CPU's epoch has none, and its line none either."""
+    from lion_vit.engine.trainer import _log_epoch
+    metrics = dict(epoch=3, train_loss=1.0, val_loss=2.0, val_acc1=50.0, val_acc5=90.0, lr=1e-3, epoch_time_s=10.0,
+                   imgs_per_s=100.0, data_wait_share=0.25)
+    with caplog.at_level(logging.INFO, logger="lion_vit"):
+        _log_epoch(metrics, 5)
+        _log_epoch({**metrics, "peak_gpu_mem_mb": 9420.8}, 5)
+    assert [r.getMessage().split("  lr ")[1] for r in caplog.records] == [
+        "1.00e-03  10.0s (100 img/s, 25 % waiting for data)",
+        "1.00e-03  10.0s (100 img/s, 25 % waiting for data, 9.2 GB GPU memory)"]
+
+
 def test_progress_on_a_terminal_is_a_tqdm_bar(monkeypatch, caplog):
     from lion_vit.engine.loop import Progress
 

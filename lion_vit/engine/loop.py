@@ -132,7 +132,7 @@ def classification_loss(loss_fn: Callable) -> Callable:
 def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool = True,
                     log_interval: int = 50) -> Dict[str, float]:
     """The epoch's mean loss over all ranks (and of each of a criterion's `parts`, as a distillation loss
-    has), last lr, images seen and time. With grad_accum_steps > 1 the gradients of that many batches are
+    has), last lr, images seen and time, and on CUDA this process's peak GPU memory. With grad_accum_steps > 1 the gradients of that many batches are
     averaged before each optimizer step (DDP synchronises only the last of them)."""
     t = training
     model, optimizer, device = t.model, t.optimizer, t.precision.device
@@ -141,6 +141,8 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
     updates = updates_per_epoch(num_batches, accum)
     totals: Dict[str, float] = {}
     seen = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     progress = Progress(loader, f"train {epoch + 1}", show_progress, log_interval)  # "epoch 1/300" in the log
@@ -176,9 +178,12 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     *sums, seen = all_reduce_sum([*totals.values(), seen], device)
-    return {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
-            "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed,
-            "data_wait_share": batches.waited / elapsed}
+    stats = {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
+             "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed,
+             "data_wait_share": batches.waited / elapsed}
+    if device.type == "cuda":  # this process's most GPU memory in the epoch, as DeiT's log's "max mem"
+        stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return stats
 
 
 def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:

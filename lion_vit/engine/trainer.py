@@ -276,10 +276,11 @@ def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
     parts = "".join(f"  {name.removeprefix('train_')} {value:.4f}" for name, value in metrics.items()
                     if name.startswith("train_loss_"))
     ema = f"  ema acc1 {metrics['val_acc1_ema']:.2f}" if "val_acc1_ema" in metrics else ""
+    memory = f", {metrics['peak_gpu_mem_mb'] / 1024:.1f} GB GPU memory" if "peak_gpu_mem_mb" in metrics else ""
     log.info("epoch %d/%d  train_loss %.4f%s  val_loss %.4f  acc1 %.2f  acc5 %.2f%s  lr %.2e  %.1fs (%.0f img/s, "
-             "%.0f %% waiting for data)", metrics["epoch"], epochs, metrics["train_loss"], parts, metrics["val_loss"],
-             metrics["val_acc1"], metrics["val_acc5"], ema, metrics["lr"], metrics["epoch_time_s"],
-             metrics["imgs_per_s"], 100 * metrics["data_wait_share"])
+             "%.0f %% waiting for data%s)", metrics["epoch"], epochs, metrics["train_loss"], parts,
+             metrics["val_loss"], metrics["val_acc1"], metrics["val_acc5"], ema, metrics["lr"],
+             metrics["epoch_time_s"], metrics["imgs_per_s"], 100 * metrics["data_wait_share"], memory)
 
 
 def _grad_checkpointing(model: nn.Module, name: str) -> None:
