@@ -108,12 +108,12 @@ def main() -> None:
         print(f"| {' | '.join(values)} | {len(runs)} | {spread(last)} | {spread(best)} |")
     if evaluated:
         print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images "
-              "| images/s | peak GPU memory (MB) |\n" + "|---" * 12 + "|")
+              "| batch_size | images/s | peak GPU memory (MB) |\n" + "|---" * 13 + "|")
     for e in evaluated:  # (chunk_size: where chunks ran; attn_form and attn_plan: null for a softmax model; the
         # speed and memory: empty in an eval.json from before they were recorded, the memory on a CPU)
         print(f"| {e['model']} | {e['weights']} | {e['img_size']} | {e['attn_form'] or ''} | {e['chunk_size'] or ''} "
               f"| {e['attn_plan'] or ''} | {e['acc1']:.2f} | {e['acc5']:.2f} | {e['loss']:.4f} | {e['num_images']} "
-              f"| {_figure(e.get('imgs_per_s'))} | {_figure(e.get('peak_gpu_mem_mb'))} |")
+              f"| {e.get('batch_size') or ''} | {_figure(e.get('imgs_per_s'))} | {_figure(e.get('peak_gpu_mem_mb'))} |")
 
 
 def _figure(value) -> str:

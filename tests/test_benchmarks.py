@@ -765,7 +765,7 @@ def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
     eval.json from before they were recorded); a job without its eval.json is left out."""
     evals = [dict(model="lion_d_small", weights="model", img_size=448, attn_form="chunk", chunk_size=64,
                   attn_plan="chunk form, cpu backend: 13 chunks in groups of rows", acc1=71.25, acc5=90.5, loss=1.23456,
-                  num_images=50000, eval_time_s=40.0, imgs_per_s=1250.0, peak_gpu_mem_mb=2345.6),
+                  num_images=50000, batch_size=64, eval_time_s=40.0, imgs_per_s=1250.0, peak_gpu_mem_mb=2345.6),
              None,  # a job that failed: no eval.json
              dict(model="deit_small_patch16_224", weights="model_ema", img_size=224, attn_form=None, chunk_size=None,
                   attn_plan=None, acc1=79.9, acc5=95.0, loss=0.9, num_images=50000)]
@@ -776,9 +776,9 @@ def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
             (job / "eval.json").write_text(json.dumps(evaluation))
     lines = run_script("sweep_table.py", str(tmp_path)).splitlines()
     assert lines[0] == "| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | " \
-                       "images | images/s | peak GPU memory (MB) |"
-    assert lines[1] == "|---" * 12 + "|"
+                       "images | batch_size | images/s | peak GPU memory (MB) |"
+    assert lines[1] == "|---" * 13 + "|"
     assert lines[2:] == [
         "| lion_d_small | model | 448 | chunk | 64 | chunk form, cpu backend: 13 chunks in groups of rows | 71.25 | "
-        "90.50 | 1.2346 | 50000 | 1250 | 2346 |",
-        "| deit_small_patch16_224 | model_ema | 224 |  |  |  | 79.90 | 95.00 | 0.9000 | 50000 |  |  |"]
+        "90.50 | 1.2346 | 50000 | 64 | 1250 | 2346 |",
+        "| deit_small_patch16_224 | model_ema | 224 |  |  |  | 79.90 | 95.00 | 0.9000 | 50000 |  |  |  |"]

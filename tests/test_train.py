@@ -120,8 +120,8 @@ def test_eval_only_same_accuracy_in_every_form(trained, folder, tmp_path):
     for job in range(len(forms)):
         result = json.loads((tmp_path / str(job) / "eval.json").read_text())
         assert set(result) >= {"acc1", "acc5", "loss", "attn_form", "chunk_size", "attn_plan", "img_size",
-                               "num_images", "model", "checkpoint", "weights", "eval_time_s", "imgs_per_s",
-                               "peak_gpu_mem_mb"}
+                               "num_images", "model", "checkpoint", "weights", "batch_size", "eval_time_s",
+                               "imgs_per_s", "peak_gpu_mem_mb"}
         assert result["num_images"] == 12 and result["peak_gpu_mem_mb"] is None  # (a CPU)
         assert result["imgs_per_s"] == pytest.approx(12 / result["eval_time_s"]) and result["eval_time_s"] > 0
         results[result["attn_form"]] = result

@@ -421,7 +421,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
               "weights": "ema" if use_ema else "model",
               # this process's wall time, data loading and a compile included (benchmark_resolution.py times the
               # model alone), all processes' images; the GPU memory this process's evaluation took at its peak
-              "eval_time_s": seconds, "imgs_per_s": stats["num_images"] / seconds,
+              "batch_size": cfg.batch_size, "eval_time_s": seconds, "imgs_per_s": stats["num_images"] / seconds,
               "peak_gpu_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
     if dist_info.is_main:
         rundir.write_atomic(output_dir / EVAL, json.dumps(result, indent=2) + "\n")
