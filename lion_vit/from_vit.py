@@ -21,7 +21,7 @@ from timm.layers import resample_abs_pos_embed
 from torch import Tensor, nn
 
 from .hub import HubUnreachable, hub_or_cache
-from .weights import WEIGHT_SUFFIXES, is_url, read_weights
+from .weights import WEIGHT_SUFFIXES, is_url, official_lion_hint, read_weights, state_dict_of
 
 __all__ = ["init_from_vit", "InitReport", "load_vit_weights"]
 log = logging.getLogger("lion_vit")
@@ -91,11 +91,13 @@ def _load_file(path: Union[str, Path]) -> Tuple[Dict[str, Tensor], Optional[int]
     heads = None
     if isinstance(state.get("config"), dict):  # this project's train.py
         heads = _configured_heads(state["config"].get("model", {}))
+    official = official_lion_hint(state_dict_of(state), path)
+    if official:  # (its attention would be copied, its trained decays dropped)
+        raise ValueError(f"init_from file {path} {official}, then start from lion.pt")
     return _tensors(state, f"file {path}"), heads
 
 
 def _tensors(checkpoint: Dict[str, Any], what: str) -> Dict[str, Tensor]:
-    from .weights import state_dict_of
     state = state_dict_of(checkpoint)
     if not state or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(f"init_from {what} holds no state dict of tensors")

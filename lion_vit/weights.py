@@ -90,6 +90,15 @@ def read_weights(path: Union[str, Path]) -> Dict[str, Any]:
     return checkpoint
 
 
+def official_lion_hint(weights: Dict[str, Any], path: Union[str, Path]) -> str:
+    """For weights in the official LION code's layout (its decays attn.a_i, lion_vit.convert) read from path, what
+    they are and how to use them here, to follow the path in a message; else ""."""
+    if not any(".attn.a_i" in key for key in weights):
+        return ""
+    return (f"holds weights of the official LION code (its decays are attn.a_i); convert them first: "
+            f"python scripts/convert_official.py {path} lion.pt (lion_vit.from_official in Python)")
+
+
 EMA_KEYS = ("state_dict_ema", "model_ema")  # where timm's and this project's checkpoints keep EMA weights
 
 

@@ -4,6 +4,7 @@ forward written here from the official code's documented semantics (not its code
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import timm
@@ -187,6 +188,23 @@ def test_bad_official_checkpoints_are_one_clear_error():
     with pytest.raises(ValueError, match=r"^the checkpoint was written by lion-vit's train.py \(lion_d_tiny\): it "
                                          "needs no conversion"):
         from_official(ours)  # (the wrong way round)
+
+
+def test_an_official_checkpoint_given_where_ours_belong_says_to_convert_it(tmp_path):
+    """checkpoint=, resume= and model.init_from of an official checkpoint (not converted): its weights would not fit,
+    or init_from would copy all but its trained decays; the line names convert_official.py."""
+    import lion_vit
+    from lion_vit.engine.checkpoint import load_checkpoint
+    from lion_vit.errors import UserError
+    path = tmp_path / "official.pth"
+    torch.save(official_checkpoint("Decay", "S", False, False), path)
+    convert = f"{path} holds weights of the official LION code (its decays are attn.a_i); convert them first: " \
+              f"python scripts/convert_official.py {path} lion.pt"
+    for setting, weights in (("checkpoint", True), ("resume", False)):
+        with pytest.raises(UserError, match=f"^{setting}={re.escape(convert)} .*, then {setting}=lion.pt$"):
+            load_checkpoint(path, weights=weights, setting=setting)
+    with pytest.raises(ValueError, match=f"^init_from file {re.escape(convert)} .*, then start from lion.pt$"):
+        lion_vit.init_from_vit(timm.create_model("lion_d_natural_tiny"), str(path))
 
 
 def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import UnsafeWeights, has_ema, read_weights, state_dict_of
+from ..weights import UnsafeWeights, has_ema, official_lion_hint, read_weights, state_dict_of
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,9 @@ def load_checkpoint(path: Union[str, Path], weights: bool = False, setting: str 
         raise UserError(f"checkpoint {error}; use a checkpoint written by lion-vit's train.py") from None
     except ValueError as error:
         raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
+    official = official_lion_hint(state_dict_of(state), path)
+    if official:
+        raise UserError(f"{setting}={path} {official}, then {setting}=lion.pt")
     if "model" not in state and weights and state:  # (chosen as timm's loaders choose them)
         state = {"model": state_dict_of(state), "model_ema": state_dict_of(state, use_ema=True) if has_ema(state)
                  else None}
