@@ -132,8 +132,9 @@ def classification_loss(loss_fn: Callable) -> Callable:
 def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool = True,
                     log_interval: int = 50) -> Dict[str, float]:
     """The epoch's mean loss over all ranks (and of each of a criterion's `parts`, as a distillation loss
-    has), last lr, images seen and time, and on CUDA this process's peak GPU memory. With grad_accum_steps > 1 the gradients of that many batches are
-    averaged before each optimizer step (DDP synchronises only the last of them)."""
+    has), last lr, images seen and time, and on CUDA this process's peak GPU memory. With grad_accum_steps > 1
+    the gradients of that many batches are averaged before each optimizer step (DDP synchronises only the last
+    of them)."""
     t = training
     model, optimizer, device = t.model, t.optimizer, t.precision.device
     model.train()
