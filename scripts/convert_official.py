@@ -25,8 +25,8 @@ from lion_vit.convert import ARGS, MissingSettings, convert_official  # noqa: E4
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("official", help="the official checkpoint (.pth), or its URL (downloaded once, into torch.hub's "
-                        "cache)")
+    parser.add_argument("official",
+                        help="the official checkpoint (.pth), or its URL (downloaded once, into torch.hub's cache)")
     parser.add_argument("out", type=Path, help="where to write this project's checkpoint")
     parser.add_argument("--mask-type", choices=["Lit", "Decay", "Selective"], help="override the checkpoint's")
     parser.add_argument("--order", choices=["Normal", "S"], help="override the checkpoint's")

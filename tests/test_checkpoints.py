@@ -141,7 +141,8 @@ def test_checkpoints_of_deit_and_timm_train_scripts_read_with_their_arguments(tm
     torch.save({"state_dict": weights, "arch": "vit_small_patch16_224", "args": argparse.Namespace(amp=True)},
                tmp_path / "timm.pth.tar")
     for name in ("deit.pth", "timm.pth.tar"):
-        assert torch.equal(load_checkpoint(tmp_path / name, weights=True)["model"]["head.weight"], weights["head.weight"])
+        loaded = load_checkpoint(tmp_path / name, weights=True)["model"]
+        assert torch.equal(loaded["head.weight"], weights["head.weight"])
     with pytest.raises(UserError, match=r"is a checkpoint of DeiT's or timm's own training script .*; start from its "
                                         f"weights with model.init_from={tmp_path / 'deit.pth'}, or evaluate it"):
         check_resumable(OmegaConf.create({"resume": str(tmp_path / "deit.pth")}),
