@@ -19,7 +19,7 @@ from timm.models import clean_state_dict
 from torch import nn
 
 
-WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".tar")  # (.tar: timm's train.py writes .pth.tar)
 
 
 class UnsafeWeights(ValueError):

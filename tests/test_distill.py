@@ -274,8 +274,9 @@ def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
     with pytest.raises(UserError, match="^model.init_from=.*nowhere.pt: init_from file .* does not exist"):
         _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path / "nowhere.pt"))
     torch.save({}, tmp_path / "checkpoint-best.pt")  # a run's folder named instead of a file in it
+    torch.save({}, tmp_path / "model_best.pth.tar")  # (timm's train.py's)
     with pytest.raises(UserError, match=f"^model.init_from={tmp_path}: {tmp_path} is a folder, not a file "
-                                        r"\(it holds checkpoint-best.pt, resnet.pth\)"):
+                                        r"\(it holds checkpoint-best.pt, model_best.pth.tar, resnet.pth\)"):
         _init_from_vit(timm.create_model("lion_d_tiny"), str(tmp_path))
     with pytest.raises(UserError, match=f"^distill.teacher_checkpoint {tmp_path} is a folder, not a file"):
         build_teacher(OmegaConf.create({"teacher": None, "teacher_checkpoint": str(tmp_path)}), 10, ["0"])
