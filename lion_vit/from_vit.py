@@ -91,10 +91,11 @@ def _load_file(path: Union[str, Path]) -> Tuple[Dict[str, Tensor], Optional[int]
     heads = None
     if isinstance(state.get("config"), dict):  # this project's train.py
         heads = _configured_heads(state["config"].get("model", {}))
-    official = official_lion_hint(state_dict_of(state), path)
+    tensors = _tensors(state, f"file {path}")
+    official = official_lion_hint(tensors, path)
     if official:  # (its attention would be copied, its trained decays dropped)
         raise ValueError(f"init_from file {path} {official}, then start from lion.pt")
-    return _tensors(state, f"file {path}"), heads
+    return tensors, heads
 
 
 def _tensors(checkpoint: Dict[str, Any], what: str) -> Dict[str, Tensor]:

@@ -101,19 +101,23 @@ def main() -> None:
         parser.error(f"{args.folder} holds no finished train.py job; give the output_dir of a sweep (-m) that ran, a "
                      f"folder of runs (outputs/) or one run's folder")
     if found:
-        header = ["model", *differing, "jobs", "last top-1 (%)", "best top-1 (%)"]
-        print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
+        print(_header(["model", *differing, "jobs", "last top-1 (%)", "best top-1 (%)"]))
     for values, runs in found.items():
         last, best = zip(*runs)
         print(f"| {' | '.join(values)} | {len(runs)} | {spread(last)} | {spread(best)} |")
     if evaluated:
-        print("| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | images "
-              "| batch_size | images/s | peak GPU memory (MB) |\n" + "|---" * 13 + "|")
+        print(_header(["model", "weights", "img_size", "form", "chunk_size", "what ran", "top-1 (%)", "top-5 (%)",
+                       "loss", "images", "batch_size", "images/s", "peak GPU memory (MB)"]))
     for e in evaluated:  # (chunk_size: where chunks ran; attn_form and attn_plan: null for a softmax model; the
         # speed and memory: empty in an eval.json from before they were recorded, the memory on a CPU)
         print(f"| {e['model']} | {e['weights']} | {e['img_size']} | {e['attn_form'] or ''} | {e['chunk_size'] or ''} "
               f"| {e['attn_plan'] or ''} | {e['acc1']:.2f} | {e['acc5']:.2f} | {e['loss']:.4f} | {e['num_images']} "
               f"| {e.get('batch_size') or ''} | {_figure(e.get('imgs_per_s'))} | {_figure(e.get('peak_gpu_mem_mb'))} |")
+
+
+def _header(columns: List[str]) -> str:
+    """A markdown table's header and separator lines."""
+    return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
 
 
 def _figure(value) -> str:

@@ -138,12 +138,12 @@ def load_checkpoint(path: Union[str, Path], weights: bool = False, setting: str 
         raise UserError(f"checkpoint {error}; use a checkpoint written by lion-vit's train.py") from None
     except ValueError as error:
         raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
-    official = official_lion_hint(state_dict_of(state), path)
+    chosen = state_dict_of(state)
+    official = official_lion_hint(chosen, path)
     if official:
         raise UserError(f"{setting}={path} {official}, then {setting}=lion.pt")
     if "model" not in state and weights and state:  # (chosen as timm's loaders choose them)
-        state = {"model": state_dict_of(state), "model_ema": state_dict_of(state, use_ema=True) if has_ema(state)
-                 else None}
+        state = {"model": chosen, "model_ema": state_dict_of(state, use_ema=True) if has_ema(state) else None}
     if "model" not in state:
         raise UserError(f"checkpoint {path} holds no 'model' weights; expected a lion-vit training checkpoint")
     return state

@@ -203,9 +203,13 @@ def _backward(t: Training, loss: torch.Tensor, need_update: bool) -> None:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, precision: Precision,
              show_progress: bool = True, log_interval: int = 50, interruptible: bool = True) -> Dict[str, float]:
-    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks. interruptible=False
-    (an epoch's evaluation in training): a first Ctrl-C lets it finish, so the epoch gets its checkpoint."""
+    """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks; this process's time, and
+    on CUDA its peak GPU memory. interruptible=False (an epoch's evaluation in training): a first Ctrl-C lets it
+    finish, so the epoch gets its checkpoint."""
     model.eval()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
     progress = Progress(loader, "eval", show_progress, log_interval)
@@ -229,11 +233,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
         progress.report(step)
     if unreadable:
         _name_unreadable(unreadable, loader.dataset)
+    elapsed = time.perf_counter() - start
     loss_sum, correct1, correct5, count = all_reduce_sum([loss_sum, correct1, correct5, count], device)
     evaluated = int(round(count))
     count = max(count, 1)
-    return {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
-            "num_images": evaluated}
+    stats = {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
+             "num_images": evaluated, "eval_time_s": elapsed}
+    if device.type == "cuda":  # (as train_one_epoch's)
+        stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return stats
 
 
 _named_unreadable: set = set()  # files already named in this process

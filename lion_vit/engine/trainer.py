@@ -10,7 +10,6 @@ import errno
 import json
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -405,13 +404,9 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     log.info("%s, %d val images, the %s weights of %s, %s", _model_line(trained, model, cfg.img_size),
              len(val_set), "EMA" if use_ema else "model", cfg.checkpoint, device)
     run = _log_plan(model, cfg.img_size, precision.dtype)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, precision, show_progress=cfg.progress and dist_info.is_main,
                          log_interval=cfg.log_interval)
-    seconds = time.perf_counter() - start
     # what ran, not what was asked: "auto" resolved, and a chunk size only where chunks ran
     ran = {"attn_form": None, "chunk_size": None, "attn_plan": None} if run is None else {
         "attn_form": run.form, "chunk_size": run.chunk_size if run.form == "chunk" and not run.whole else None,
@@ -421,8 +416,8 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
               "weights": "ema" if use_ema else "model",
               # this process's wall time, data loading and a compile included (benchmark_resolution.py times the
               # model alone), all processes' images; the GPU memory this process's evaluation took at its peak
-              "batch_size": cfg.batch_size, "eval_time_s": seconds, "imgs_per_s": stats["num_images"] / seconds,
-              "peak_gpu_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
+              "batch_size": cfg.batch_size, "eval_time_s": stats["eval_time_s"],
+              "imgs_per_s": stats["num_images"] / stats["eval_time_s"], "peak_gpu_mem_mb": stats.get("peak_gpu_mem_mb")}
     if dist_info.is_main:
         rundir.write_atomic(output_dir / EVAL, json.dumps(result, indent=2) + "\n")
         log.info("eval: %s", json.dumps(result))
