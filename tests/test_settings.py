@@ -105,6 +105,8 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     ("data.crop_pct=0", "data.crop_pct"), ("resume=", "resume"), ("checkpoint=", "checkpoint"),
     ("data.train_split=", "data.train_split"), ("data.interpolation=cubic", "data.interpolation"),
     ("data.std=[0.2,0,0.2]", "data.std"), ("data.mean=[]", "data.mean"), ("optim.weight_decay=abc", "optim.weight_decay"),
+    ("optim.decay_epochs=0", "optim.decay_epochs"), ("optim.decay_milestones=[60,30]", "optim.decay_milestones"),
+    ("optim.decay_milestones=[]", "optim.decay_milestones"), ("optim.decay_rate=0", "optim.decay_rate"),
     ("optim.betas=[0.9]", "optim.betas"), ("optim.eps=0", "optim.eps"), ("optim.min_lr=-1", "optim.min_lr"),
     ("aug.mixup=-1", "aug.mixup"), ("aug.mixup_prob=2", "aug.mixup_prob"), ("aug.mixup_mode=elements", "aug.mixup_mode"),
     ("aug.smoothing=1.5", "aug.smoothing"), ("aug.reprob=2", "aug.reprob"), ("aug.scale=[1.0]", "aug.scale"),
@@ -242,6 +244,36 @@ def test_the_defaults_and_timms_optimizer_spellings_pass_the_setting_checks():
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         for overrides in (["ema.enabled=true"], ["optim.opt=AdamW"], ["optim.opt=lookahead_lamb"]):
             check_settings(compose("config", overrides=overrides))
+
+
+def test_every_schedule_the_setting_checks_pass_is_built_by_timm():
+    """A schedule's settings that timm refuses (wsd's decay longer than the run, rsqrt without warm-up) are
+    refused before the data are read; every other one builds, and the schedules are all of timm's."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import SCHEDULES, check_settings
+    from lion_vit.engine.trainer import build_scheduler
+    from lion_vit.errors import UserError
+    import timm.scheduler
+    assert len(SCHEDULES) == (8 if hasattr(timm.scheduler, "WSDLRScheduler") else 5)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    refused = set()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for sched in SCHEDULES:
+            for warmup in (0, 1, 2.5, 3):
+                for decay in ("null", 0.5, 1, 2, 5):
+                    overrides = [f"optim.sched={sched}", "epochs=3", f"optim.warmup_epochs={warmup}",
+                                 f"optim.decay_epochs={decay}"]
+                    cfg = compose("config", overrides=overrides)
+                    try:
+                        check_settings(cfg)
+                    except UserError as error:
+                        refused.add((sched, warmup, decay, str(error).split(" ")[0]))
+                        continue
+                    assert build_scheduler(cfg, optimizer, updates=7) is not None, overrides
+    if "wsd" in SCHEDULES:
+        assert ("wsd", 0, 5, "optim.decay_epochs=5") in refused and ("wsd", 0, 2, "optim.decay_epochs=2") not in refused
+        assert ("rsqrt", 0, "null", "optim.sched=rsqrt") in refused and ("wsd", 3, "null", "optim.sched=wsd") in refused
+        assert {sched for sched, *_ in refused} == {"wsd", "rsqrt"}
 
 
 def test_timm_auto_augment_policies_pass_the_setting_checks():

@@ -10,6 +10,22 @@ import torch
 from runs import SMALL_LION, assert_clean_error, assert_ok, kill_after_first_epoch, read_metrics, run_train
 
 
+def test_step_schedules_decay_at_the_epochs_set(tmp_path):
+    """optim.decay_epochs and optim.decay_rate reach timm's step schedule (the lr logged is after each epoch);
+    its default, a decay every 90 epochs, leaves a short run at one lr, which a warning says."""
+    quiet = ["progress=false", "optim.warmup_epochs=0", "epochs=2"]
+    proc = run_train(*quiet, "optim.sched=step", "optim.decay_epochs=1", "optim.decay_rate=0.5",
+                     f"output_dir={tmp_path / 'step'}")
+    assert_ok(proc)
+    assert [line["lr"] for line in read_metrics(tmp_path / "step")] == pytest.approx([1e-3, 5e-4])
+    assert "WARNING" not in proc.stdout
+    proc = run_train(*quiet, "optim.sched=multistep", f"output_dir={tmp_path / 'multistep'}")
+    assert_ok(proc)
+    assert [line["lr"] for line in read_metrics(tmp_path / "multistep")] == pytest.approx([2e-3, 2e-3])
+    assert "optim.sched=multistep first decays the learning rate at epoch 90, not before epochs=2: it stays " \
+           "2.00e-03; set optim.decay_milestones for this run's length" in proc.stdout
+
+
 def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):
     proc = run_train(*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=deit", "epochs=1",
                      "batch_size=4", f"output_dir={tmp_path}", "ema.enabled=true", "optim.clip_grad=1.0",

@@ -16,10 +16,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
 from timm.optim import list_optimizers
+from timm.scheduler import create_scheduler_v2
 
 from ..data.build import DECODES, KINDS
 from ..errors import UserError, first_line
@@ -33,8 +35,24 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("bfloat16", "float16")
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _timm_schedules(names: Tuple[str, ...]) -> Tuple[str, ...]:
+    """Those of `names` that the installed timm builds: timm < 1.0.31 has no constant, wsd or rsqrt, and
+    returned no scheduler for them instead of an error."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    built = []
+    for name in names:
+        try:
+            if create_scheduler_v2(optimizer, sched=name, num_epochs=10, warmup_epochs=1)[0] is not None:
+                built.append(name)
+        except ValueError:  # (timm 1.0.31 names an unknown schedule)
+            pass
+    return tuple(built)
+
+
 # timm's schedules that step per update (plateau needs a validation metric each epoch)
-SCHEDULES = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt")
+SCHEDULES = _timm_schedules(("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt"))
 MIXUP_MODES = ("batch", "pair", "elem")
 DISTILL_TYPES = ("none", "soft", "hard")
 
@@ -166,6 +184,11 @@ class OptimConfig:
     betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)")
     eps: float = setting(POSITIVE)
     sched: str = setting(choices=SCHEDULES)
+    decay_epochs: Optional[float] = setting(optional(POSITIVE), "null (timm's default) or a positive number")
+    decay_milestones: List[float] = setting(
+        lambda v: _is_numbers(v, lambda x: _is_number(x) and x > 0) and list(v) == sorted(v),
+        "a list of positive epochs in increasing order, e.g. [30,60,90]")
+    decay_rate: float = setting(POSITIVE)
     warmup_epochs: float = setting(NON_NEGATIVE)
     warmup_lr: float = setting(NON_NEGATIVE)
     min_lr: float = setting(NON_NEGATIVE)
@@ -417,6 +440,18 @@ def _check_related(cfg: DictConfig) -> None:
     if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and cfg.batch_size % 2:  # timm's Mixup asserts, deep in a step
         raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
                            "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
+    optim = cfg.optim
+    if optim.sched in ("wsd", "rsqrt"):  # timm raises ValueError as it builds the schedule, after the data
+        length = cfg.epochs - optim.warmup_epochs  # (their warm-up is a prefix within epochs)
+        if length <= 0:
+            raise UserError(f"optim.sched={optim.sched} needs epochs above optim.warmup_epochs (here {cfg.epochs} "
+                            f"and {optim.warmup_epochs}); lower optim.warmup_epochs")
+        if optim.sched == "rsqrt" and not optim.warmup_epochs:  # (its time scale is the warm-up's length)
+            raise UserError("optim.sched=rsqrt needs a warm-up, whose length is its time scale: set "
+                            "optim.warmup_epochs=<a positive number>")
+        if optim.decay_epochs is not None and length < optim.decay_epochs >= 1:  # (below 1: a fraction)
+            raise UserError(f"optim.decay_epochs={optim.decay_epochs} is longer than the {optim.sched} schedule after "
+                            f"warm-up ({length:g} epochs); set it to at most {length:g}, or to a fraction below 1")
     distill = OmegaConf.select(cfg, "distill")
     if distill is not None and distill.type != "none" and not (distill.teacher or distill.teacher_checkpoint):
         raise UserError(f"distill.type={distill.type} needs a teacher: set distill.teacher=<timm model name> or "

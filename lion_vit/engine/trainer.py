@@ -116,9 +116,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
     optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, layer_decay=cfg.optim.layer_decay)
-    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.optim.sched, num_epochs=cfg.epochs,
-                                       warmup_epochs=cfg.optim.warmup_epochs, warmup_lr=cfg.optim.warmup_lr,
-                                       min_lr=cfg.optim.min_lr, step_on_epochs=False, updates_per_epoch=updates)
+    scheduler = build_scheduler(cfg, optimizer, updates)
     precision = _precision(cfg, device)
     loss_scaler = NativeScaler(device.type) if precision.dtype == torch.float16 else None
     mixup_fn, loss_fn = _mixup_and_loss(cfg, num_classes)
@@ -139,6 +137,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     training = Training(train_model, optimizer, criterion, scheduler, precision, loss_scaler, mixup_fn, ema,
                         cfg.optim.clip_grad, cfg.grad_accum_steps)
     _describe_run(cfg, model, train_set, val_set, num_classes, lr, global_batch, dist_info, device, is_main)
+    if is_main:
+        _warn_of_a_short_schedule(cfg, scheduler, updates, lr)
 
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
@@ -292,6 +292,33 @@ def _grad_checkpointing(model: nn.Module, name: str) -> None:
             from None
 
 
+def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, updates: int):
+    """timm's schedule of cfg.optim for cfg.epochs, stepped per update (`updates` an epoch)."""
+    optim = cfg.optim  # (decay_epochs null: timm's default, which timm < 1.0.31 takes only by omission)
+    decay_epochs = {} if optim.decay_epochs is None else {"decay_epochs": optim.decay_epochs}
+    scheduler, _ = create_scheduler_v2(optimizer, sched=optim.sched, num_epochs=cfg.epochs,
+                                       warmup_epochs=optim.warmup_epochs, warmup_lr=optim.warmup_lr,
+                                       min_lr=optim.min_lr, decay_milestones=list(optim.decay_milestones),
+                                       decay_rate=optim.decay_rate, step_on_epochs=False, updates_per_epoch=updates,
+                                       **decay_epochs)
+    return scheduler
+
+
+def _warn_of_a_short_schedule(cfg: DictConfig, scheduler, updates: int, lr: float) -> None:
+    """Settings timm's scheduler takes that leave the learning rate where it starts: a smoke test, or a mistake."""
+    if cfg.optim.warmup_epochs >= cfg.epochs:
+        log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
+                    "(it ends below %.2e and the %s schedule never starts); lower optim.warmup_epochs for a "
+                    "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr, cfg.optim.sched)
+    elif cfg.optim.sched in ("step", "multistep"):
+        first = min(scheduler.decay_t) if cfg.optim.sched == "multistep" else scheduler.decay_t
+        if first >= cfg.epochs * updates:
+            name = "decay_epochs" if cfg.optim.sched == "step" else "decay_milestones"
+            log.warning("optim.sched=%s first decays the learning rate at epoch %g, not before epochs=%d: it stays "
+                        "%.2e; set optim.%s for this run's length", cfg.optim.sched, first / updates, cfg.epochs,
+                        lr, name)
+
+
 def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_classes: int, lr: float,
                   global_batch: int, dist_info: DistInfo, device: torch.device, is_main: bool) -> None:
     base = cfg.optim.lr_base_batch  # DeiT's scaling: the lr given is for a global batch of this size
@@ -300,10 +327,6 @@ def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_cla
              _model_line(cfg.model, model, cfg.img_size), len(train_set), len(val_set), num_classes, lr, scaled,
              global_batch, dist_info.world_size, device)
     _log_plan(model, cfg.img_size)
-    if is_main and cfg.optim.warmup_epochs >= cfg.epochs:  # timm's scheduler takes it: a smoke test, or a mistake
-        log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
-                    "(it ends below %.2e and the cosine decay never starts); lower optim.warmup_epochs for a "
-                    "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr)
     split = cfg.data.train_split
     if is_main and split and split == cfg.data.val_split:  # (a quick check of fitting, or a slip)
         log.warning("data.val_split=%s is the training split: every epoch's validation accuracy is on the training "
