@@ -555,17 +555,27 @@ def _custom_ops():
         dq, dk, dv, dE, dI = backward_op(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dE, dI, None, None, None
 
-    try:
-        inference_op = torch.library.custom_op("lion_vit::bidirectional_inference", inference, mutates_args=())
-        forward_op = torch.library.custom_op("lion_vit::bidirectional", forward, mutates_args=())
-        backward_op = torch.library.custom_op("lion_vit::bidirectional_backward", backward, mutates_args=())
-    except Exception:  # (a torch whose schema inference does not read these annotations)
+    ops = registered_ops("bidirectional", inference, inference_shape, forward, forward_shape, backward, backward_shape)
+    if ops is None:
         return None, None
-    inference_op.register_fake(inference_shape)
-    forward_op.register_fake(forward_shape)
-    backward_op.register_fake(backward_shape)
+    inference_op, forward_op, backward_op = ops
     forward_op.register_autograd(differentiate, setup_context=save)
     return inference_op, forward_op
+
+
+def registered_ops(name: str, inference, inference_shape, forward, forward_shape, backward, backward_shape
+                   ) -> Optional[tuple]:
+    """(inference, forward, backward) registered as the torch.library custom ops lion_vit::<name>_inference,
+    lion_vit::<name> and lion_vit::<name>_backward, each with its fake (shape) function; None where they cannot be
+    registered (a torch whose schema inference does not read these annotations)."""
+    try:
+        ops = tuple(torch.library.custom_op(f"lion_vit::{name}{suffix}", function, mutates_args=())
+                    for suffix, function in (("_inference", inference), ("", forward), ("_backward", backward)))
+    except Exception:
+        return None
+    for op, shape in zip(ops, (inference_shape, forward_shape, backward_shape)):
+        op.register_fake(shape)
+    return ops
 
 
 _INFERENCE_OP, _TRAINING_OP = _custom_ops()
