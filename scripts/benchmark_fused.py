@@ -13,7 +13,8 @@ and autograd differentiates the map), and the portable attention form (backend t
 One LION layer's call as a ViT-S/16 makes it: 6 heads of 64, bfloat16 raw q, k (feature map silu_norm, which
 the kernels apply) and v as views of one projection, for LION-d (a decay per head), LION-s (per token) and
 LION-s-natural (two snake scans, class token first), decays in (0.5, 1), and LION-lit, whose code runs
-Q (K^T V) in torch matmuls ("linear"; the kernel forced beside it, every decay 1). Settings as
+Q (K^T V) in its linear kernels ("linear kernels"; Q (K^T V) in torch matmuls, "linear", and the bidirectional
+kernel forced, every decay 1, beside them). Settings as
 own,loop,warps: tokens of a program's own tile, tokens per tile of its loop (powers of two, at least 16),
 warps. Each row's outputs and gradients are compared with those of the kernel in the code's settings (diff: the
 largest relative difference). Times from triton.testing.do_bench, in microseconds. Under TRITON_INTERPRET=1 it
@@ -97,8 +98,8 @@ def main(argv=None) -> int:
         upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
 
         def attention(backend: str = "triton", kernel: Optional[str] = None):
-            """The layer's call; kernel: the fused kernel forced (LION-lit's plan runs torch matmuls), "mapped": given
-            features mapped by torch ops."""
+            """The layer's call; kernel: the bidirectional kernel forced (LION-lit's plan runs its linear kernels),
+            "mapped": given features mapped by torch ops."""
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
             plan = Plan("attention", "triton", whole=True) if kernel and case == "lion_lit" else None
             feature_map = "silu_norm"
@@ -115,8 +116,9 @@ def main(argv=None) -> int:
         runs = [("sdpa", None, None, None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0]))
                                                            for kernel in kernels]
         runs += [("mapped", *code, partial(attention, kernel="mapped"))]
-        runs += [("linear", None, None, None, None, attention) if case == "lion_lit" else
-                 ("torch", None, None, None, None, partial(attention, "torch"))]
+        # the portable form, which for LION-lit is Q (K^T V) in torch matmuls, after LION-lit's code: its linear kernels
+        runs += [("linear kernels", None, None, None, None, attention)] if case == "lion_lit" else []
+        runs += [("linear" if case == "lion_lit" else "torch", None, None, None, None, partial(attention, "torch"))]
         for name, forward, backward, keys_first, factored, call in runs:
             settings = dict(forward=_text(forward, factored=factored),
                             backward=_text(backward, keys_first, factored))

@@ -54,9 +54,9 @@ def calls(quick: bool):
         logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
         log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
         # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product); the attention
-        # form: the bidirectional kernel
+        # form: the bidirectional kernel, LION-lit's its linear kernels
         plan = Plan(form, "triton", whole=form == "attention", chunks=2 if form == "chunk" else 1,
-                    grouped=not training and form != "attention")
+                    grouped=not training and form != "attention", linear=form == "attention" and decay == "lit")
         with torch.set_grad_enabled(training):
             if scans == 1:
                 y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
@@ -71,10 +71,9 @@ def calls(quick: bool):
     cases = [(decay, scans, form, feature_map, training)
              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
              for form in ("attention", "chunk", "rnn")
-             for feature_map in ("silu", "silu_norm", "elu", None) for training in (True, False)
-             if (form, decay) != ("attention", "lit")]  # (LION-lit's attention form: torch matmuls)
+             for feature_map in ("silu", "silu_norm", "elu", None) for training in (True, False)]
     cases += [(decay, scans, form, "identity", training, scaling)  # the other scalings (ops/scalings.py)
-              for decay, scans in [("fixed", 1), ("selective", 2)]
+              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 2)]
               for form in ("attention", "chunk", "rnn")
               for training in (True, False) for scaling in ("none", "max")]
     # the bidirectional kernel's float64 exponents (bidirectional.FLOAT64_EXPONENTS_ABOVE: longer sequences)
@@ -87,7 +86,9 @@ def calls(quick: bool):
                  ("fixed", 1, "chunk", "identity", True, "none"), ("selective", 2, "rnn", "identity", True, "max"),
                  ("selective", 2, "attention", "silu_norm", True), ("fixed", 1, "attention", None, False),
                  ("fixed", 1, "attention", "identity", True, "none"),
-                 ("selective", 2, "attention", "identity", True, "max"), *long]
+                 ("selective", 2, "attention", "identity", True, "max"), ("lit", 1, "attention", "silu_norm", True),
+                 ("lit", 1, "attention", None, False), ("lit", 1, "attention", "identity", True, "none"),
+                 ("lit", 1, "attention", "identity", True, "max"), *long]
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)

@@ -154,7 +154,7 @@ for part in "${parts[@]}"; do
         fused_tests)  # the fused attention form's tests natively, IEEE float32 dots; each test's outcome as it ends
             # (-v: a deadline leaves the names), the slowest at the end
             run fused_tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -v -n 8 -p no:cacheprovider --durations=20 \
-                tests/test_triton.py -k "(attention or fused or bidirectional) and not (chunk or vector)" ;;
+                tests/test_triton.py -k "(attention or fused or bidirectional or linear) and not (chunk or vector)" ;;
         fallback)  # where FLA's chunk backward fails: Tuning.chunk_backward_fallback, 896 px batch 32
             run fallback_torch "${train[@]}" --batch-size 32 --img-size 896 --steps 5 --attn-backend torch \
                 --models $deit lion_d_small:chunk:64 lion_d_natural_small:chunk:64 --out "$out/fallback_torch"

@@ -238,19 +238,25 @@ def first_train_us(rows: List[Dict[str, str]], case: str, kernel: str) -> Option
 
 
 def lit_lines(folder: Path) -> List[str]:
-    """LION-lit's attention form: Q (K^T V) in torch matmuls (the code's, benchmark_fused.py's "linear" rows) or the
-    bidirectional kernel with every decay 1 (its rows in the code's settings), forward and backward, by
-    benchmark_fused.py's lion_lit rows; the pick, the faster."""
+    """LION-lit's attention form: Q (K^T V) in its linear kernels (the code's, Tuning.linear_kernels;
+    benchmark_fused.py's "linear kernels" rows), in torch matmuls ("linear") or the bidirectional kernel with every
+    decay 1 (its rows in the code's settings), forward and backward, by benchmark_fused.py's lion_lit rows, as
+    multiples of the linear kernels' time (of the matmuls', where a run has no linear kernels' row); the pick, the
+    fastest."""
+    routes = {"the linear kernels": "linear kernels", "Q (K^T V) in torch matmuls": "linear",
+              "the bidirectional kernel": "bidirectional"}
     lines = []
     for run, what in FUSED_KERNEL_RUNS:
         rows = read(folder / run / "fused.csv")
-        linear, kernel = (first_train_us(rows, "lion_lit", name) for name in ("linear", "bidirectional"))
+        times = {label: first_train_us(rows, "lion_lit", name) for label, name in routes.items()}
+        times = {label: time for label, time in times.items() if time is not None}
         label = f"LION-lit's attention form ({what})"
-        if linear is None or kernel is None:
+        if len(times) < 2 or "Q (K^T V) in torch matmuls" not in times:
             lines.append(f"| {label} | not measured | - |")
             continue
-        pick = "Q (K^T V)" if linear <= kernel else "the bidirectional kernel"
-        lines.append(f"| {label} | bidirectional kernel x{kernel / linear:.2f} of Q (K^T V) | {pick} |")
+        base = next(iter(times))
+        ratios = ", ".join(f"{name} x{time / times[base]:.2f}" for name, time in times.items() if name != base)
+        lines.append(f"| {label} | {ratios} of {base} | {min(times, key=times.get)} |")
     return lines
 
 

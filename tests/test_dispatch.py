@@ -41,10 +41,11 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="torch").backend == "torch"
 
 
-def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels):
+def test_attention_form_is_fused_on_triton_and_lit_products_run_linear_kernels(kernels, knobs):
     """On the triton backend the attention form (and the chunk form's one-product case) of one or two scans is the
     bidirectional kernel, without groups of images (it keeps no buffers); past two scans, which it does not read,
-    the portable product. LION-lit's Q (K^T V) is torch matmuls everywhere; the portable product elsewhere."""
+    the portable product. LION-lit's Q (K^T V) is its linear kernels there (torch matmuls with
+    Tuning.linear_kernels off), torch matmuls elsewhere; the portable product elsewhere."""
     kernels(True)
     for training in (True, False):
         for scans in (1, 2):
@@ -59,11 +60,17 @@ def test_attention_form_is_fused_on_triton_and_lit_products_run_on_torch(kernels
     assert plan("attention", None, 3136, 64, 64, device=CUDA, backend="torch") == \
         dispatch.Plan("attention", "torch", whole=True)
     assert plan("attention", None, 197, 64, 64, device=CPU) == dispatch.Plan("attention", "torch", whole=True)
-    for form in ("attention", "chunk"):  # Q (K^T V): linear in L, no kernel needed, and reported as such
-        for device in (CUDA, CPU):
-            lit = plan(form, 64, 3136, 64, 64, decayed=False, device=device)
-            assert lit.whole and lit.backend == "torch" and lit.linear
-            assert str(lit) == f"{form} form, torch backend: Q (K^T V), linear in the tokens"
+    for form in ("attention", "chunk"):  # Q (K^T V): linear in L, and reported as such
+        for training in (True, False):
+            lit = plan(form, 64, 3136, 64, 64, decayed=False, device=CUDA, training=training)
+            assert lit == dispatch.Plan(form, "triton", whole=True, linear=True)
+        assert str(lit) == f"{form} form, triton backend: Q (K^T V), linear in the tokens (linear kernels)"
+        lit = plan(form, 64, 3136, 64, 64, decayed=False, device=CPU)
+        assert lit.whole and lit.backend == "torch" and lit.linear
+        assert str(lit) == f"{form} form, torch backend: Q (K^T V), linear in the tokens"
+    knobs(linear_kernels=False)
+    assert plan("attention", None, 197, 64, 64, decayed=False, device=CUDA, training=True) == \
+        dispatch.Plan("attention", "torch", whole=True, linear=True)
     assert not plan("chunk", 64, 196, 64, 64, device=CPU).linear
 
 

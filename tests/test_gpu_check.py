@@ -57,7 +57,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert tests[2][-1] == "tests/test_gpu_decode.py"  # input_gpu's: the device decoding, natively
     assert all((ROOT / arg).is_file() for test in tests for arg in test if arg.startswith("tests/"))
     fused_tests = tests[1][tests[1].index("-k") + 1]  # the fused attention form's tests, natively
-    assert fused_tests == "(attention or fused or bidirectional) and not (chunk or vector)"
+    assert fused_tests == "(attention or fused or bidirectional or linear) and not (chunk or vector)"
     assert "tests/test_triton.py" in tests[1]
 
     seen, fused_kernels, graphs = [], [], []
@@ -269,8 +269,9 @@ def test_launch_settings_feature_map_and_lits_form_pick_the_least_time(tmp_path)
     """The bidirectional kernel's launch settings from benchmark_fused.py's CSV (as write_table writes it): each
     pair's time summed over the cases against the code's pair (the first), a pair that ran out of memory in any
     case left out, and the least the pick; the feature map in the kernels (the code's settings) or by torch ops
-    first ("mapped"), summed over the cases measured both ways, the faster; LION-lit's form: Q (K^T V) ("linear")
-    or the kernel in the code's settings, the faster."""
+    first ("mapped"), summed over the cases measured both ways, the faster; LION-lit's form: its linear kernels
+    ("linear kernels"), Q (K^T V) in torch matmuls ("linear") or the bidirectional kernel in the code's settings, the
+    fastest (against the matmuls where a run, as those before the linear kernels, has no row of them)."""
     import csv
     (tmp_path / "fused_kernels").mkdir()
     with open(tmp_path / "fused_kernels" / "fused.csv", "w", newline="") as f:
@@ -284,16 +285,27 @@ def test_launch_settings_feature_map_and_lits_form_pick_the_least_time(tmp_path)
             mapped = {"lion_lit": 130, "lion_d": 90}.get(case)  # (lion_s's failed: not compared)
             writer.writerow([case, "mapped", "64,64,4", "64,32,8", "ok" if mapped else "error", mapped])
             writer.writerow([case, "linear" if case == "lion_lit" else "torch", "", "", "ok", 125])
+    (tmp_path / "fused_kernels_448").mkdir()
+    with open(tmp_path / "fused_kernels_448" / "fused.csv", "w", newline="") as f:  # (before the linear kernels)
+        writer = csv.writer(f)
+        writer.writerow(["case", "kernel", "forward", "backward", "status", "train_us"])
+        writer.writerows([["lion_lit", "bidirectional", "64,64,4", "64,32,8", "ok", 150],
+                          ["lion_lit", "linear", "", "", "ok", 125]])
+    with open(tmp_path / "fused_kernels" / "fused.csv", "a", newline="") as f:
+        csv.writer(f).writerow(["lion_lit", "linear kernels", "", "", "ok", 50])
     targets = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))
     assert targets["launch_lines"](tmp_path) == [
         "| bidirectional_forward / _backward (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 x0.85 of the "
-        "code's | 128,64,8 / 64,32,8 |", "| bidirectional_forward / _backward (448 px b64) | not measured | - |"]
+        "code's | 128,64,8 / 64,32,8 |",
+        "| bidirectional_forward / _backward (448 px b64) | 64,64,4 / 64,32,8 x1.00 of the code's | 64,64,4 / 64,32,8 |"]
     assert targets["map_lines"](tmp_path) == [  # (100 + 130) / (100 + 100); lion_s's pair incomplete
         "| the feature map (224 px b256) | torch ops first x1.10 of in the kernels | in the kernels (as now) |",
         "| the feature map (448 px b64) | not measured | - |"]
     assert targets["lit_lines"](tmp_path) == [
-        "| LION-lit's attention form (224 px b256) | bidirectional kernel x0.80 of Q (K^T V) | the bidirectional "
-        "kernel |", "| LION-lit's attention form (448 px b64) | not measured | - |"]
+        "| LION-lit's attention form (224 px b256) | Q (K^T V) in torch matmuls x2.50, the bidirectional kernel x2.00 "
+        "of the linear kernels | the linear kernels |",
+        "| LION-lit's attention form (448 px b64) | the bidirectional kernel x1.20 of Q (K^T V) in torch matmuls | "
+        "Q (K^T V) in torch matmuls |"]
 
 
 @pytest.mark.parametrize("eager, graph, verdict", [

@@ -74,17 +74,75 @@ def test_triton_forms_match_the_reference(form, decay, monkeypatch):
 
 def test_lion_lit_in_the_bidirectional_kernel_matches_the_reference():
     """LION-lit (no decays: every mask entry 1) through the bidirectional kernel, the route benchmark_fused.py times
-    against the plan's Q (K^T V) in torch matmuls: outputs and gradients of q, k, v against the float64 reference
-    at 70 tokens (two of the kernel's 64-token tiles)."""
+    against the plan's Q (K^T V) in the linear kernels and in torch matmuls (Tuning.linear_kernels off): outputs
+    and gradients of q, k, v against the float64 reference at 70 tokens (two of the kernel's 64-token tiles)."""
     from lion_vit.ops import Plan
     q, k, v, lam = make_inputs(1, 2, 70, 16, "lit", torch.float32)
-    assert lam is None and plan("attention", None, 70, 16, 16, decayed=False, device=DEVICE, backend="triton",
-                                training=True) == Plan("attention", "torch", whole=True, linear=True)
+    with tuned(linear_kernels=False):
+        assert lam is None and plan("attention", None, 70, 16, 16, decayed=False, device=DEVICE, backend="triton",
+                                    training=True) == Plan("attention", "torch", whole=True, linear=True)
 
     def kernel(q, k, v):
         return lion_attention(q, k, v, plan=Plan("attention", "triton", whole=True))
 
     _check(kernel, lion_reference, [q, k, v])
+
+
+@pytest.mark.parametrize("length, feature_map, scaling, width", [
+    (1, "silu_norm", "sum", 16), (70, "silu_norm", "sum", 16), (197, "silu_norm", "sum", 16), (63, "silu", "sum", 16),
+    (129, "elu", "sum", 16), (70, "unfused", "sum", 16), (70, "identity", "none", 16), (70, "identity", "max", 16),
+    (70, None, "sum", 16), (70, "silu_norm", "sum", 15), ("half", "silu_norm", "sum", 15)])
+def test_lion_lit_in_the_linear_kernels_matches_the_reference(length, feature_map, scaling, width, monkeypatch):
+    """LION-lit's attention form as its triton plan runs it, Q (K^T V) in the linear kernels (the feature maps
+    applied as they read raw q and k, token-major views of one projection; a map they do not know, by torch ops
+    first): outputs and gradients of q, k and v against the float64 reference, at lengths of one token, within one
+    64-token tile and across two to four, with the scalings on features of both signs (None: q, k are features), an
+    odd head width, and in 16-bit ("half": 70 tokens as autocast makes them, within half precision's rounding)."""
+    half = length == "half"
+    length = 70 if half else length
+    import torch.nn.functional as F
+    from lion_vit.ops import Plan
+    from lion_vit.ops.features import FEATURE_MAPS, mapped
+    if feature_map == "unfused":
+        monkeypatch.setitem(FEATURE_MAPS, "unfused", (F.softplus, lambda x: F.softplus(x) ** 2))
+    assert plan("attention", None, length, 16, 16, decayed=False, device=DEVICE, backend="triton",
+                training=True) == Plan("attention", "triton", whole=True, linear=True)
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, length, 3, 2, width, generator=g)  # [B, L, (q, k, v), H, D] as a projection gives them
+    if feature_map is None:  # positive features
+        qkv = qkv.abs() + 0.05
+    elif scaling == "max":  # rows with |sum_j q_i . k_j| on both sides of 1 (asserted)
+        qkv = qkv * torch.linspace(0.01, 0.3, length)[:, None, None, None]
+
+    def split(qkv):
+        return qkv.transpose(1, 3).unbind(2)
+
+    def triton(qkv):
+        return lion_attention(*split(qkv), backend="triton", feature_map=feature_map, scaling=scaling)
+
+    def reference(qkv):
+        q, k, v = split(qkv)
+        return lion_reference(*mapped(q, k, feature_map), v, scaling=scaling)
+
+    if scaling == "max":
+        q, k, _ = split(qkv.double())
+        rows = (q @ k.transpose(-1, -2)).sum(-1).abs()
+        assert (rows < 1).any() and (rows > 1).any()
+    _check(triton, reference, [qkv.to(HALF) if half else qkv], value_shape=(2, 2, length, width),
+           tol=(3e-2 if interpret.ON_GPU else 3e-3) if half else TOL)
+
+
+def test_the_linear_kernels_give_the_same_bits_every_run_and_refuse_double_backward():
+    """LION-lit's linear kernels: two backward passes give bitwise equal gradients (each image and head's sums over
+    its tokens in one program, in order: no atomics), and a second-order gradient is one clear error."""
+    q, k, v, _ = make_inputs(2, 2, 197, 16, "lit", torch.float32, seed=6)
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v)]
+    upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    runs = [torch.autograd.grad((lion_attention(*leaves, backend="triton") * upstream).sum(), leaves)
+            for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(RuntimeError, match="no double backward; for second-order gradients use attn_backend='torch'"):
+        torch.autograd.grad(lion_attention(*leaves, backend="triton").square().sum(), leaves, create_graph=True)
 
 
 @pytest.mark.parametrize("form, decay", [("chunk", "fixed"), ("chunk", "selective"), ("rnn", "selective"),
@@ -407,6 +465,7 @@ def grid_images(batch: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name, forms", [("lion_s_natural_tiny", ("chunk",)), ("lion_d_tiny", ("chunk", "rnn")),
+                                         ("lion_lit_tiny", ("attention",)),
                                          ("lion_xlstm_natural_tiny", ("attention",)), ("lion_mamba2_tiny", ("chunk",)),
                                          ("lion_gla_natural_tiny", ("chunk",)), ("lion_hgrn2_tiny", ("rnn",))])
 def test_models_give_the_same_logits_on_both_backends(name, forms, chunks_always):
@@ -536,14 +595,16 @@ def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form
     assert rel_err(grads[1][qkv], grads[0][qkv]) < tol
 
 
-@pytest.mark.parametrize("form", ["chunk", "attention"])
-def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(form, chunks_always, monkeypatch):
+@pytest.mark.parametrize("name, form", [("lion_s_natural_tiny", "chunk"), ("lion_s_natural_tiny", "attention"),
+                                        ("lion_lit_tiny", "attention")])
+def test_compiled_inference_runs_the_kernels_as_one_op_of_the_graph(name, form, chunks_always, monkeypatch):
     """Inference on the triton backend compiles with fullgraph=True: the kernels are one custom op of the
     graph, not a break (so mode="reduce-overhead" can replay the whole forward as a CUDA graph), with
     eager's logits. Training breaks the graph around FLA's autograd Functions; the bidirectional kernel's
-    training is a custom op with its backward, so it compiles whole too, with eager's loss and gradients."""
-    model = grid_model("lion_s_natural_tiny", attn_form=form, attn_backend="triton").eval()
-    bidirectional = model.attn_plan(GRID).whole  # (the attention form: the bidirectional kernel)
+    training (and LION-lit's linear kernels') is a custom op with its backward, so it compiles whole too, with
+    eager's loss and gradients."""
+    model = grid_model(name, attn_form=form, attn_backend="triton").eval()
+    bidirectional = model.attn_plan(GRID).whole  # (the attention form: the bidirectional kernel, or the linear ones)
     assert model.attn_plan(GRID).grouped or bidirectional
     x = grid_images(2)
     torch._dynamo.reset()
@@ -679,6 +740,20 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
+def test_the_fused_kernels_benchmark_times_lion_lits_three_routes(capsys):
+    """benchmark_fused.py's LION-lit rows: its code's linear kernels ("linear kernels") and Q (K^T V) in torch matmuls
+    ("linear") beside the bidirectional kernel forced with every decay 1, all within float16's rounding of it."""
+    import runpy
+    main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
+    assert main(["--img-size", "96", "--batch-size", "1", "--forward", "64,64,4", "--backward", "64,32,8",
+                 "--cases", "lion_lit"]) == 0
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| lion_lit")]
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 3 + ["mapped", "linear kernels", "linear"]
+    assert all(float(row[-1]) < 3e-3 for row in rows[4:])
+
+
+@pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
 def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, monkeypatch):
     """A launch setting that fails on a GPU (its compiler's or the driver's error) is a row of status error with its
     reason printed; the other settings' rows are still measured, and the exit code is 1."""
@@ -741,7 +816,7 @@ def loop_sum(x, y, n):
 def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(tmp_path):
     """scripts/compile_kernels.py: --save-records writes the launches that the triton backend's calls make here
     (recorded under the interpreter, not run) and stops, for another Triton (a GPU machine's) to compile;
-    --records compiles them for sm_90 as a GPU's first call would, each of our ten kernels in float32, float16
+    --records compiles them for sm_90 as a GPU's first call would, each of our fourteen kernels in float32, float16
     and bfloat16; a kernel that the interpreter runs but the compiler refuses fails the check, named with the
     reason."""
     script, records = str(interpret.ROOT / "scripts" / "compile_kernels.py"), tmp_path / "launches.json"
@@ -769,7 +844,8 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     compiled = {tuple(line.split()[2:4]) for line in ok}
     kernels = ["_operands_kernel", "_operands_backward_kernel", "_finish_kernel", "_finish_backward_kernel",
                "_sums_kernel", "_scan_kernel", "_forward_kernel", "_factors_kernel", "_backward_keys_kernel",
-               "_backward_queries_kernel"]
+               "_backward_queries_kernel", "_linear_state_kernel", "_linear_output_kernel",
+               "_linear_queries_backward_kernel", "_linear_keys_backward_kernel"]
     assert compiled == {(kernel, dtype) for kernel in kernels for dtype in ("float32", "float16", "bfloat16")}
     # each line also names its tensor-core instructions and the blocks a multiprocessor fits: Hopper's wgmma for
     # the bidirectional forward's 64-token tiles in bfloat16
@@ -877,18 +953,21 @@ def test_triton_backend_refuses_double_backward_in_one_line(form, monkeypatch):
     assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out.square().sum(), leaves))
 
 
-@pytest.mark.parametrize("form", ["chunk", "rnn", "attention"])
+@pytest.mark.parametrize("form", ["chunk", "rnn", "attention", "linear"])
 def test_float16_normalisers_of_long_sequences_stay_finite(form, monkeypatch):
     """Decays near 1 make the normaliser grow like L (here past float16's 65,504, asserted below); the
     kernels' power-of-two scale on q keeps numerator and normaliser finite (docs/design.md, "float16").
     1,024 tokens is what the interpreter affords (seconds), with queries large enough to overflow float16
-    there; the bound covers 12,544. (The bidirectional kernel keeps both in float32 registers.)"""
+    there; the bound covers 12,544. (The bidirectional kernel keeps both in float32 registers, and LION-lit's linear
+    kernels ("linear": no decay) their state and sums.)"""
     q, k, v = float16_overflowing_inputs(1024)
-    log_decay = torch.full((1, 1, 1), -1e-5)
-    out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)), log_decay[None].to(DEVICE), form=form,
-                         backend="triton")
+    log_decay = None if form == "linear" else torch.full((1, 1, 1), -1e-5)
+    out = lion_attention(*(t.to(DEVICE, torch.float16) for t in (q, k, v)),
+                         None if log_decay is None else log_decay[None].to(DEVICE),
+                         form="attention" if form == "linear" else form, backend="triton")
     assert torch.isfinite(out).all()
-    assert rel_err(out.cpu(), lion_reference(q.double(), k.double(), v.double(), log_decay.double())) < 3e-3
+    assert rel_err(out.cpu(), lion_reference(q.double(), k.double(), v.double(),
+                                             None if log_decay is None else log_decay.double())) < 3e-3
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="the proxy counts operators around the interpreter's kernel launches")

@@ -18,7 +18,8 @@ exact way to get it:
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
   chunks (chunk.whole_product_is_cheaper; always for LION-lit, where it is Q (K^T V)): on the triton
   backend the fused attention form's, elsewhere the portable one's;
-- LION-lit's attention form is Q (K^T V) in torch matmuls on every backend: linear in L, nothing to fuse;
+- LION-lit's attention form is Q (K^T V), linear in L: on the triton backend two kernels of ours that map q and k
+  as they read them (Tuning.linear_kernels), elsewhere torch matmuls;
 - vector decays (one per key channel, vector.py) run FLA's vector-gate kernels on the triton backend, the
   portable vector forms elsewhere: eagerly on a CPU (training too) in groups of rows with masked products as
   large as the decays allow (backend "cpu"; training in float32 or float64 with a hand-written backward,
@@ -83,7 +84,7 @@ class Plan:
     backward_by_forward: the chunk kernels' backward runs as their forward pass (where FLA's own fails);
     vector: the decays are vectors, one per key channel (vector.py; triton/vector.py); hand_backward: the cpu
     backend trains them through chunks with a hand-written backward (cpu/chunks.py); linear: the one product is
-    LION-lit's, Q (K^T V) with no mask (attention.py), linear in the tokens.
+    LION-lit's, Q (K^T V) with no mask (attention.py; triton/linear.py), linear in the tokens.
     """
 
     form: str
@@ -106,7 +107,7 @@ class Plan:
                 (", backward by their forward pass" if self.backward_by_forward else "") + \
                 (", hand-written backward" if self.hand_backward else "")
         elif self.linear:
-            what = "Q (K^T V), linear in the tokens"
+            what = "Q (K^T V), linear in the tokens" + (" (linear kernels)" if self.backend == "triton" else "")
         else:
             what = "one masked product" if self.form == "attention" or self.whole else ""
             if self.backend == "triton":
@@ -204,7 +205,8 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         else:
             form = "attention"
     grouped = backend == "triton" and not training
-    fused = backend == "triton" and decayed and num_scans <= FUSED_MAX_SCANS  # (LION-lit: torch matmuls)
+    # the bidirectional kernel, or LION-lit's linear kernels
+    fused = backend == "triton" and (num_scans <= FUSED_MAX_SCANS if decayed else knobs.linear_kernels)
     if form == "attention":
         return Plan("attention", "triton" if fused else "torch", whole=True, linear=not decayed)
     if form == "rnn":
@@ -213,7 +215,7 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
         chunk_size = TRITON_CHUNK
     whole = (num_scans > 1 and chunk_size >= length) or whole_product_is_cheaper(
         length, chunk_size, key_dim, value_dim, num_scans, decayed=decayed)
-    if whole:  # the attention form's product: fused on the triton backend (LION-lit: torch matmuls either way)
+    if whole:  # the attention form's product: fused on the triton backend (LION-lit: its linear kernels)
         return Plan("chunk", "triton" if fused else "torch", whole=True, linear=not decayed)
     fails = knobs.chunk_backward_fails
     if backend == "triton" and training and decayed and (
@@ -254,7 +256,7 @@ def implementation(run: Plan) -> Callable[..., Tensor]:
                          1 if run.form == "rnn" else run.chunk_size, in_rows=run.backend == "cpu")
     if run.backend == "triton":
         if run.whole:
-            return triton_backend.bidirectional_form
+            return triton_backend.linear_form if run.linear else triton_backend.bidirectional_form
         kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
         if run.backward_by_forward:
             return partial(kernels, backward_by_forward=True)

@@ -74,6 +74,11 @@ class Tuning:
         an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
         On until a GPU has timed both: less arithmetic for as many blocks a multiprocessor in the training launches
         (sm_90; docs/benchmarks.md, "Factored mask tiles").
+    linear_kernels: LION-lit's attention form (and its chunk form, one product) on the triton backend runs two kernels
+        of ours (ops/triton/linear.py), which map q and k as they read them and write nothing but Y, rather than
+        Q (K^T V) in torch matmuls with each elementwise step around them a pass over memory. On until a GPU has timed
+        both (benchmark_fused.py's lion_lit rows): at 197 tokens it writes and keeps about what DeiT-S's attention
+        does, the matmuls three times that (docs/benchmarks.md, "LION-lit's linear kernels").
     normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
         per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
         of two) and warps (scripts/benchmark_normaliser.py times others on a GPU). Read by the forward; its
@@ -91,13 +96,14 @@ class Tuning:
     bidirectional_backward: LaunchSetting = (64, 32, 8)
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
+    linear_kernels: bool = True
     normaliser_launch: LaunchSetting = (64, 16, 4)
 
     def __post_init__(self) -> None:
         if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
             raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
                              f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
-        for name in ("bidirectional_keys_first", "bidirectional_factored_masks"):
+        for name in ("bidirectional_keys_first", "bidirectional_factored_masks", "linear_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_backward_fails not in (None, True, False):

@@ -1,8 +1,9 @@
 """GPU kernels for the attention, chunk and rnn forms (docs/design.md, "The Triton backend").
 
 The attention form is one bidirectional kernel of ours (bidirectional.py): both directions, the scans and the
-normaliser in one pass. For the chunk and rnn forms, LION is two causal scalar-gated linear attentions, one over
-the sequence and one over its mirror, with the decays shifted by one token and the diagonal counted once;
+normaliser in one pass; LION-lit's, whose mask is all ones, two linear kernels of ours (linear.py): Q (K^T V).
+For the chunk and rnn forms, LION is two causal scalar-gated linear attentions, one over the sequence and one over
+its mirror, with the decays shifted by one token and the diagonal counted once;
 flash-linear-attention's Triton kernels (PyPI `fla-core`, imported as `fla`) compute those with hand-written
 backwards (fla.py), and two fused steps of ours build their operands and finish their outputs (operands.py).
 Nothing here is imported until a call picks the triton backend.
@@ -27,11 +28,17 @@ def bidirectional_form(*args, **kwargs):
     return run(*args, **kwargs)
 
 
+def linear_form(*args, **kwargs):
+    """LION-lit's attention form, Q (K^T V), in two kernels of ours (linear.py; imported at the first call)."""
+    from .linear import linear_form as run
+    return run(*args, **kwargs)
+
+
 def vector_form(*args, **kwargs):
     """Vector decays on FLA's vector-gate kernels (vector.py; imported, with Triton, at the first call)."""
     from .vector import vector_form as run
     return run(*args, **kwargs)
 
 
-__all__ = ["available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "interpreting", "recurrent_form",
-           "unavailable_reason", "vector_form"]
+__all__ = ["available", "bidirectional_form", "chunk_backward_fails", "chunk_form", "interpreting", "linear_form",
+           "recurrent_form", "unavailable_reason", "vector_form"]
