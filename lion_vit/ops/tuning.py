@@ -75,10 +75,10 @@ class Tuning:
         On until a GPU has timed both: less arithmetic for as many blocks a multiprocessor in the training launches
         (sm_90; docs/benchmarks.md, "Factored mask tiles").
     linear_kernels: LION-lit's attention form (and its chunk form, one product) on the triton backend runs two kernels
-        of ours (ops/triton/linear.py), which map q and k as they read them and write nothing but Y, rather than
-        Q (K^T V) in torch matmuls with each elementwise step around them a pass over memory. On until a GPU has timed
-        both (benchmark_fused.py's lion_lit rows): at 197 tokens it writes and keeps about what DeiT-S's attention
-        does, the matmuls three times that (docs/benchmarks.md, "LION-lit's linear kernels").
+        of ours (ops/triton/linear.py), which map q and k as they read them and write nothing but Y and a state per
+        head, rather than Q (K^T V) in torch matmuls with each elementwise step around them a pass over memory. On
+        until a GPU has timed both (benchmark_fused.py's lion_lit rows; the CPU traffic proxy: docs/benchmarks.md,
+        "LION-lit's linear kernels").
     normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
         per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
         of two) and warps (scripts/benchmark_normaliser.py times others on a GPU). Read by the forward; its

@@ -31,7 +31,8 @@ from .fla import _FirstOrderOnly, kernel_inputs, launched_on_device_of
 from .operands import SCALING_CODES, _block, _divisor, rows_contiguous
 
 _TOKENS = 64  # tokens per tile (a power of two of at least 16: tl.dot)
-# warps of the queries' backward, which holds S and dS with its tiles: at 4 it spills on sm_90 (compile_kernels.py)
+# warps of the queries' backward, which holds S and dS beside its tiles (its spills by warps: docs/benchmarks.md,
+# "Kernels compiled without a GPU")
 _QUERIES_BACKWARD_WARPS = 8
 
 
