@@ -72,45 +72,46 @@ def _linear_state_kernel(k, v, S, s, skb, skh, skl, svb, svh, svl, L, H, DK, DV,
 
 
 @triton.jit
-def _rows(q, S, s, b, h, bh, t, ok, sqb, sqh, sql, DK, DV, SCALING: tl.constexpr, MAP_Q: tl.constexpr,
-          NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Query rows t: raw, their features (float32), Y (float32), the normaliser and the state and key sum read."""
+def _rows(q, state, total, b, h, t, ok, sqb, sqh, sql, DK, SCALING: tl.constexpr, MAP_Q: tl.constexpr,
+          NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Query rows t, from their image and head's state and key sum: raw, their features (float32), Y (float32) and
+    the normaliser."""
     raw = _tile(q, b, h, t, ok, sqb, sqh, sql, DK, BLOCK_K)
     features = _features(raw, ok, DK, BLOCK_K, MAP_Q, NORM_Q).to(tl.float32)
-    state, total = _state_tile(S, s, bh, DK, DV, BLOCK_K, BLOCK_V)
     normaliser = tl.where(ok, tl.sum(features * total[None, :], 1), 1.0)
     y = tl.dot(features, state) / _divisor(normaliser, SCALING)[:, None]
-    return raw, features, y, normaliser, state, total
+    return raw, features, y, normaliser
 
 
 @triton.jit
 def _linear_output_kernel(q, S, s, y, sqb, sqh, sql, syb, syh, syl, L, H, DK, DV, SCALING: tl.constexpr,
-                   MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+                          MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
     """Y of one query tile."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < L
-    _, _, out, _, _, _ = _rows(q, S, s, b, h, bh, t, ok, sqb, sqh, sql, DK, DV, SCALING, MAP_Q, NORM_Q, BLOCK_K,
-                               BLOCK_V)
+    state, total = _state_tile(S, s, bh, DK, DV, BLOCK_K, BLOCK_V)
+    _, _, out, _ = _rows(q, state, total, b, h, t, ok, sqb, sqh, sql, DK, SCALING, MAP_Q, NORM_Q, BLOCK_K)
     _store_tile(y, out, b, h, t, ok, syb, syh, syl, DV, BLOCK_V)
 
 
 @triton.jit
-def _linear_queries_backward_kernel(q, dy, S, s, dq, dS, ds, sqb, sqh, sql, sdb, sdh, sdl, sgb, sgh, sgl, L, H, DK, DV,
-                             SCALING: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def _linear_queries_backward_kernel(q, dy, S, s, dq, dS, ds, sqb, sqh, sql, sdb, sdh, sdl, sgb, sgh, sgl, L, H, DK,
+                                    DV, SCALING: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
+                                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """dq (strides sg*) of one image and head, and its dS and ds, over its token tiles in order."""
     bh = tl.program_id(0)
     b, h = (bh // H).to(tl.int64), bh % H
+    state, total = _state_tile(S, s, bh, DK, DV, BLOCK_K, BLOCK_V)  # (read once, for every tile)
     d_state = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     d_total = tl.zeros([BLOCK_K], dtype=tl.float32)
     for start in range(0, L, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         ok = t < L
-        raw, features, y, normaliser, state, total = _rows(q, S, s, b, h, bh, t, ok, sqb, sqh, sql, DK, DV, SCALING,
-                                                           MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+        raw, features, y, normaliser = _rows(q, state, total, b, h, t, ok, sqb, sqh, sql, DK, SCALING, MAP_Q, NORM_Q,
+                                             BLOCK_K)
         upstream = _tile(dy, b, h, t, ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32)
         dn = upstream / _divisor(normaliser, SCALING)[:, None]
         delta = tl.sum(upstream * y, 1) / normaliser
@@ -128,8 +129,8 @@ def _linear_queries_backward_kernel(q, dy, S, s, dq, dS, ds, sqb, sqh, sql, sdb,
 
 @triton.jit
 def _linear_keys_backward_kernel(k, v, dS, ds, dk, dv, skb, skh, skl, svb, svh, svl, sgb, sgh, sgl, swb, swh, swl,
-                          L, H, DK, DV, MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                                 L, H, DK, DV, MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """dk (strides sg*) and dv (sw*) of one key tile."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
