@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -414,6 +415,78 @@ def test_triton_vector_decays_match_the_reference(form, scans, scaling, value_di
                               backend="triton", scaling=scaling)
 
     _check(triton, lambda *t: lion_attention_reference(*t, orders, scaling=scaling), [q, k, v, log_decays])
+
+
+@contextmanager
+def launch_grids():
+    """The grid of every kernel launch in the block, as the interpreter runs it (FLA's kernels too)."""
+    from triton.runtime import interpreter
+    builder, grids = interpreter.interpreter_builder, []
+    set_grid_dim = builder.set_grid_dim
+    builder.set_grid_dim = lambda *grid: grids.append(grid) or set_grid_dim(*grid)
+    try:
+        yield grids
+    finally:
+        del builder.set_grid_dim
+
+
+@pytest.mark.skipif(interpret.ON_GPU, reason="the interpreter reports each launch's grid")
+@pytest.mark.parametrize("form, scans, decay, training", [
+    ("attention", 2, "fixed", True), ("attention", 1, "lit", True), ("chunk", 1, "selective", True),
+    ("chunk", 2, "fixed", False), ("rnn", 1, "selective", False), ("forward", 1, "fixed", True),
+    ("vector", 1, "vector", True)])
+def test_batches_past_the_launch_grids_limit_run_in_parts(form, scans, decay, training, knobs, chunks_always):
+    """CUDA launches at most 65,535 program rows on a grid's second and third axes, where the kernels (ours and
+    FLA's) put images x sequences x heads. With that limit lowered to 12, 7 images of 2 heads run in parts whose
+    launches stay within it (the whole batch's would not), with the same outputs and gradients of q, k and v,
+    bit for bit, and of the decays (summed over the parts where they are shared) within rounding."""
+    knobs(group_share=1000)  # (inference: the batch in one group, which passes the limit)
+    if form == "forward":
+        knobs(chunk_backward_fails=True, chunk_backward_fallback="forward")
+    height, width = (3, 4) if scans == 2 else (1, 21)
+    length = height * width + (scans == 2)
+    orders = snake_orders(height, width, num_prefix_tokens=1) if scans == 2 else None
+    q, k, v, lam = make_inputs(7, 2, length, 16, "fixed" if decay == "vector" else decay, torch.float32)
+    if decay == "vector":
+        log_decays = torch.log(torch.rand(1, 7, 2, length, 16, generator=torch.Generator().manual_seed(3)) * 0.9
+                               + 0.05)
+    else:
+        log_decays = None if lam is None else torch.log(lam).float()[None].expand(scans, *lam.shape).contiguous()
+    tensors = [t for t in (q, k, v, log_decays) if t is not None]
+    upstream = torch.randn(v.shape, generator=torch.Generator().manual_seed(4))
+
+    def run(limit):
+        leaves = [t.clone().requires_grad_(training) for t in tensors]
+        with tuned(grid_axis_limit=limit), launch_grids() as grids, torch.set_grad_enabled(training):
+            out = lion_attention(*leaves[:3], leaves[3] if len(leaves) > 3 else None, orders,
+                                 form="chunk" if form in ("forward", "vector") else form, backend="triton")
+            grads = torch.autograd.grad((out * upstream).sum(), leaves) if training else []
+        return out, grads, grids
+
+    whole, whole_grads, whole_grids = run(65535)
+    parts, parts_grads, parts_grids = run(12)
+    assert max(max(grid[1:]) for grid in whole_grids) > 12  # (the whole batch's launches would pass the limit)
+    assert max(max(grid[1:]) for grid in parts_grids) <= 12
+    assert torch.equal(parts, whole)
+    for name, got, want in zip("qkva", parts_grads, whole_grads):
+        assert torch.equal(got, want) if name != "a" else rel_err(got, want) < 1e-6, f"grad of {name}"
+
+
+@pytest.mark.skipif(not interpret.ON_GPU, reason="80,000 program rows: hours under the interpreter")
+@pytest.mark.parametrize("form, decay", [("attention", "selective"), ("attention", "lit"), ("chunk", "selective")])
+def test_a_batch_past_cudas_grid_limit_trains(form, decay, chunks_always):
+    """40,000 images of 2 heads: 80,000 program rows (160,000 for FLA's kernels) on a grid axis that CUDA caps
+    at 65,535; in parts, the same function as the portable form's."""
+    q, k, v, lam = make_inputs(40000, 2, 5, 16, decay, torch.float32)
+    log_decays = None if lam is None else torch.log(lam).float()[None]
+    tensors = [t.to(DEVICE) for t in (q, k, v, log_decays) if t is not None]
+    results = []
+    for backend in ("triton", "torch"):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        out = lion_attention(*leaves[:3], leaves[3] if len(leaves) > 3 else None, form=form, backend=backend)
+        results.append([out, *torch.autograd.grad(out.square().sum(), leaves)])
+    for name, got, want in zip(["y", *"qkva"], *results):
+        assert rel_err(got.cpu(), want.cpu().double(), min_scale=1.0) < TOL, name
 
 
 @pytest.mark.parametrize("form, keys_first", [("attention", False), ("attention", True), ("chunk", False)])

@@ -29,7 +29,8 @@ exact way to get it:
 - a layer hands over q, k, v as views of its projection (token-major), which the triton backend reads as
   they are and the portable forms copy head-major;
 - inference on the triton backend runs the batch in groups of images (Plan.grouped), so that the kernels'
-  buffers stay a share of the batch's activations (Tuning.group_share).
+  buffers stay a share of the batch's activations (Tuning.group_share);
+- a batch whose kernel launches would pass CUDA's limit on a grid axis runs in parts (implementation).
 The knobs (tuning.py) are read as a call is planned: `tuned(...)` sets them for a block.
 """
 from __future__ import annotations
@@ -246,23 +247,57 @@ TORCH_FORMS = {"attention": attention_form, "rnn": recurrent_form, "chunk": chun
 
 def implementation(run: Plan) -> Callable[..., Tensor]:
     """The function that computes a plan, (q, k, v, log_decays, orders, feature_map=, scaling=) -> Y: the triton
-    backend's kernels, or a portable form (or the cpu backend's) divided by its normaliser, in chunks of the
-    plan's chunk_size."""
+    backend's kernels (in parts of the batch where one launch could not take it whole), or a portable form (or the
+    cpu backend's) divided by its normaliser, in chunks of the plan's chunk_size."""
+    if run.backend == "triton":
+        return partial(_within_launch_grids, _kernels(run), run)
     if run.vector:
-        if run.backend == "triton":
-            return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
         cpu_form = cpu_backend.trained_vector_form if run.hand_backward else cpu_backend.vector_form
         return _portable(cpu_form if run.backend == "cpu" else vector_form,
                          1 if run.form == "rnn" else run.chunk_size, in_rows=run.backend == "cpu")
-    if run.backend == "triton":
-        if run.whole:
-            return triton_backend.linear_form if run.linear else triton_backend.bidirectional_form
-        kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
-        if run.backward_by_forward:
-            return partial(kernels, backward_by_forward=True)
-        return partial(kernels, grouped=True) if run.grouped else kernels
     return _portable(TORCH_FORMS["attention" if run.whole else run.form], run.chunk_size,
                      in_rows=run.backend == "cpu")
+
+
+def _kernels(run: Plan) -> Callable[..., Tensor]:
+    """The triton backend's function for a plan (implementation's signature)."""
+    if run.vector:
+        return partial(triton_backend.vector_form, recurrent=run.form == "rnn")
+    if run.whole:
+        return triton_backend.linear_form if run.linear else triton_backend.bidirectional_form
+    kernels = {"rnn": triton_backend.recurrent_form, "chunk": triton_backend.chunk_form}[run.form]
+    if run.backward_by_forward:
+        return partial(kernels, backward_by_forward=True)
+    return partial(kernels, grouped=True) if run.grouped else kernels
+
+
+def grid_rows_per_head(run: Plan, scans: int) -> int:
+    """The program rows one image and head of a triton plan adds to the grid axis on which its kernels launch
+    images and heads: one for the bidirectional and linear kernels (every scan in the same program); for FLA's
+    kernels, two a scan (its sequence forward and mirrored, stacked on the batch axis), six where their backward
+    runs as three forward passes stacked."""
+    if run.whole and not run.vector:
+        return 1
+    return scans * (6 if run.backward_by_forward else 2)
+
+
+def _within_launch_grids(function: Callable[..., Tensor], run: Plan, q: Tensor, k: Tensor, v: Tensor,
+                         log_decays: Optional[Tensor], orders: Optional[Tensor], **kwargs) -> Tensor:
+    """function's Y, in parts of the batch where the whole batch would launch the kernels with more program rows
+    on a grid's second or third axis than CUDA allows (Tuning.grid_axis_limit): they put images x sequences x
+    heads there (flash-linear-attention's too), so that, whole, 10,923 images of LION-d-small (6 heads) would not
+    launch. Each image's Y is the same either way."""
+    scans = len(log_decays) if log_decays is not None else len(orders) if orders is not None else 1
+    images = max(1, tuning().grid_axis_limit // (q.shape[1] * grid_rows_per_head(run, scans)))
+    batch = q.shape[0]
+    if batch <= images:
+        return function(q, k, v, log_decays, orders, **kwargs)
+    parts = []
+    for start in range(0, batch, images):
+        part = slice(start, start + images)
+        decays = log_decays[:, part] if log_decays is not None and log_decays.shape[1] > 1 else log_decays
+        parts.append(function(q[part], k[part], v[part], decays, orders, **kwargs).transpose(1, 2))
+    return torch.cat(parts).transpose(1, 2)  # (token-major, as one call returns it)
 
 
 def _portable(form: Form, chunk_size: Optional[int], in_rows: bool) -> Callable[..., Tensor]:

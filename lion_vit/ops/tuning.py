@@ -79,6 +79,9 @@ class Tuning:
         head, rather than Q (K^T V) in torch matmuls with each elementwise step around them a pass over memory. On
         until a GPU has timed both (benchmark_fused.py's lion_lit rows; the CPU traffic proxy: docs/benchmarks.md,
         "LION-lit's linear kernels").
+    grid_axis_limit: the most program rows a kernel launch may have on its grid's second or third axis: CUDA's
+        65,535. The triton backend's kernels (FLA's too) put images x sequences x heads there, so a batch that
+        would pass it runs in parts (dispatch.implementation); tests lower it to run parts at small sizes.
     normaliser_launch: the normaliser scan's launch settings on the triton backend (ops/triton/normaliser.py): tokens
         per chunk and program (a power of two of at least 16: tl.dot), chunk sums a carry reads at a time (a power
         of two) and warps (scripts/benchmark_normaliser.py times others on a GPU). Read by the forward; its
@@ -97,6 +100,7 @@ class Tuning:
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
     linear_kernels: bool = True
+    grid_axis_limit: int = 65535
     normaliser_launch: LaunchSetting = (64, 16, 4)
 
     def __post_init__(self) -> None:
@@ -121,6 +125,9 @@ class Tuning:
         if isinstance(self.group_share, bool) or not isinstance(self.group_share, (int, float)) or \
                 not self.group_share >= 0:
             raise ValueError(f"group_share must be a number >= 0 (0: one image a group), got {self.group_share!r}")
+        if not _positive_int(self.grid_axis_limit):
+            raise ValueError(f"grid_axis_limit must be a positive integer (CUDA's: 65535), got "
+                             f"{self.grid_axis_limit!r}")
         if self.recurrent_group_programs is not None and not _positive_int(self.recurrent_group_programs):
             raise ValueError(f"recurrent_group_programs must be a positive integer or None (the GPU's "
                              f"multiprocessors), got {self.recurrent_group_programs!r}")
