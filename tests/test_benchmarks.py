@@ -398,6 +398,20 @@ def test_cuda_graph_script_without_a_gpu_is_one_line(monkeypatch, capsys):
         "benchmark_cuda_graph.py: CUDA graphs need a GPU (torch.cuda.is_available() is False)"
 
 
+def test_host_script_times_forwards_whose_triton_launches_do_nothing(tmp_path):
+    """(In a process of its own: it replaces Triton's interpreted launches.) The LION model plans the triton
+    backend, whose one bidirectional kernel a block launches, and each row is set against the first model's."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_host.py"), "--models",
+                           "deit_tiny_patch16_224", "lion_d_tiny", "--rounds", "2", "--forwards", "2", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "host.json").read_text())
+    assert [row["model"] for row in rows] == ["deit_tiny_patch16_224", "lion_d_tiny"]
+    assert rows[0]["x_baseline"] == 1 and rows[0]["triton_launches"] == 0 and rows[0]["launches"] > 12
+    assert rows[1]["triton_launches"] == 12 and rows[1]["host_ms"] > 0
+    assert "| lion_d_tiny |" in proc.stdout
+
+
 def test_products_script_times_the_six_products_as_they_are_and_padded(monkeypatch, capsys):
     """scripts/benchmark_products.py (for a GPU) on a CPU as a check: six rows per length, the keys as they
     are or padded to the multiple, each with V's width, [V, 1]'s and [V, 1]'s padded, timed as ratios to
