@@ -43,7 +43,7 @@ def lion_attention(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor]
         log_decays = q.new_zeros(len(orders), 1, 1, 1, dtype=mask_dtype(q.dtype))
     if log_decays is None:  # every scan's mask is all ones: the S equal terms cancel in the division
         orders = None
-    elif log_decays.dim() <= 4:  # [S, B|1, H|1, L|1] (vector decays stay [S, B|1, H|1, L, Dk])
+    elif log_decays.dim() < 4:  # as [S, B|1, H|1, L|1] (vector decays stay [S, B|1, H|1, L, Dk])
         log_decays = log_decays.reshape(log_decays.shape[:1] + (1,) * (4 - log_decays.dim()) + log_decays.shape[1:])
     run = plan or inputs_plan(q, k, v, log_decays, orders, form, chunk_size, backend)
     return dispatch.implementation(run)(q, k, v, log_decays, orders, feature_map=feature_map, scaling=scaling)

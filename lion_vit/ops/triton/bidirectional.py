@@ -37,7 +37,8 @@ from torch import Tensor
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
-from .operands import FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, rows_contiguous
+from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, in_rows,
+                       rows_contiguous)
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
@@ -437,23 +438,26 @@ def _maps(feature_map: Optional[str]) -> dict:
     return dict(MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k)
 
 
-def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int
-               ) -> Tuple[Tensor, Tensor]:
+def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int,
+               spans: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Each scan's E and I (the module docstring) in token order, [S, B, H, L] (broadcast views), float32 or,
     above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays [S, B|1, H|1, L|1] in token order, orders [S, L]
-    (scan position -> token) and positions [S, L] (token -> scan position). Torch ops: autograd differentiates
-    them."""
+    (scan position -> token) and positions [S, L] (token -> scan position); spans: [2, S, 1, 1, L] float32, the
+    positions p and p + 1 where they are kept (else made here), so that one decay per head takes one product,
+    E = p a and I = (p + 1) a. Torch ops: autograd differentiates them."""
     scans, length = order.shape
     dtype = torch.float64 if length > FLOAT64_EXPONENTS_ABOVE else torch.float32
-    a = log_decays.to(dtype)
-    if a.shape[-1] == 1:  # one decay per head: E_t = p_t a
-        exclusive = a * position[:, None, None, :].to(dtype)
+    a = log_decays if log_decays.dtype == dtype else log_decays.to(dtype)
+    if a.shape[-1] == 1:  # one decay per head: E_t = p_t a, I_t = (p_t + 1) a
+        if spans is None:
+            spans = torch.stack([position, position + 1])[:, :, None, None, :]
+        exclusive, inclusive = (a * (spans if spans.dtype == dtype else spans.to(dtype))).unbind(0)
     else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
         wide = a.double() if length > FLOAT64_CUMSUM_ABOVE else a
         along = wide.gather(-1, order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
         exclusive = (along.cumsum(-1) - along).gather(-1, position[:, None, None, :].expand_as(along)).to(dtype)
-    return (exclusive.expand(scans, batch, heads, length),
-            (exclusive + a).expand(scans, batch, heads, length))
+        inclusive = exclusive + a
+    return exclusive.expand(scans, batch, heads, length), inclusive.expand(scans, batch, heads, length)
 
 
 def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
@@ -484,15 +488,15 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
     if len(log_decays) > 2:
         raise ValueError(f"the bidirectional kernel reads one or two scans, got {len(log_decays)}")
     q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
-    q, k, v = (rows_contiguous(t.to(dtype)) for t in (q, k, v))
+    q, k, v = in_rows(dtype, q, k, v)
     batch, heads, length, _ = v.shape
     if traced:
         order = torch.arange(length, device=q.device)[None] if orders is None else orders
-        positions = torch.argsort(order, dim=-1)
+        positions, spans = torch.argsort(order, dim=-1), None
     else:
         indices = _scan_indices(orders, length, q.device)
-        order, positions = indices.order, indices.layout.kv_positions[0::2]  # (kept with the orders)
-    exclusive, inclusive = cumulative(log_decays, order, positions, batch, heads)
+        order, positions, spans = indices.order, indices.position, indices.spans  # (kept with the orders)
+    exclusive, inclusive = cumulative(log_decays, order, positions, batch, heads, spans)
     return q, k, v, exclusive, inclusive, positions, feature_map
 
 
@@ -501,7 +505,10 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
 def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
              feature_map: Optional[str], scaling: str) -> Tensor:
     """Y [B, L, H, Dv] of bidirectional_form."""
+    from ..dispatch import records_autograd
     q, k, v, exclusive, inclusive, positions, feature_map = _prepared(q, k, v, log_decays, orders, feature_map)
+    if not records_autograd(q, k, v, exclusive, inclusive):  # (inference: no autograd Functions' host time)
+        return _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)[0].transpose(1, 2)
     y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
     return _FirstOrderOnly.apply(y).transpose(1, 2)
 

@@ -95,6 +95,8 @@ class _Indices(NamedTuple):
     following: Tensor  # [S, L]: token -> the next token in scan order
     last: Tensor  # [S, 1, L, 1]: whether a token is its scan's last
     layout: Layout  # what the fused steps read (operands.py)
+    position: Tensor  # [S, L]: token -> scan position
+    spans: Tensor  # [2, S, 1, 1, L] float32: each token's scan position p and p + 1 (bidirectional.cumulative)
 
 
 _kept: Dict[tuple, Tuple[Optional[weakref.ref], _Indices]] = {}
@@ -117,7 +119,8 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
     layout = Layout(q_index, kv_index, torch.stack([position, (length - 2 - position) % length], 1).flatten(0, 1),
                     torch.stack([position, length - 1 - position], 1).flatten(0, 1))
     following = order.roll(-1, -1).gather(-1, position)
-    indices = _Indices(order, following, (position == length - 1)[:, None, :, None], layout)
+    spans = torch.stack([position, position + 1]).float()[:, :, None, None, :]
+    indices = _Indices(order, following, (position == length - 1)[:, None, :, None], layout, position, spans)
     if len(_kept) >= 64:
         _kept.clear()
     _kept[key] = (None if orders is None else weakref.ref(orders), indices)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .bidirectional import _features, _maps, _raw_grad, _store_tile, _strides, _tile, registered_ops
 from .fla import _FirstOrderOnly, kernel_inputs, launched_on_device_of
-from .operands import SCALING_CODES, _block, _divisor, rows_contiguous
+from .operands import SCALING_CODES, _block, _divisor, in_rows, rows_contiguous
 
 _TOKENS = 64  # tokens per tile (a power of two of at least 16: tl.dot)
 # warps of the queries' backward, which holds S and dS beside its tiles (its spills by warps: docs/benchmarks.md,
@@ -225,7 +225,7 @@ def linear_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor] = 
 def _prepared(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]) -> tuple:
     """The kernels' operands: q, k, v in one dtype, rows contiguous, and the feature map they apply."""
     q, k, feature_map, dtype = kernel_inputs(q, k, v, feature_map)
-    q, k, v = (rows_contiguous(t.to(dtype)) for t in (q, k, v))
+    q, k, v = in_rows(dtype, q, k, v)
     return q, k, v, feature_map
 
 
@@ -233,7 +233,11 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]) -> tu
 @launched_on_device_of(0)  # (q)
 def _eagerly(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str], scaling: str) -> Tensor:
     """Y [B, L, H, Dv] of linear_form."""
-    return _FirstOrderOnly.apply(_Linear.apply(*_prepared(q, k, v, feature_map), scaling)).transpose(1, 2)
+    from ..dispatch import records_autograd
+    q, k, v, feature_map = _prepared(q, k, v, feature_map)
+    if not records_autograd(q, k, v):  # (inference: no autograd Functions' host time)
+        return _forward(q, k, v, feature_map, scaling)[0].transpose(1, 2)
+    return _FirstOrderOnly.apply(_Linear.apply(q, k, v, feature_map, scaling)).transpose(1, 2)
 
 
 def _custom_ops():

@@ -224,6 +224,11 @@ def rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def in_rows(dtype: torch.dtype, *tensors: Tensor) -> Tuple[Tensor, ...]:
+    """The tensors in dtype, rows contiguous (rows_contiguous), each cast or copied only where it is not already."""
+    return tuple(rows_contiguous(t if t.dtype == dtype else t.to(dtype)) for t in tensors)
+
+
 _TOKENS = 16  # tokens per program
 
 
