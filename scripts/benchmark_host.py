@@ -13,8 +13,8 @@ every Triton launch returns at once, so the kernels' arithmetic is left out; the
 small too, and each forward costs about what its host costs. Each model's best time over --rounds rounds,
 round-robin, each of --forwards forwards, on one thread; the first model is the baseline. A GPU adds each
 launch's own cost (a few microseconds), which this leaves out: the table counts a forward's launches (PyTorch's
-operators that would run a kernel, and Triton's kernels, also apart). On a CPU the LION layers also check that their decays are at
-most 1 (three operators and a wait a layer), which a GPU skips.
+operators that would run a kernel, and Triton's kernels, also apart). On a CPU the LION layers also check that
+their decays are at most 1 (three operators and a wait a layer), which a GPU skips.
 """
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
         blocks = len(getattr(model, "blocks", [])) or 1
         rows.append({"model": name, "host_ms": best[name] * 1e3, "x_baseline": best[name] / best[baseline],
                      "more_us_per_block": (best[name] - best[baseline]) * 1e6 / blocks,
-                     "launches": sum(operators[name]), "triton_launches": operators[name][1], "img_size": args.img_size, "width": args.width,
+                     "launches": sum(operators[name]), "triton_launches": operators[name][1],
+                     "img_size": args.img_size, "width": args.width,
                      "batch_size": args.batch_size})
     print(f"\nhost time per eager forward, Triton launches doing nothing: {args.img_size} px, width {args.width}, "
           f"batch {args.batch_size}, one thread; baseline {baseline}\n")
