@@ -178,6 +178,28 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, de
         assert torch.equal(got, augment([image], [sample.draw])[0])
 
 
+def test_every_geometric_op_of_a_step_runs_in_one_call(monkeypatch):
+    """Rotations, shears and translations, bicubic and bilinear, drawn at the same RandAugment step run as one
+    affine call for the batch (a launch count that does not grow with the ops drawn), each image as it would
+    alone."""
+    from lion_vit.data import gpu
+    calls = []
+    affine = gpu._affine
+    monkeypatch.setattr(gpu, "_affine", lambda images, *args: calls.append(len(images)) or affine(images, *args))
+    steps = [[("rotate", (17.3,), BICUBIC), ("shear_x", (0.21,), BILINEAR), ("translate_y_rel", (-0.2,), BICUBIC),
+              ("posterize", (3,), None)],
+             [("shear_y", (-0.27,), BILINEAR), ("rotate", (-29.0,), BILINEAR), ("color", (0.3,), None),
+              ("translate_x_abs", (40.3,), BICUBIC)]]
+    draws = [gpu.Draw((3, 5, 30, 40), (24, 24), BICUBIC, flip=i % 2 == 1,
+                      ops=[(name, args, {} if resample is None else dict(fillcolor=FILL, resample=resample))
+                           for name, args, resample in (steps[0][i], steps[1][i])]) for i in range(4)]
+    images = [as_tensor(photo(i, 50, 40)) for i in range(4)]
+    batch = augment(images, draws)
+    assert calls == [3, 3]
+    for image, draw, got in zip(images, draws, batch):
+        assert torch.equal(got, augment([image], [draw])[0])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_crop_resize_alone_is_within_two_levels(tmp_path, device):
     transform = deit_transform(auto_augment=None, hflip=0.0, color_jitter=0.0)

@@ -172,20 +172,24 @@ def _grey(images: Tensor) -> Tensor:
     return ((19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16).to(torch.uint8).unsqueeze(-3)
 
 
-def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resample: Any) -> Tensor:
+def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resamples: Sequence[Any]) -> Tensor:
     """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor) per image (matrices [n, 6] float64, fills
-    [n, 3]): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f), x' = x + 1/2, with PIL's
-    kernels (its bicubic is the a = -1 cubic) and edge-clamped taps; a point outside the input gets the fill."""
+    [n, 3], a resampling filter each): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f),
+    x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic) and edge-clamped taps; a point outside the
+    input gets the fill. Bilinear images take the cubic's 4 x 4 taps with the outer ones' weights 0 (each sum the
+    same), so one call serves every filter."""
     count, channels, height, width = images.shape
     grid = dict(device=images.device, dtype=torch.float64)
     ys, xs = torch.meshgrid(torch.arange(height, **grid) + 0.5, torch.arange(width, **grid) + 0.5, indexing="ij")
     a, b, c, d, e, f = matrices.to(**grid).view(count, 6, 1, 1).unbind(1)
     x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f  # [n, H, W]
     inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
-    if resample not in (Image.Resampling.BILINEAR, Image.Resampling.BICUBIC):
-        raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {resample}; use "
+    unknown = set(resamples) - {Image.Resampling.BILINEAR, Image.Resampling.BICUBIC}
+    if unknown:
+        raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {unknown.pop()}; use "
                         f"data.interpolation=bicubic or bilinear")
-    (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, resample), _taps(y_in - 0.5, resample)
+    cubic = torch.tensor([r == Image.Resampling.BICUBIC for r in resamples], device=images.device).view(count, 1, 1)
+    (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, cubic), _taps(y_in - 0.5, cubic)
     flat = images.reshape(count, channels, -1).double()
     out = torch.zeros(count, channels, height * width, **grid)
     for dy, wy in y_taps:
@@ -198,14 +202,16 @@ def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resample: Any) -> T
     return torch.where(inside.unsqueeze(1), out, fills)
 
 
-def _taps(position: Tensor, resample: Any) -> Tuple[Tensor, List[Tuple[int, Any]]]:
-    """First tap index and (offset, weight) pairs of PIL's bilinear or bicubic filter at `position`."""
+def _taps(position: Tensor, cubic: Tensor) -> Tuple[Tensor, List[Tuple[int, Tensor]]]:
+    """First tap index and (offset, weight) pairs of PIL's bicubic filter at `position`, or where `cubic` [n, 1, 1]
+    is False its bilinear one (the weights of offsets 0 and 1; 0 at -1 and 2)."""
     start = position.floor()
     t = position - start
-    if resample == Image.Resampling.BILINEAR:
-        return start.long(), [(0, 1 - t), (1, t)]
-    return start.long(), [(-1, -t * (1 - t) ** 2), (0, 1 - 2 * t ** 2 + t ** 3), (1, t + t ** 2 - t ** 3),
-                          (2, -t ** 2 * (1 - t))]
+    weights = [-t * (1 - t) ** 2, 1 - 2 * t ** 2 + t ** 3, t + t ** 2 - t ** 3, -t ** 2 * (1 - t)]
+    if not bool(cubic.all()):
+        zero = torch.zeros_like(t)
+        weights = [torch.where(cubic, weight, linear) for weight, linear in zip(weights, (zero, 1 - t, t, zero))]
+    return start.long(), list(zip((-1, 0, 1, 2), weights))
 
 
 def _rotation(degrees: float, width: int, height: int) -> List[float]:
@@ -230,13 +236,12 @@ _MATRICES: Dict[str, Callable[[float, int, int], Sequence[float]]] = {
 }
 
 
-def _geometric(name: str) -> Callable[[Tensor, List[tuple], List[dict]], Tensor]:
-    def run(images: Tensor, args: List[tuple], kwargs: List[dict]) -> Tensor:
-        height, width = images.shape[-2:]
-        matrices = torch.tensor([_MATRICES[name](a[0], width, height) for a in args], dtype=torch.float64)
-        fills = torch.tensor([_fill(kw.get("fillcolor", 128), images.shape[-3]) for kw in kwargs])
-        return _affine(images, matrices, fills, kwargs[0].get("resample", Image.Resampling.BICUBIC))
-    return run
+def _geometric(images: Tensor, ops: List[Tuple[str, tuple, dict]]) -> Tensor:
+    """Each image through its own geometric op (name, level args, kwargs), all in one affine call."""
+    height, width = images.shape[-2:]
+    matrices = torch.tensor([_MATRICES[name](args[0], width, height) for name, args, _ in ops], dtype=torch.float64)
+    fills = torch.tensor([_fill(kwargs.get("fillcolor", 128), images.shape[-3]) for _, _, kwargs in ops])
+    return _affine(images, matrices, fills, [kwargs.get("resample", Image.Resampling.BICUBIC) for _, _, kwargs in ops])
 
 
 def _fill(fillcolor: Any, channels: int) -> Tuple[int, ...]:
@@ -283,7 +288,8 @@ BATCH_OPS: Dict[str, Callable[[Tensor, List[tuple], List[dict]], Tensor]] = {
     "contrast": _contrast,
     "brightness": lambda images, args, kwargs: _blend(torch.zeros_like(images), images, _factors(args, images)),
     "sharpness": lambda images, args, kwargs: _blend(TF.adjust_sharpness(images, 0.0), images, _factors(args, images)),
-    **{name: _geometric(name) for name in _MATRICES},
+    **{name: lambda images, args, kwargs, name=name: _geometric(images, [(name, a, kw) for a, kw in zip(args, kwargs)])
+       for name in _MATRICES},
 }
 
 
@@ -303,16 +309,17 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw]) -> Tensor:
     if flips.any():
         batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
     for step in range(max((len(draw.ops) for draw in draws), default=0)):
-        groups: Dict[tuple, List[int]] = {}
+        groups: Dict[str, List[int]] = {}  # the images of each op, and of every geometric op together
         for i, draw in enumerate(draws):
             if step < len(draw.ops):
-                name, _, kwargs = draw.ops[step]
-                groups.setdefault((name, kwargs.get("resample")), []).append(i)
-        for (name, _), members in groups.items():
+                name = draw.ops[step][0]
+                groups.setdefault("affine" if name in _MATRICES else name, []).append(i)
+        for name, members in groups.items():
             index = torch.tensor(members, device=batch.device)
             ops = [draws[i].ops[step] for i in members]
-            batch.index_copy_(0, index, BATCH_OPS[name](batch.index_select(0, index), [op[1] for op in ops],
-                                                        [op[2] for op in ops]))
+            images = batch.index_select(0, index)
+            batch.index_copy_(0, index, _geometric(images, ops) if name == "affine" else
+                              BATCH_OPS[name](images, [op[1] for op in ops], [op[2] for op in ops]))
     return batch
 
 
