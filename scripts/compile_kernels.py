@@ -4,9 +4,10 @@ The tests run the kernels under Triton's interpreter, which executes their Pytho
 programs that the GPU compiler rejects (a loop variable whose type changes, more shared memory than a GPU
 has) and cannot run bfloat16. This script runs the triton backend's attention, chunk and rnn forms under
 the interpreter on small inputs (float32 and float16, every decay kind, one and two scans, every fused
-feature map and scaling, training and inference), records every launch of lion_vit's own kernels (not FLA's), and
-compiles each distinct launch to a cubin for each target with Triton's compiler and ptxas, as a GPU's
-first call would: float16 launches also in bfloat16, the dtype GPUs train in.
+feature map and scaling, training and inference) and data.decode=gpu's crop resize (lion_vit.data.resize),
+records every launch of lion_vit's own kernels (not FLA's), and compiles each distinct launch to a cubin for
+each target with Triton's compiler and ptxas, as a GPU's first call would: float16 launches also in bfloat16,
+the dtype GPUs train in.
 
     python scripts/compile_kernels.py                    # sm_90 (H100, H200) and sm_80 (A100)
     python scripts/compile_kernels.py --arch 90 --quick  # fewer calls, each kernel's code once (tests/test_triton.py)
@@ -92,6 +93,16 @@ def calls(quick: bool):
     for dtype in (torch.float32, torch.float16):
         for case in cases:
             yield lambda dtype=dtype, case=case: call(dtype, *case)
+    yield crops
+
+
+def crops() -> None:
+    """data.decode=gpu's crops resized in lion_vit.data.resize's kernel: either order of the passes, both filters."""
+    import torch
+
+    from lion_vit.data.resize import resized_crops
+    images = [torch.zeros(3, 40, 50, dtype=torch.uint8), torch.zeros(3, 30, 30, dtype=torch.uint8)]
+    resized_crops(images, [(2, 3, 30, 40), (0, 0, 30, 30)], (20, 28), [True, False])
 
 
 def recorded_launches(quick: bool, knobs: Optional[dict] = None) -> list:

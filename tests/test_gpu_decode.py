@@ -3,8 +3,8 @@ parameters, the drawn augmentation against timm's DeiT transform for the same se
 fallback, and train.py with it.
 
 Tolerances, in uint8 levels: the RandAugment ops follow PIL's arithmetic and differ by at most 1 (float
-rounding at a truncation); the crop's antialiased bicubic resize (torchvision's port of PIL's) by at most 2,
-0.5 on average. Through a whole DeiT transform those differences stay under 0.5 levels on average; where
+rounding at a truncation); the crop's resize in resize.py's kernel (CUDA's path; under Triton's interpreter here)
+not at all, in torchvision's port of PIL's filters (a CPU device's path) by at most 2, 0.5 on average. Through a whole DeiT transform those differences stay under 0.5 levels on average; where
 an op thresholds (solarize, posterize: a pixel one level apart falls on the other side) or stretches levels
 (equalize: one level becomes up to four), at most 3 % of pixels are more than 2 levels apart.
 """
@@ -123,10 +123,10 @@ def read_encoded_bytes(data: bytes, name: str = "x.JPEG"):
     return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, name)
 
 
-def deit_transform(**kwargs):
+def deit_transform(img_size: int = 224, **kwargs):
     settings = dict(is_training=True, auto_augment="rand-m9-mstd0.5-inc1", interpolation="bicubic",
                     use_prefetcher=True, scale=(0.08, 1.0), hflip=0.5)
-    return create_transform(224, **{**settings, **kwargs})
+    return create_transform(img_size, **{**settings, **kwargs})
 
 
 def seed_all(seed: int) -> None:
@@ -211,6 +211,54 @@ def test_crop_resize_alone_is_within_two_levels(tmp_path, device):
     sample = DrawAugmentation(transform)(read_encoded(str(path)))
     apart = (expected.int() - augment(decoded_on(device)([sample.encoded]), [sample.draw])[0].cpu().int()).abs()
     assert apart.max() <= 2 and apart.float().mean() <= 0.5
+
+
+CROPS = [((60, 70), (5, 7, 50, 60)), ((60, 70), (0, 0, 60, 70)), ((40, 33), (3, 2, 9, 12)), ((24, 24), (0, 0, 24, 24)),
+         ((30, 90), (1, 4, 24, 85))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_crop_kernels_resize_every_crop_as_pil_does(device, size=(20, 28)):
+    """resize.py's kernel (under Triton's interpreter on a CPU) against PIL's crop and resize: the same bits,
+    bicubic and bilinear, crops shrunk, kept and enlarged, in one batch of images of different sizes and memory
+    layouts, their passes in the order the installed Pillow runs them (Pillow 13: vertical first for the 24 x 24
+    crop)."""
+    pytest.importorskip("triton")
+    from lion_vit.data.resize import resized_crops
+    images, boxes, bicubic, expected = [], [], [], []
+    for i, ((height, width), box) in enumerate(CROPS):
+        for cubic in (True, False):
+            image = photo(i, width, height)
+            top, left, crop_h, crop_w = box
+            crop = image.crop((left, top, left + crop_w, top + crop_h))
+            expected.append(as_tensor(crop.resize(size[::-1], BICUBIC if cubic else BILINEAR)))
+            pixels = as_tensor(image)  # (interleaved in memory, as a CPU's decoder writes them; planar, as nvJPEG's)
+            images.append((pixels if cubic else pixels.contiguous()).to(device))
+            boxes.append(box)
+            bicubic.append(cubic)
+    got = resized_crops(images, boxes, size, bicubic).cpu()
+    for index, want in enumerate(expected):
+        assert torch.equal(got[index], want), (CROPS[index // 2], bicubic[index])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_augment_resizes_the_crops_in_the_kernels_as_deits_transform_does(tmp_path, device):
+    """augment's crops in the kernels (on CUDA by default) give timm's RandomResizedCrop and flip for the same seed
+    bit for bit, where torchvision's resize one image at a time is within two levels."""
+    pytest.importorskip("triton")
+    transform = deit_transform(auto_augment=None, color_jitter=0.0, img_size=24)
+    decoder = decoded_on(device)
+    for seed in range(4):
+        path = tmp_path / f"{seed}.JPEG"
+        path.write_bytes(jpeg_bytes(photo(seed, 60 + 9 * seed, 50)))
+        seed_all(seed)
+        expected = transform(Image.open(path).convert("RGB"))
+        seed_all(seed)
+        sample = DrawAugmentation(transform)(read_encoded(str(path)))
+        images = decoder([sample.encoded])
+        assert torch.equal(augment(images, [sample.draw], crop_kernels=True)[0].cpu(), expected)
+        apart = (augment(images, [sample.draw], crop_kernels=False)[0].cpu().int() - expected.int()).abs()
+        assert apart.max() <= 2
 
 
 def test_what_has_no_device_version_is_one_clear_line():

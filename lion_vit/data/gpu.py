@@ -9,7 +9,8 @@ device decoder rejects (CMYK, a PNG named .JPEG, ...) is decoded by PIL instead;
 
 The tensor ops follow PIL's arithmetic (Image.blend's truncation, its affine transform's sampling and
 cubic kernel), so each equals timm's PIL op up to float rounding (tests/test_gpu_decode.py states the
-bounds). On a CPU device the same path runs (slowly: it is for tests).
+bounds); on CUDA the crops are resized in one Triton kernel for the batch with PIL's own bits (resize.py). On a
+CPU device the same path runs (slowly: it is for tests), the crops through torchvision's resize.
 """
 from __future__ import annotations
 
@@ -298,13 +299,24 @@ def device_op(name: str, image: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     return BATCH_OPS[name](image[None], [args], [kwargs])[0]
 
 
-def augment(images: Sequence[Tensor], draws: Sequence[Draw]) -> Tensor:
+# the crop's resampling filters that resize.py's kernels compute: whether each is bicubic (else bilinear)
+_KERNEL_FILTERS = {InterpolationMode.BICUBIC: True, InterpolationMode.BILINEAR: False,
+                   Image.Resampling.BICUBIC: True, Image.Resampling.BILINEAR: False}
+
+
+def augment(images: Sequence[Tensor], draws: Sequence[Draw], crop_kernels: Optional[bool] = None) -> Tensor:
     """Decoded images (uint8 [3, H_i, W_i], on one device) through their drawn augmentations: [n, 3, S, S].
-    The crops one by one (their sizes differ); then, step by step, each RandAugment op once for all the images
-    that drew it at that step."""
-    batch = torch.stack([TF.resized_crop(image, *draw.box, list(draw.size), antialias=True,
-                                         interpolation=_MODES.get(draw.interpolation, draw.interpolation))
-                         for image, draw in zip(images, draws)])
+    The crops in two launches for the batch, in PIL's arithmetic (resize.py; crop_kernels None: on CUDA), or one
+    by one with torchvision's resize (their sizes differ); then, step by step, each RandAugment op once for all the
+    images that drew it at that step (the geometric ones together)."""
+    if _crops_in_kernels(images, draws, crop_kernels):
+        from .resize import resized_crops
+        batch = resized_crops(images, [draw.box for draw in draws], draws[0].size,
+                              [_KERNEL_FILTERS[draw.interpolation] for draw in draws])
+    else:
+        batch = torch.stack([TF.resized_crop(image, *draw.box, list(draw.size), antialias=True,
+                                             interpolation=_MODES.get(draw.interpolation, draw.interpolation))
+                             for image, draw in zip(images, draws)])
     flips = torch.tensor([draw.flip for draw in draws], device=batch.device)
     if flips.any():
         batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
@@ -321,6 +333,23 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw]) -> Tensor:
             batch.index_copy_(0, index, _geometric(images, ops) if name == "affine" else
                               BATCH_OPS[name](images, [op[1] for op in ops], [op[2] for op in ops]))
     return batch
+
+
+def _crops_in_kernels(images: Sequence[Tensor], draws: Sequence[Draw], asked: Optional[bool]) -> bool:
+    """Whether augment resizes the crops in resize.py's kernels: asked, or (None) on CUDA where Triton imports;
+    never for a filter they do not compute, crops of several sizes, or images that are not RGB."""
+    if not images or asked is False or not (asked or images[0].is_cuda):
+        return False
+    if any(draw.interpolation not in _KERNEL_FILTERS for draw in draws) or len({draw.size for draw in draws}) > 1 \
+            or any(image.shape[0] != 3 for image in images):
+        return False
+    if asked:
+        return True
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # (a CUDA machine without Triton: torchvision's resize)
+        return False
+    return True
 
 
 # ---- decoding and the loader ----
