@@ -41,7 +41,7 @@ def _pass_kernel(source, target, table, TAPS, BLOCK_L: tl.constexpr, BLOCK_O: tl
     """One pass of one image and channel: lines [BLOCK_L] of it resampled along their axis, from its parameters
     (source base, channel, line and axis strides; lines, inputs and outputs along the axis; the same strides of the
     target; whether the filter is bicubic)."""
-    block, image_channel = tl.program_id(0), tl.program_id(1)
+    image_channel, block = tl.program_id(0), tl.program_id(1)  # (images on the first axis: no 65,535 limit)
     p = table + (image_channel // 3) * 12  # ('params' would clash with Triton's launcher)
     channel = image_channel % 3
     src = source + tl.load(p) + channel * tl.load(p + 1)
@@ -148,6 +148,6 @@ def resized_crops(images: Sequence[Tensor], boxes: Sequence[Tuple[int, int, int,
         lines = max(p[4] for p in passes[pass_])
         most = max(taps(p[5], p[6], p[11] == 1) for p in passes[pass_])
         block_o = triton.next_power_of_2(max(p[6] for p in passes[pass_]))
-        _pass_kernel[(triton.cdiv(lines, _LINES), count * 3)](source, target, table[pass_], most, BLOCK_L=_LINES,
+        _pass_kernel[(count * 3, triton.cdiv(lines, _LINES))](source, target, table[pass_], most, BLOCK_L=_LINES,
                                                               BLOCK_O=block_o, enable_fp_fusion=False)
     return result
