@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 r"""The training input pipeline alone, in images per second by number of DataLoader workers: train.py's
 loader (uint8 images from the workers, normalised and randomly erased on the device) beside the path it
-replaced (timm's transform normalising and erasing in the workers, float32 batches), in one run.
+replaced (timm's transform normalising and erasing in the workers, float32 batches), in one run; and, as path
+"loader", train.py's DataLoader alone: its uint8 batches as the workers hand them to a GPU, which normalises and
+erases them there.
 
     python scripts/benchmark_input.py                          # 512 synthetic JPEGs, 0 to 2 workers
     python scripts/benchmark_input.py --images 2000 --workers 2 4 8 --batch-size 128
@@ -59,7 +61,9 @@ from lion_vit.data import resolve_num_workers  # noqa: E402
 from lion_vit.engine.allocator import keep_freed_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("workers", "device")  # where normalisation and erasing run: the old path, then train.py's
+# where normalisation and erasing run: the old path (the workers), train.py's (the device, here the CPU), and
+# train.py's workers alone (loader: what they deliver where the device is a GPU)
+PATHS = ("workers", "device", "loader")
 
 
 SYNTHETIC_FILE = re.compile(r"(train|val)/class_\d+/\d{6}\.JPEG")  # a path make_image_folder writes
@@ -154,8 +158,8 @@ def loader(cfg, path: str, workers: int):
     """The training loader of one path, as train.py builds it (its sampler, repeated augmentation included),
     and the clock of its DataLoader."""
     from lion_vit.data import build_dataset, build_loader, build_transform, on_device
-    transform = build_transform(cfg.data, cfg.aug, cfg.img_size, train=True) if path == "device" \
-        else workers_transform(cfg)
+    transform = workers_transform(cfg) if path == "workers" else build_transform(cfg.data, cfg.aug, cfg.img_size,
+                                                                                 train=True)
     dataset = build_dataset(cfg.data, "train", transform)
     clock = FirstBatchClock(build_loader(dataset, train=True, batch_size=cfg.batch_size, num_workers=workers,
                                          rank=0, world_size=1, seed=0, repeated_aug=cfg.aug.repeated_aug,

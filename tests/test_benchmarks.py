@@ -608,7 +608,7 @@ def test_a_benchmark_without_matplotlib_writes_its_tables_and_says_the_plot_is_n
 
 def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     """benchmark_input.py makes an ImageFolder of JPEGs of ImageNet's sizes and times train.py's loader
-    beside the path it replaced, by number of workers, with ratios to the old path."""
+    beside the path it replaced, and its DataLoader alone, by number of workers, with ratios to the old path."""
     data = tmp_path / "images"
     out = run_script("benchmark_input.py", "--images", "12", "--batch-size", "4", "--img-size", "32",
                      "--workers", "0", "1", "--repeats", "1", "--data", str(data), "--out", str(tmp_path))
@@ -618,11 +618,13 @@ def test_input_script_times_both_paths_on_synthetic_jpegs(tmp_path):
     sizes = [Image.open(path).size for path in jpegs]
     assert all(350 <= width <= 520 and 300 <= height <= 500 for width, height in sizes)
     rows = read_rows(tmp_path / "input.csv")
-    assert [(r["path"], r["workers"]) for r in rows] == [("workers", "0"), ("device", "0"), ("workers", "1"),
-                                                        ("device", "1")]
-    for old, new in (rows[0:2], rows[2:4]):
-        assert float(old["x_workers_path"]) == 1.0 and float(new["imgs_per_s"]) > 0
-        assert float(new["x_workers_path"]) == pytest.approx(float(new["imgs_per_s"]) / float(old["imgs_per_s"]))
+    assert [(r["path"], r["workers"]) for r in rows] == [(path, workers) for workers in "01"
+                                                        for path in ("workers", "device", "loader")]
+    for old, *new in (rows[0:3], rows[3:6]):
+        assert float(old["x_workers_path"]) == 1.0
+        for row in new:
+            assert float(row["imgs_per_s"]) > 0
+            assert float(row["x_workers_path"]) == pytest.approx(float(row["imgs_per_s"]) / float(old["imgs_per_s"]))
     import PIL  # each row names the PIL that ran, which a drop-in fork (Pillow-SIMD) would change
     assert {row["pillow"] for row in rows} == {f"pillow {PIL.__version__}"} and f"by pillow {PIL.__version__}" in out
     # the device's work is this process's: its OpenMP threads wait passively, unless the environment says otherwise
