@@ -107,9 +107,11 @@ def _in_memory_order(image: Tensor) -> Tuple[Tensor, Tuple[int, int, int]]:
     """A [3, H, W] image's pixels as a 1-d view in memory order (planar, or interleaved as a CPU's decoder writes
     them; a copy only where they are neither) and the (channel, row, column) strides that address them there."""
     for order in ((0, 1, 2), (1, 2, 0)):
-        if image.permute(order).is_contiguous():
-            return image.permute(order).reshape(-1), tuple(image.stride())
-    return image.contiguous().reshape(-1), tuple(image.contiguous().stride())
+        in_order = image.permute(order)
+        if in_order.is_contiguous():
+            return in_order.reshape(-1), tuple(image.stride())
+    dense = image.contiguous()
+    return dense.reshape(-1), tuple(dense.stride())
 
 
 def resized_crops(images: Sequence[Tensor], boxes: Sequence[Tuple[int, int, int, int]], size: Tuple[int, int],
