@@ -546,8 +546,10 @@ def write_table(rows: List[Dict[str, Any]], out_dir: Path, stem: str) -> None:
 
 
 def markdown_table(rows: Sequence[Dict[str, Any]], columns: Sequence[str]) -> str:
-    def cell(value: Any) -> str:
-        return f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value))
+    def cell(value: Any) -> str:  # (three significant digits, but 1,003 images/s as 1003, not 1e+03)
+        if isinstance(value, float):
+            return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+        return "" if value is None else str(value)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)

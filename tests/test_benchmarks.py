@@ -322,6 +322,14 @@ def test_run_spec_rejects(text, message):
         run_spec(text)
 
 
+def test_tables_show_a_rate_past_a_thousand_without_an_exponent():
+    """Three significant digits, but 1,002.8 images/s is 1003, not "1e+03"."""
+    from benchmarking import markdown_table
+    table = markdown_table([{"rate": 1002.8, "ratio": 1.33021, "small": 0.0123456, "none": None, "count": 7}],
+                           ["rate", "ratio", "small", "none", "count"])
+    assert table.splitlines()[-1] == "| 1003 | 1.33 | 0.0123 |  | 7 |"
+
+
 def test_argument_types():
     assert positive_int("3") == 3 and model_name("lion_lit_tiny") == "lion_lit_tiny"
     for bad in ("0", "-2", "1.5", ""):
