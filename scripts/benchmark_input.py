@@ -157,10 +157,13 @@ class FirstBatchClock:
 def loader(cfg, path: str, workers: int):
     """The training loader of one path, as train.py builds it (its sampler, repeated augmentation included),
     and the clock of its DataLoader."""
+    from torchvision.datasets.folder import default_loader
     from lion_vit.data import build_dataset, build_loader, build_transform, on_device
     transform = workers_transform(cfg) if path == "workers" else build_transform(cfg.data, cfg.aug, cfg.img_size,
                                                                                  train=True)
     dataset = build_dataset(cfg.data, "train", transform)
+    if path == "workers":  # (and ImageFolder's loader: PIL decodes each whole image, then the crop is taken)
+        dataset.loader = default_loader
     clock = FirstBatchClock(build_loader(dataset, train=True, batch_size=cfg.batch_size, num_workers=workers,
                                          rank=0, world_size=1, seed=0, repeated_aug=cfg.aug.repeated_aug,
                                          prefetch_factor=cfg.prefetch_factor))

@@ -1,6 +1,7 @@
 """Datasets and transforms: image folders, CIFAR pickles, augmentation, classes that must match."""
 from __future__ import annotations
 
+import io
 import random
 import re
 from pathlib import Path
@@ -215,6 +216,122 @@ def test_random_erasing_on_the_device_draws_as_it_did_in_the_workers(folder):
     assert abs(old_share - cfg.aug.reprob) < 0.04 and abs(share - old_share) < 0.04  # 3 standard errors
     assert abs(area - old_area) < 0.2 * old_area and 0.02 <= area <= 1 / 3
     assert abs(noise_mean) < 0.05 and abs(noise_std - 1) < 0.05
+
+
+def _jpeg_kinds(folder):
+    """JPEGs of the kinds PIL reads, odd sizes: chroma subsampled 4:2:0, 4:2:2 and not at all, progressive, with
+    restart markers, greyscale, CMYK, and one whose scan data is damaged midway (libjpeg decodes on, warning)."""
+    rng = np.random.default_rng(3)
+    smooth = lambda h, w, c: np.clip(np.cumsum(rng.normal(0, 12, (h, w, c)), 1) + 128, 0, 255).astype(np.uint8)
+    kinds = {"420": ("RGB", {}), "422": ("RGB", {"subsampling": 1}), "444": ("RGB", {"subsampling": 0}),
+             "progressive": ("RGB", {"progressive": True}), "restarts": ("RGB", {"restart_marker_rows": 1}),
+             "grey": ("L", {}), "cmyk": ("CMYK", {})}
+    folder.mkdir(parents=True)
+    paths = []
+    for k, (name, (mode, options)) in enumerate(kinds.items()):
+        size = (67 - 4 * k, 53 + 6 * k)
+        paths.append(folder / f"{name}.JPEG")
+        Image.frombytes(mode, size, smooth(size[1], size[0], len(mode)).tobytes()).save(paths[-1], quality=90,
+                                                                                         **options)
+    damaged = bytearray(paths[0].read_bytes())
+    damaged[len(damaged) // 2: len(damaged) // 2 + 6] = b"\x13\x37\x00\x42\xaa\x55"
+    paths.append(folder / "damaged.JPEG")
+    paths[-1].write_bytes(bytes(damaged))
+    return paths
+
+
+def test_a_training_jpeg_decoded_down_to_its_crop_gives_the_bits_of_the_whole_image_cropped(tmp_path, monkeypatch):
+    """read_for_crop (the training loader where the transform crops first): the crop of a JPEG decoded only down
+    to the box's last row equals ImageFolder's (the whole image decoded, converted to RGB, cropped), for every
+    kind of JPEG, boxes at the image's edges and inside it; and the decoder was asked for those rows only. A JPEG
+    with bytes after its end marker is decoded whole by PIL, and so is one whose last wanted row ends in the
+    colour that marks a decoder stopped early (after the rows were decoded once): the same bits again."""
+    from PIL import Image as PILImage
+    from torchvision.datasets.folder import default_loader
+    from lion_vit.data.jpeg import _SENTINEL, read_for_crop
+    asked = []
+    getdecoder = PILImage._getdecoder
+
+    class Recorded:  # the decoder, with the rows each decoding is asked for
+        def __init__(self, decoder):
+            self.decoder = decoder
+
+        def setimage(self, image, extents=None):
+            asked.append(extents[3] if extents else image.size[1])
+            return self.decoder.setimage(image, *([extents] if extents else []))
+
+        def __getattr__(self, name):
+            return getattr(self.decoder, name)
+
+    monkeypatch.setattr(PILImage, "_getdecoder", lambda *args: Recorded(getdecoder(*args)))
+    rng = np.random.default_rng(0)
+    paths = _jpeg_kinds(tmp_path / "jpegs")
+    whole_by_pil = {tmp_path / "trailing.JPEG": 1, tmp_path / "flat.JPEG": 2}  # (decodings a crop takes)
+    (tmp_path / "trailing.JPEG").write_bytes(paths[0].read_bytes() + bytes(9))
+    Image.new("L", (21, 13), _SENTINEL["L"]).save(tmp_path / "flat.JPEG", quality=95)
+    for path in paths + list(whole_by_pil):
+        whole = default_loader(str(path))
+        width, height = whole.size
+        boxes = [(0, 0, width, height), (0, 0, width, 1), (width - 1, height - 1, width, height), (3, 5, 11, 7)]
+        for _ in range(8):
+            left, top = int(rng.integers(0, width)), int(rng.integers(0, height))
+            boxes.append((left, top, int(rng.integers(left, width + 1)), int(rng.integers(top + 1, height + 1))))
+        for box in boxes:
+            asked.clear()
+            crop = read_for_crop(str(path)).crop(box)
+            assert crop.mode == "RGB" and crop.size == (box[2] - box[0], box[3] - box[1]), (path.name, box)
+            assert np.array_equal(np.asarray(crop), np.asarray(whole.crop(box))), (path.name, box)
+            if path in whole_by_pil:
+                assert len(asked) == whole_by_pil[path] and asked[-1] == height, (path.name, box, asked)
+            else:
+                assert asked == [box[3]], (path.name, box, asked)  # one decoding, down to the box's bottom row
+
+
+def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them(tmp_path, caplog):
+    """The DeiT recipe's training split (its JPEGs decoded by their crop) against the same dataset read through
+    ImageFolder's loader: for the same seed the same images and labels, where the folder also holds two truncated
+    JPEGs, one whose scan refers to a component the frame lacks (libjpeg stops before any row) and a file of
+    garbage, and a PNG named .JPEG, which PIL reads. Each unreadable file is warned about and replaced by the next
+    readable one, and its crop's draws are taken back, so the images after it are drawn for as ImageFolder's
+    loader has them."""
+    from torchvision.datasets.folder import default_loader
+    from lion_vit.data import build_dataset, build_transform
+    from lion_vit.data.jpeg import read_for_crop
+    root = tmp_path / "data"
+    paths = _jpeg_kinds(root / "train" / "class_0")
+    good = paths[1].read_bytes()  # (not the PNG's image: a file read in place of another must show)
+    bad = {"truncated": good[: len(good) * 2 // 3], "endless": good[:-30]}  # (all but the last rows' data)
+    sos = good.find(b"\xff\xda")
+    bad["component"] = good[: sos + 5] + b"\x09" + good[sos + 6:]
+    png = io.BytesIO()
+    Image.open(paths[0]).save(png, "PNG")
+    bad["png"] = png.getvalue()
+    bad["garbage"] = b"\xff\xd8\xff" + bytes(range(256)) * 3
+    (root / "train" / "class_1").mkdir()
+    for name, data in bad.items():
+        (root / "train" / "class_1" / f"{name}.JPEG").write_bytes(data)
+    cfg = _deit_recipe(root, "img_size=24")
+    transform = build_transform(cfg.data, cfg.aug, 24, train=True)
+    new = build_dataset(cfg.data, "train", transform)
+    old = build_dataset(cfg.data, "train", transform)
+    old.loader = default_loader
+    resized_first = build_transform(cfg.data, cfg.aug, 24, train=False)  # (evaluation's: resize, then crop)
+    assert new.loader is read_for_crop and build_dataset(cfg.data, "train", resized_first).loader is default_loader
+    samples = []
+    for dataset in (old, new):
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        samples.append([dataset[i] for _ in range(6) for i in range(len(dataset))])
+    assert len(samples[0]) == 6 * (len(paths) + len(bad))
+    for (old_image, old_target), (new_image, new_target) in zip(*samples):
+        assert torch.equal(new_image, old_image) and new_target == old_target
+    warned = {name for name in bad for record in caplog.records if f"{name}.JPEG" in record.getMessage()}
+    assert warned == set(bad) - {"png"}  # (PIL reads a PNG whatever its name, through either loader)
+
+    def wrong(image):  # an error of the transform is not the file's
+        raise ValueError("the transform's own error")
+    new.transform = wrong
+    with pytest.raises(ValueError, match="the transform's own error"):
+        new[0]
 
 
 def test_an_evaluation_batch_of_unreadable_images_only_passes_through_the_device_step(tmp_path):

@@ -14,12 +14,15 @@ from omegaconf import DictConfig
 from timm.data import create_transform
 from timm.data.loader import PrefetchLoader
 from timm.data.distributed_sampler import RepeatAugSampler
+from timm.data.transforms import RandomResizedCropAndInterpolation
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
+from torchvision.transforms import Compose, RandomResizedCrop
 
 from ..errors import UserError
 from .compat import patch_timm_posterize
 from .datasets import cifar, collate_dropping_unreadable, digits, image_folder
 from .gpu import DeviceDecodeLoader, DrawAugmentation, collate_samples, read_encoded
+from .jpeg import read_for_crop
 
 patch_timm_posterize()  # RandAugment on Pillow >= 13 (see compat.py)
 
@@ -86,9 +89,17 @@ def build_dataset(data: DictConfig, split: str, transform: Optional[Callable]) -
     if kind in ("cifar10", "cifar100"):
         return cifar(data.root, 10 if kind == "cifar10" else 100, train, transform, download=data.download)
     if kind in ("imagefolder", "imagenet"):
+        loader = read_encoded if encoded else read_for_crop if train and crops_first(transform) else None
         return image_folder(data.root, data.train_split if train else data.val_split, transform,
-                            drop_unreadable=not train, loader=read_encoded if encoded else None)
+                            drop_unreadable=not train, loader=loader)
     raise UserError(f"unknown data.name {kind!r}; choose one of {KINDS}")
+
+
+def crops_first(transform: Optional[Callable]) -> bool:
+    """Whether `transform` starts with a random resized crop (DeiT's training transform): then the training
+    JPEGs are decoded only down to their crop's last row (jpeg.py)."""
+    first = transform.transforms[0] if isinstance(transform, Compose) and transform.transforms else transform
+    return isinstance(first, (RandomResizedCropAndInterpolation, RandomResizedCrop))
 
 
 def num_classes_of(dataset: Dataset) -> int:

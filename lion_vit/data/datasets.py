@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
@@ -19,6 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
+from .jpeg import DecodedOnCrop, UnreadableImage
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +125,33 @@ class SafeImageFolder(ImageFolder):
         for offset in range(len(self.samples)):
             path, target = self.samples[(index + offset) % len(self.samples)]
             try:
-                image = self.loader(path)
-            except (OSError, ValueError, SyntaxError) as error:  # PIL raises these for corrupt files
+                return self._read(path), target
+            except UnreadableImage as error:
                 if self.drop_unreadable:
                     return None, -(index + 1)
                 if path not in self._warned:
                     self._warned.add(path)
                     log.warning("unreadable image %s (%s): training on the next readable one in its place",
                                 path, error)
-                continue
-            if self.transform is not None:
-                image = self.transform(image)
-            return image, target
         raise UserError(f"no readable image under {self.root}")
+
+    def _read(self, path: str) -> Any:
+        """The file's image, transformed. Unreadable are the files the loader cannot read and those that an image
+        decoded by its crop (jpeg.py) cannot; any other error of the transform is the transform's. The crop's
+        draws of an unreadable file are taken back: the next file is drawn for as if read in its place."""
+        try:
+            image = self.loader(path)
+        except (OSError, ValueError, SyntaxError) as error:  # PIL raises these for corrupt files
+            raise UnreadableImage(str(error)) from error
+        if self.transform is None:
+            return image
+        draws = random.getstate() if isinstance(image, DecodedOnCrop) else None
+        try:
+            return self.transform(image)
+        except UnreadableImage:
+            if draws is not None:
+                random.setstate(draws)
+            raise
 
 
 def _shown(path: Path) -> str:

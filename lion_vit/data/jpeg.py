@@ -1,0 +1,79 @@
+"""Training JPEGs decoded only down to the last row of their random crop.
+
+DeiT's training transform starts with RandomResizedCrop, which keeps on average about 70 % of an image's
+area; everything else of the decoded image is thrown away. A baseline JPEG decodes from the top down, and
+libjpeg hands out each row final as it goes, so stopping at the crop's last row gives the same bits as
+decoding the whole image and cropping it, for less work (the rows below are never decoded). Nothing else
+changes: the crop, its draws and the resize are timm's, on a PIL image.
+
+`read_for_crop` is the training split's ImageFolder loader where the transform crops first
+(`build.build_dataset`): a JPEG comes back opened but not decoded, as a `DecodedOnCrop`, whose `crop` decodes
+the rows the box needs. Anything else (a PNG named .JPEG, a file with bytes after its end marker, a box
+outside the image) takes PIL's usual path, so a file PIL cannot read fails as it did: `crop` raises
+`UnreadableImage`, which the dataset handles as the loader's own errors (datasets.SafeImageFolder).
+"""
+from __future__ import annotations
+
+import io
+from typing import Optional, Tuple
+
+from PIL import Image, JpegImagePlugin
+
+# A value for the ends of the last wanted row before decoding: if both are still there afterwards, the decoder
+# stopped early (an error) or the row really ends in that colour; either way PIL decodes the whole image.
+_SENTINEL = {"L": 7, "RGB": (7, 251, 13), "CMYK": (7, 251, 13, 3)}
+_START, _END = b"\xff\xd8\xff", b"\xff\xd9"
+
+
+class UnreadableImage(OSError):
+    """PIL cannot read an image file: raised where a crop decodes it (inside the transform), and by
+    SafeImageFolder for its loader's errors."""
+
+
+class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
+    """A JPEG opened from memory, decoded by its first `crop`: rows 0 to the box's bottom only, then cropped
+    and converted to RGB (pointwise, so in either order the same bits as ImageFolder's loader gives)."""
+
+    def crop(self, box: Optional[Tuple[int, int, int, int]] = None) -> Image.Image:
+        try:
+            rows = self._decoded_rows(box) if box is not None else None
+            image = rows.crop(box) if rows is not None else super().crop(box)  # (PIL's: the whole image)
+        except (OSError, ValueError, SyntaxError) as error:  # as SafeImageFolder catches from a loader
+            raise UnreadableImage(str(error)) from error
+        return image if image.mode == "RGB" else image.convert("RGB")
+
+    def _decoded_rows(self, box: Tuple[int, int, int, int]) -> Optional[Image.Image]:
+        """The image's rows 0 to box's bottom, or None where this cannot be (or was not) done exactly."""
+        width, height = self.size
+        left, top, right, bottom = box
+        if (len(self.tile) != 1 or self.tile[0][0] != "jpeg"  # (an image loaded already has no tiles)
+                or self.mode not in _SENTINEL or not 0 <= left <= right <= width or not 0 <= top <= bottom <= height
+                or bottom == 0 or self.fp.getbuffer()[-2:] != _END):  # (no end marker: PIL decides if truncated)
+            return None
+        _, _, offset, args = self.tile[0]
+        rows, ends = Image.new(self.mode, (width, bottom)), ((0, bottom - 1), (width - 1, bottom - 1))
+        for end in ends:
+            rows.putpixel(end, _SENTINEL[self.mode])
+        decoder = Image._getdecoder(self.mode, "jpeg", args, self.decoderconfig)
+        decoder.setimage(rows.im, (0, 0, width, bottom))
+        try:
+            # (returns an error once it has stopped short of the image's end, after the rows asked for)
+            decoder.decode(self.fp.getbuffer()[offset:])
+        finally:
+            decoder.cleanup()
+        if all(rows.getpixel(end) == _SENTINEL[self.mode] for end in ends):
+            return None
+        return rows
+
+
+def read_for_crop(path: str) -> Image.Image:
+    """ImageFolder's loader for a transform that crops first: a JPEG opened, its decoding left to the crop;
+    any other file as ImageFolder's own loader reads it (PIL, converted to RGB)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(_START):
+        try:
+            return DecodedOnCrop(io.BytesIO(data), path)
+        except (OSError, ValueError, SyntaxError):
+            pass  # (PIL's Image.open tells why, as it did before)
+    return Image.open(io.BytesIO(data)).convert("RGB")
