@@ -1,7 +1,7 @@
 """Training JPEGs decoded only down to the last row of their random crop.
 
-DeiT's training transform starts with RandomResizedCrop, which keeps on average about 70 % of an image's
-area; everything else of the decoded image is thrown away. A baseline JPEG decodes from the top down, and
+DeiT's training transform starts with RandomResizedCrop, which keeps 8-100 % of an image's area (about half
+on average); everything else of the decoded image is thrown away. A baseline JPEG decodes from the top down, and
 libjpeg hands out each row final as it goes, so stopping at the crop's last row gives the same bits as
 decoding the whole image and cropping it, for less work (the rows below are never decoded). Nothing else
 changes: the crop, its draws and the resize are timm's, on a PIL image.
