@@ -46,9 +46,10 @@ class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
         """The image's rows 0 to box's bottom, or None where this cannot be (or was not) done exactly."""
         width, height = self.size
         left, top, right, bottom = box
+        data = self.fp.getbuffer()  # (the file's bytes, read once by read_for_crop)
         if (len(self.tile) != 1 or self.tile[0][0] != "jpeg"  # (an image loaded already has no tiles)
                 or self.mode not in _SENTINEL or not 0 <= left <= right <= width or not 0 <= top <= bottom <= height
-                or bottom == 0 or self.fp.getbuffer()[-2:] != _END):  # (no end marker: PIL decides if truncated)
+                or bottom == 0 or data[-2:] != _END):  # (no end marker: PIL decides if truncated)
             return None
         _, _, offset, args = self.tile[0]
         rows, ends = Image.new(self.mode, (width, bottom)), ((0, bottom - 1), (width - 1, bottom - 1))
@@ -58,7 +59,7 @@ class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
         decoder.setimage(rows.im, (0, 0, width, bottom))
         try:
             # (returns an error once it has stopped short of the image's end, after the rows asked for)
-            decoder.decode(self.fp.getbuffer()[offset:])
+            decoder.decode(data[offset:])
         finally:
             decoder.cleanup()
         if all(rows.getpixel(end) == _SENTINEL[self.mode] for end in ends):
