@@ -243,9 +243,11 @@ def _jpeg_kinds(folder):
 def test_a_training_jpeg_decoded_down_to_its_crop_gives_the_bits_of_the_whole_image_cropped(tmp_path, monkeypatch):
     """read_for_crop (the training loader where the transform crops first): the crop of a JPEG decoded only down
     to the box's last row equals ImageFolder's (the whole image decoded, converted to RGB, cropped), for every
-    kind of JPEG, boxes at the image's edges and inside it; and the decoder was asked for those rows only. A JPEG
-    with bytes after its end marker is decoded whole by PIL, and so is one whose last wanted row ends in the
-    colour that marks a decoder stopped early (after the rows were decoded once): the same bits again."""
+    kind of JPEG, boxes at the image's edges and inside it; and the decoder was asked for those rows only. PIL
+    decodes whole, giving the same bits again, a progressive JPEG, one with bytes after its end marker, one with a
+    marker where its scan's data should run or between the scan and the end marker (which libjpeg reads past
+    without an error), and one whose last wanted row ends in the colour that marks a decoder stopped early (after
+    the rows were decoded once)."""
     from PIL import Image as PILImage
     from torchvision.datasets.folder import default_loader
     from lion_vit.data.jpeg import _SENTINEL, read_for_crop
@@ -266,8 +268,17 @@ def test_a_training_jpeg_decoded_down_to_its_crop_gives_the_bits_of_the_whole_im
     monkeypatch.setattr(PILImage, "_getdecoder", lambda *args: Recorded(getdecoder(*args)))
     rng = np.random.default_rng(0)
     paths = _jpeg_kinds(tmp_path / "jpegs")
-    whole_by_pil = {tmp_path / "trailing.JPEG": 1, tmp_path / "flat.JPEG": 2}  # (decodings a crop takes)
-    (tmp_path / "trailing.JPEG").write_bytes(paths[0].read_bytes() + bytes(9))
+    whole_by_pil = {path: 1 for path in paths if path.stem == "progressive"}  # (decodings a crop takes)
+    whole_by_pil.update({tmp_path / name: 1 for name in ("trailing.JPEG", "tables.JPEG", "application.JPEG")})
+    good = paths[0].read_bytes()
+    (tmp_path / "trailing.JPEG").write_bytes(good + bytes(9))
+    halfway = (good.find(b"\xff\xda") + len(good)) // 2  # (within the scan's data, not after a 0xFF)
+    halfway += good[halfway - 1] == 0xFF
+    (tmp_path / "tables.JPEG").write_bytes(good[:halfway] + b"\xff\xc4\x00\x02" + good[halfway:])
+    (tmp_path / "application.JPEG").write_bytes(good[:-2] + b"\xff\xe1\x00\x04ab" + good[-2:])
+    whole_by_pil[tmp_path / "flat.JPEG"] = 2
+    paths.append(tmp_path / "filled.JPEG")  # (0xFF fill bytes before the end marker: still one scan to its end)
+    paths[-1].write_bytes(good[:-2] + b"\xff\xff" + good[-2:])
     Image.new("L", (21, 13), _SENTINEL["L"]).save(tmp_path / "flat.JPEG", quality=95)
     for path in paths + list(whole_by_pil):
         whole = default_loader(str(path))
@@ -287,13 +298,29 @@ def test_a_training_jpeg_decoded_down_to_its_crop_gives_the_bits_of_the_whole_im
                 assert asked == [box[3]], (path.name, box, asked)  # one decoding, down to the box's bottom row
 
 
+def test_a_training_jpeg_too_large_to_be_safe_is_refused_as_pil_refuses_it(tmp_path, monkeypatch):
+    """read_for_crop checks an image's size as Image.open does: a warning past PIL's MAX_IMAGE_PIXELS, an error past
+    twice that (a decompression bomb)."""
+    from PIL import Image as PILImage
+    from lion_vit.data.jpeg import read_for_crop
+    path = tmp_path / "large.JPEG"
+    Image.new("RGB", (40, 30)).save(path)
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.warns(PILImage.DecompressionBombWarning):
+        read_for_crop(str(path))
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 500)
+    with pytest.raises(PILImage.DecompressionBombError):
+        read_for_crop(str(path))
+
+
 def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them(tmp_path, caplog):
     """The DeiT recipe's training split (its JPEGs decoded by their crop) against the same dataset read through
     ImageFolder's loader: for the same seed the same images and labels, where the folder also holds two truncated
-    JPEGs, one whose scan refers to a component the frame lacks (libjpeg stops before any row) and a file of
-    garbage, and a PNG named .JPEG, which PIL reads. Each unreadable file is warned about and replaced by the next
-    readable one, and its crop's draws are taken back, so the images after it are drawn for as ImageFolder's
-    loader has them."""
+    JPEGs, one whose scan refers to a component the frame lacks (libjpeg stops before any row), two with a frame
+    marker where the scan's data should run or after it (libjpeg fails only after the image's last row, below the
+    crops' rows) and a file of garbage, and a PNG named .JPEG, which PIL reads. Each unreadable file is warned about
+    and replaced by the next readable one, and its crop's draws are taken back, so the images after it are drawn
+    for as ImageFolder's loader has them."""
     from torchvision.datasets.folder import default_loader
     from lion_vit.data import build_dataset, build_transform
     from lion_vit.data.jpeg import read_for_crop
@@ -303,6 +330,10 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
     bad = {"truncated": good[: len(good) * 2 // 3], "endless": good[:-30]}  # (all but the last rows' data)
     sos = good.find(b"\xff\xda")
     bad["component"] = good[: sos + 5] + b"\x09" + good[sos + 6:]
+    late = len(good) - 2 - (len(good) - sos) // 8  # (in the last rows' data: few crops reach below it)
+    late += good[late - 1] == 0xFF
+    bad["frame"] = good[:late] + b"\xff\xc0\x00\x11" + good[late:]
+    bad["frame_after"] = good[:-2] + b"\xff\xc0\x00\x11" + good[-2:]
     png = io.BytesIO()
     Image.open(paths[0]).save(png, "PNG")
     bad["png"] = png.getvalue()

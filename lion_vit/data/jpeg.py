@@ -8,13 +8,18 @@ changes: the crop, its draws and the resize are timm's, on a PIL image.
 
 `read_for_crop` is the training split's ImageFolder loader where the transform crops first
 (`build.build_dataset`): a JPEG comes back opened but not decoded, as a `DecodedOnCrop`, whose `crop` decodes
-the rows the box needs. Anything else (a PNG named .JPEG, a file with bytes after its end marker, a box
-outside the image) takes PIL's usual path, so a file PIL cannot read fails as it did: `crop` raises
-`UnreadableImage`, which the dataset handles as the loader's own errors (datasets.SafeImageFolder).
+the rows the box needs. That is done only where the file is one scan whose data runs to the end-of-image marker
+that ends the file, with no other marker on the way but restart markers (`_one_scan`): then libjpeg reads nothing
+after the crop's rows that could fail the whole image. Anything else (a PNG named .JPEG, a progressive JPEG, a file
+with bytes after its end marker or a marker where its scan should run, a box outside the image) takes PIL's usual
+path, so a file PIL cannot read fails as it did: `crop` raises `UnreadableImage`, which the dataset handles as
+the loader's own errors (datasets.SafeImageFolder).
 """
 from __future__ import annotations
 
 import io
+import re
+import struct
 from typing import Optional, Tuple
 
 from PIL import Image, JpegImagePlugin
@@ -23,6 +28,7 @@ from PIL import Image, JpegImagePlugin
 # stopped early (an error) or the row really ends in that colour; either way PIL decodes the whole image.
 _SENTINEL = {"L": 7, "RGB": (7, 251, 13), "CMYK": (7, 251, 13, 3)}
 _START, _END = b"\xff\xd8\xff", b"\xff\xd9"
+_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")  # a marker: not a data byte 0xFF, a restart marker or fill
 
 
 class UnreadableImage(OSError):
@@ -33,6 +39,10 @@ class UnreadableImage(OSError):
 class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
     """A JPEG opened from memory, decoded by its first `crop`: rows 0 to the box's bottom only, then cropped
     and converted to RGB (pointwise, so in either order the same bits as ImageFolder's loader gives)."""
+
+    def _open(self) -> None:
+        super()._open()
+        self._scan_start = self.fp.tell()  # (PIL reads the headers up to the first scan's, and stops there)
 
     def crop(self, box: Optional[Tuple[int, int, int, int]] = None) -> Image.Image:
         try:
@@ -49,7 +59,7 @@ class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
         data = self.fp.getbuffer()  # (the file's bytes, read once by read_for_crop)
         if (len(self.tile) != 1 or self.tile[0][0] != "jpeg"  # (an image loaded already has no tiles)
                 or self.mode not in _SENTINEL or not 0 <= left <= right <= width or not 0 <= top <= bottom <= height
-                or bottom == 0 or data[-2:] != _END):  # (no end marker: PIL decides if truncated)
+                or bottom == 0 or not _one_scan(data, self._scan_start)):
             return None
         _, _, offset, args = self.tile[0]
         rows, ends = Image.new(self.mode, (width, bottom)), ((0, bottom - 1), (width - 1, bottom - 1))
@@ -67,6 +77,16 @@ class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
         return rows
 
 
+def _one_scan(data: memoryview, start: int) -> bool:
+    """Whether the bytes from `start` (a scan's entropy-coded data) run to the end-of-image marker that ends the
+    file with no marker on the way but restart markers (0xFF 0x00 is a data byte 0xFF, 0xFF before 0xFF fill). Else
+    libjpeg would read on after the rows a crop needs: the next scan of a progressive JPEG, tables, or what a
+    damaged file has there (no end marker: PIL decides if truncated; a marker where the data should run: libjpeg
+    fills the rest of the scan grey and, at some, fails the whole image after its last row)."""
+    marker = _MARKER.search(data, start) if data[-2:] == _END else None
+    return marker is not None and marker.start() == len(data) - 2
+
+
 def read_for_crop(path: str) -> Image.Image:
     """ImageFolder's loader for a transform that crops first: a JPEG opened, its decoding left to the crop;
     any other file as ImageFolder's own loader reads it (PIL, converted to RGB)."""
@@ -74,7 +94,10 @@ def read_for_crop(path: str) -> Image.Image:
         data = f.read()
     if data.startswith(_START):
         try:
-            return DecodedOnCrop(io.BytesIO(data), path)
-        except (OSError, ValueError, SyntaxError):
+            image = DecodedOnCrop(io.BytesIO(data), path)
+        except (OSError, ValueError, SyntaxError, IndexError, TypeError, struct.error):  # (Image.open's catches)
             pass  # (PIL's Image.open tells why, as it did before)
+        else:
+            Image._decompression_bomb_check(image.size)  # (as Image.open: a warning, or an error past twice the limit)
+            return image
     return Image.open(io.BytesIO(data)).convert("RGB")
