@@ -320,8 +320,9 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
     marker where the scan's data should run or after it (libjpeg fails only after the image's last row, below the
     crops' rows) and a file of garbage, and a PNG named .JPEG, which PIL reads. Each unreadable file is warned about
     and replaced by the next readable one, and its crop's draws are taken back, so the images after it are drawn
-    for as ImageFolder's loader has them."""
+    for as ImageFolder's loader has them: timm's crop's draws (Python's random) and torchvision's (torch's)."""
     from torchvision.datasets.folder import default_loader
+    from torchvision.transforms import Compose, PILToTensor, RandomResizedCrop
     from lion_vit.data import build_dataset, build_transform
     from lion_vit.data.jpeg import read_for_crop
     root = tmp_path / "data"
@@ -357,6 +358,13 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
         assert torch.equal(new_image, old_image) and new_target == old_target
     warned = {name for name in bad for record in caplog.records if f"{name}.JPEG" in record.getMessage()}
     assert warned == set(bad) - {"png"}  # (PIL reads a PNG whatever its name, through either loader)
+    torchvisions = Compose([RandomResizedCrop(24), PILToTensor()])  # (its crop draws from torch's generator)
+    new.transform = old.transform = torchvisions
+    assert build_dataset(cfg.data, "train", torchvisions).loader is read_for_crop
+    for dataset in (old, new):
+        torch.manual_seed(2)
+        samples.append([dataset[i][0] for _ in range(3) for i in range(len(dataset))])
+    assert all(torch.equal(new_image, old_image) for old_image, new_image in zip(*samples[2:]))
 
     def wrong(image):  # an error of the transform is not the file's
         raise ValueError("the transform's own error")

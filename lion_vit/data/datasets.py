@@ -145,12 +145,14 @@ class SafeImageFolder(ImageFolder):
             raise UnreadableImage(str(error)) from error
         if self.transform is None:
             return image
-        draws = random.getstate() if isinstance(image, DecodedOnCrop) else None
+        # (timm's crop draws from Python's random, torchvision's from torch's)
+        draws = (random.getstate(), torch.get_rng_state()) if isinstance(image, DecodedOnCrop) else None
         try:
             return self.transform(image)
         except UnreadableImage:
             if draws is not None:
-                random.setstate(draws)
+                random.setstate(draws[0])
+                torch.set_rng_state(draws[1])
             raise
 
 
