@@ -441,3 +441,30 @@ def test_the_epochs_wait_for_data_counts_the_loaders_time_not_the_steps():
     for _ in batches:
         time.sleep(0.1)  # the step
     assert 0.06 <= batches.waited < 0.3
+
+
+def test_evaluation_counts_hits_exactly_and_reads_the_device_once(monkeypatch):
+    """evaluate's accuracies are hits over images exactly (in batches of 3, whose percentages in float32 are not),
+    its loss the mean cross-entropy, and it reads its sums from the device once, at the end: each read waits for
+    the device, so per batch it would hold the next batch's launches back on a GPU."""
+    from lion_vit.engine.loop import Precision, evaluate
+    torch.manual_seed(0)
+    logits, targets = torch.randn(21, 7), torch.randint(0, 7, (21,))
+
+    class Table(torch.nn.Module):  # image i's logits are row i
+        def forward(self, x):
+            return logits[x[:, 0].long()]
+
+    batches = [(torch.arange(i, i + 3, dtype=torch.float32)[:, None], targets[i:i + 3]) for i in range(0, 21, 3)]
+    reads = []
+    for name in ("item", "tolist"):
+        read = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *args, _read=read: reads.append(1) or _read(self, *args))
+    cpu = torch.device("cpu")
+    stats = evaluate(Table(), batches, cpu, Precision(cpu), show_progress=False)
+    monkeypatch.undo()
+    top = logits.topk(5, dim=-1).indices
+    assert stats["acc1"] == 100.0 * int((top[:, 0] == targets).sum()) / 21
+    assert stats["acc5"] == 100.0 * int((top == targets[:, None]).any(-1).sum()) / 21
+    assert stats["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, targets)), rel=1e-6)
+    assert stats["num_images"] == 21 and len(reads) == 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
-from timm.utils import NativeScaler, accuracy, dispatch_clip_grad
+from timm.utils import NativeScaler, dispatch_clip_grad
 from torch import nn
 from tqdm import tqdm
 
@@ -205,13 +205,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
              show_progress: bool = True, log_interval: int = 50, interruptible: bool = True) -> Dict[str, float]:
     """Top-1 / top-5 accuracy (%) and mean cross-entropy, summed exactly over all ranks; this process's time, and
     on CUDA its peak GPU memory. interruptible=False (an epoch's evaluation in training): a first Ctrl-C lets it
-    finish, so the epoch gets its checkpoint."""
+    finish, so the epoch gets its checkpoint. The sums stay on the device until the end: no batch waits for the
+    one before to reach the host."""
     model.eval()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     criterion = nn.CrossEntropyLoss(reduction="sum")
-    loss_sum, correct1, correct5, count = 0.0, 0.0, 0.0, 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # cross-entropy, top-1 and top-5 hits
+    count = 0
     progress = Progress(loader, "eval", show_progress, log_interval)
     unreadable = []
     for step, (images, targets) in enumerate(progress):
@@ -225,16 +227,16 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
         with precision.autocast():
             logits = model(images)
         logits = logits.float()
-        loss_sum += criterion(logits, targets).item()
-        top1, top5 = accuracy(logits, targets, topk=(1, min(5, logits.shape[-1])))
-        correct1 += top1.item() * targets.shape[0] / 100.0
-        correct5 += top5.item() * targets.shape[0] / 100.0
+        # (hits counted, where timm's accuracy gives float32 percentages that would be turned back into counts)
+        hits = logits.topk(min(5, logits.shape[-1]), dim=-1).indices == targets[:, None]
+        sums += torch.stack([criterion(logits, targets).double(), hits[:, 0].sum().double(), hits.sum().double()])
         count += targets.shape[0]
         progress.report(step)
     if unreadable:
         _name_unreadable(unreadable, loader.dataset)
+    sums = sums.tolist()  # (waits for the device: its work is in the time)
     elapsed = time.perf_counter() - start
-    loss_sum, correct1, correct5, count = all_reduce_sum([loss_sum, correct1, correct5, count], device)
+    loss_sum, correct1, correct5, count = all_reduce_sum([*sums, count], device)
     evaluated = int(round(count))
     count = max(count, 1)
     stats = {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
