@@ -37,8 +37,8 @@ from torch import Tensor
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
-from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, in_rows,
-                       rows_contiguous)
+from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, cdiv,
+                       in_rows, rows_contiguous)
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
@@ -375,7 +375,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
     z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
     own, loop, warps = tuning().bidirectional_forward
-    _forward_kernel[(triton.cdiv(length, own), batch * heads)](
+    _forward_kernel[(cdiv(length, own), batch * heads)](
         q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
@@ -394,7 +394,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     r = correction = None
     if normalised:
         r, correction = torch.empty_like(z), torch.empty_like(z)
-        _factors_kernel[(triton.cdiv(length, 32), batch * heads)](
+        _factors_kernel[(cdiv(length, 32), batch * heads)](
             dy, y, z, r, correction, *_strides(dy), *_strides(y), length, heads, value_dim,
             SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
@@ -407,10 +407,10 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
                     BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
     shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
               positions.stride(0), length, heads, key_dim, value_dim)
-    _backward_keys_kernel[(triton.cdiv(length, own), batch * heads)](
+    _backward_keys_kernel[(cdiv(length, own), batch * heads)](
         q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
         BLOCK_M=loop, BLOCK_N=own, KEYS_FIRST=tuning().bidirectional_keys_first, **settings)
-    _backward_queries_kernel[(triton.cdiv(length, own), batch * heads)](
+    _backward_queries_kernel[(cdiv(length, own), batch * heads)](
         q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
         BLOCK_N=loop, **settings)
     return dq, dk, dv, dE, dI

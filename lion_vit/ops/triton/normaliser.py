@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tuning import LaunchSetting, tuning
+from .operands import _block, cdiv
 
 
 @triton.jit
@@ -120,15 +121,15 @@ def _launch(kernel, launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], *
             x_factor: Optional[Tensor] = None, reverse: bool = False, **flags) -> None:
     sequences, length, heads, width = x.shape
     chunk_tokens, _, warps = launch
-    kernel[(triton.cdiv(length, chunk_tokens), sequences * heads)](
-        x, x_factor, gates, *args, length, heads, width, triton.cdiv(length, chunk_tokens),
+    kernel[(cdiv(length, chunk_tokens), sequences * heads)](
+        x, x_factor, gates, *args, length, heads, width, cdiv(length, chunk_tokens),
         HAS_X_FACTOR=x_factor is not None, HAS_GATES=gates is not None, REVERSE=reverse, **flags,
-        BLOCK_T=chunk_tokens, BLOCK_K=max(16, triton.next_power_of_2(width)), num_warps=warps)
+        BLOCK_T=chunk_tokens, BLOCK_K=_block(width), num_warps=warps)
 
 
 def _chunk_sums(launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:
     sequences, length, heads, width = x.shape
-    sums = x.new_empty(sequences, heads, triton.cdiv(length, launch[0]), width, dtype=torch.float32)
+    sums = x.new_empty(sequences, heads, cdiv(length, launch[0]), width, dtype=torch.float32)
     log_decays = None if gates is None else sums.new_empty(sums.shape[:-1])
     _launch(_sums_kernel, launch, x, gates, sums, log_decays, **options)
     return _Chunks(sums, log_decays)

@@ -216,7 +216,13 @@ def even(width: int) -> int:
 
 
 def _block(width: int) -> int:
-    return max(16, triton.next_power_of_2(width))
+    return max(16, 1 << (width - 1).bit_length())  # (the next power of 2)
+
+
+def cdiv(length: int, tile: int) -> int:
+    """Tiles of `tile` that cover `length`: triton.cdiv in plain Python, which costs the host of every launch
+    nothing (Triton's is a constexpr function, about 1.4 us a call from host code)."""
+    return -(-length // tile)
 
 
 def rows_contiguous(x: Tensor) -> Tensor:
@@ -247,7 +253,7 @@ class Operands(torch.autograd.Function):
         k2 = torch.empty_like(q2)
         v2 = q.new_empty(batch * sequences, length, heads, value_width, dtype=dtype)
         (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(feature_map, ((IDENTITY, False),) * 2)
-        _operands_kernel[(triton.cdiv(length, _TOKENS), batch * sequences, heads)](
+        _operands_kernel[(cdiv(length, _TOKENS), batch * sequences, heads)](
             q, k, v, folds, layout.q, layout.kv, q2, k2, v2,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *folds.stride(),
@@ -268,7 +274,7 @@ class Operands(torch.autograd.Function):
         fold_grad = ctx.needs_input_grad[3]
         grad_folds = folds.new_empty(folds.shape) if fold_grad else grad_q  # (unused without fold_grad)
         (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(ctx.feature_map, ((IDENTITY, False),) * 2)
-        _operands_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+        _operands_backward_kernel[(cdiv(length, _TOKENS), batch, heads)](
             q, k, folds, layout.q_positions, layout.kv_positions, dq2.contiguous(), dk2.contiguous(),
             dv2.contiguous(), grad_q, grad_k, grad_v, grad_folds,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *folds.stride(),
@@ -288,7 +294,7 @@ def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor, scaling:
     sequences, length = layout.q_positions.shape
     batch, _, heads, value_dim = y.shape
     normaliser = out.new_empty(batch, length, heads, dtype=torch.float32)
-    _finish_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+    _finish_kernel[(cdiv(length, _TOKENS), batch, heads)](
         out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, out.shape[3], sequences,
         y.stride(0), y.stride(1), y.stride(2), SCALING=SCALING_CODES[scaling], BLOCK_T=_TOKENS,
         BLOCK_V=_block(value_dim))
@@ -317,7 +323,7 @@ class Finish(torch.autograd.Function):
         dy = rows_contiguous(dy)
         grad_out = y.new_empty(batch * sequences, length, heads, ctx.width, dtype=ctx.out_dtype)
         grad_normalisers = normaliser.new_empty(batch * sequences, length, heads)
-        _finish_backward_kernel[(triton.cdiv(length, _TOKENS), batch, heads)](
+        _finish_backward_kernel[(cdiv(length, _TOKENS), batch, heads)](
             dy, y, normaliser, layout.q_positions, grad_out, grad_normalisers, length, heads, value_dim, ctx.width,
             sequences, dy.stride(0), dy.stride(1), dy.stride(2), SCALING=SCALING_CODES[ctx.scaling], BLOCK_T=_TOKENS,
             BLOCK_V=_block(ctx.width))
