@@ -16,7 +16,8 @@ the dtype GPUs train in.
 
 Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
 cubin its registers per thread, stack frame and local memory, which is where registers spill; from the PTX its
-tensor-core instructions; the blocks a multiprocessor fits by registers and shared memory) and exits 1
+tensor-core instructions; the blocks a multiprocessor fits by registers and shared memory; with --loops, from the
+SASS the instructions of its loops' code, special-function ones apart) and exits 1
 if any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
 kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
 """
@@ -250,9 +251,43 @@ def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
     return f", {min(by_registers, by_shared)} blocks a multiprocessor"
 
 
-def compile_all(launches, archs) -> Tuple[int, int]:
-    """Compiles each launch (`to_compile`'s) for each target; prints a line each; returns how many compiled and
-    how many were tried."""
+def loop_code(sass: str) -> Optional[Tuple[int, int]]:
+    """(instructions, special-function ones) in the code of a kernel's loops in cuobjdump's SASS: from the lowest
+    address a backward branch jumps to up to the last backward branch, every branch inside counted (an iteration
+    runs one path through them); None where the kernel has no loop. A thread issues each of them once an iteration,
+    so for a loop whose tile products are few (Hopper's wgmma) they are what an iteration costs to issue; the
+    special-function unit (MUFU: exponentials, reciprocals, square roots) issues a quarter of the rate of the
+    float32 units."""
+    code = []  # (address, opcode, branch target or None)
+    for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
+        words = text.split()
+        op = words[1] if words[0].startswith("@") else words[0]  # (after a predicate, @P0 or @!P1)
+        target = re.search(r"0x([0-9a-f]+)", text) if op.split(".")[0] == "BRA" else None
+        code.append((int(address, 16), op, int(target[1], 16) if target else None))
+    back = [(target, address) for address, _, target in code if target is not None and target < address]
+    if not back:
+        return None
+    start, end = min(target for target, _ in back), max(address for _, address in back)
+    ops = [op for address, op, _ in code if start <= address <= end]
+    return len(ops), sum(op.startswith("MUFU") for op in ops)
+
+
+def _loop_issue(compiled) -> str:
+    """", loop I instructions (MUFU M)" (`loop_code` of the cubin's SASS); "" where cuobjdump is missing or there
+    is no loop."""
+    tool = nvidia_tool("cuobjdump")
+    if "cubin" not in compiled.asm or tool is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        found = loop_code(subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True).stdout)
+    return f", loop {found[0]} instructions (MUFU {found[1]})" if found else ""
+
+
+def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
+    """Compiles each launch (`to_compile`'s) for each target; prints a line each (with loops, its loops' code:
+    `loop_code`); returns how many compiled and how many were tried."""
     import importlib
 
     import torch
@@ -283,7 +318,8 @@ def compile_all(launches, archs) -> Tuple[int, int]:
             else:
                 registers = _registers(compiled)
                 print(f"ok   {what}  shared {shared} B{registers}{_tensor_cores(compiled)}"
-                      f"{_blocks_per_multiprocessor(compiled, registers, arch)}", flush=True)
+                      f"{_blocks_per_multiprocessor(compiled, registers, arch)}"
+                      f"{_loop_issue(compiled) if loops else ''}", flush=True)
     total = len(launches) * len(archs)
     return total - failures, total
 
@@ -306,6 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bidirectional-entrywise-masks", action="store_true",
                         help="record the bidirectional kernels with an exponential for every mask entry, no tile "
                              "factored (Tuning.bidirectional_factored_masks off)")
+    parser.add_argument("--loops", action="store_true",
+                        help="also count the instructions of each kernel's loops in its SASS (cuobjdump; about 0.3 "
+                             "s a launch), special-function ones apart: what an iteration costs to issue")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     parser.add_argument("--knobs", type=json.loads, default={}, help=argparse.SUPPRESS)  # and its parent's knobs
     args = parser.parse_args(argv)
@@ -339,7 +378,7 @@ def main(argv=None) -> int:
             print(f"compile_kernels: cannot read --records {args.records} ({error}); give a JSON file that this "
                   "script's recording wrote, or leave --records out to record the launches here")
             return 2
-    compiled, total = compile_all(to_compile(launches, args.quick), args.arch)
+    compiled, total = compile_all(to_compile(launches, args.quick), args.arch, loops=args.loops)
     print(f"{compiled} of {total} launches compiled for " + ", ".join(f"sm_{a}" for a in args.arch))
     return 0 if compiled == total else 1
 

@@ -930,6 +930,26 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
     assert lines[-1] == f"{len(ok)} of {len(ok) + 1} launches compiled for sm_90"
 
 
+def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
+    """compile_kernels.loop_code (--loops): the instructions from the lowest target of a backward branch to the last
+    backward branch, predicated ones and every branch inside included, and the special-function ones among them;
+    a forward branch (an if) opens no loop, and a kernel without a backward branch has no loop."""
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   MUFU.RCP R2, R3 ;
+        /*0020*/                   FMUL R4, R2, R2 ;
+        /*0030*/               @P0 BRA 0x70 ;
+        /*0040*/                   MUFU.EX2 R5, R4 ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/              @!P1 BRA 0x20 ;
+        /*0070*/                   MUFU.EX2 R6, R4 ;
+        /*0080*/                   BRA 0x40 ;
+        /*0090*/                   EXIT ;
+"""
+    assert compile_kernels.loop_code(sass) == (7, 2)  # 0x20-0x80: FMUL, BRA, MUFU, HGMMA, BRA, MUFU, BRA
+    assert compile_kernels.loop_code(sass.replace("BRA 0x20", "BRA 0x90").replace("BRA 0x40", "EXIT")) is None
+
+
 def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_given(tmp_path, capsys):
     """--bidirectional-backward (and -forward) record the bidirectional kernels' launches in that setting, and
     --bidirectional-keys-first, --bidirectional-entrywise-masks with those knobs, so that a setting's registers and
