@@ -217,17 +217,21 @@ def nvidia_tool(name: str) -> Optional[str]:
         return None
 
 
-def _registers(compiled) -> str:
-    """", registers R, stack S B, local L B" from the cubin's resource usage (cuobjdump): S or L > 0 means that
-    the kernel spills registers to memory (ptxas puts spills in the stack frame); "" where the tool is missing."""
+def _cuobjdump(compiled, option: str) -> Optional[str]:
+    """What cuobjdump `option` prints of the launch's cubin; None where there is no cubin or no tool."""
     tool = nvidia_tool("cuobjdump")
     if "cubin" not in compiled.asm or tool is None:
-        return ""
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+).*LOCAL:(\d+)", usage)
+        return subprocess.run([tool, option, cubin.name], capture_output=True, text=True).stdout
+
+
+def _registers(compiled) -> str:
+    """", registers R, stack S B, local L B" from the cubin's resource usage (cuobjdump): S or L > 0 means that
+    the kernel spills registers to memory (ptxas puts spills in the stack frame); "" where the tool is missing."""
+    found = re.search(r"REG:(\d+) STACK:(\d+).*LOCAL:(\d+)", _cuobjdump(compiled, "--dump-resource-usage") or "")
     return f", registers {found[1]}, stack {found[2]} B, local {found[3]} B" if found else ""
 
 
@@ -275,13 +279,7 @@ def loop_code(sass: str) -> Optional[Tuple[int, int]]:
 def _loop_issue(compiled) -> str:
     """", loop I instructions (MUFU M)" (`loop_code` of the cubin's SASS); "" where cuobjdump is missing or there
     is no loop."""
-    tool = nvidia_tool("cuobjdump")
-    if "cubin" not in compiled.asm or tool is None:
-        return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        found = loop_code(subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True).stdout)
+    found = loop_code(_cuobjdump(compiled, "-sass") or "")
     return f", loop {found[0]} instructions (MUFU {found[1]})" if found else ""
 
 
