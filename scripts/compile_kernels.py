@@ -260,8 +260,8 @@ def loop_code(sass: str) -> Optional[Tuple[int, int]]:
     address a backward branch jumps to up to the last backward branch, every branch inside counted (an iteration
     runs one path through them); None where the kernel has no loop. A thread issues each of them once an iteration,
     so for a loop whose tile products are few (Hopper's wgmma) they are what an iteration costs to issue; the
-    special-function unit (MUFU: exponentials, reciprocals, square roots) issues a quarter of the rate of the
-    float32 units."""
+    special-function units (MUFU: exponentials, reciprocals, square roots) issue 16 a clock a multiprocessor, an
+    eighth of the float32 units' rate."""
     code = []  # (address, opcode, branch target or None)
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         words = text.split()
