@@ -257,18 +257,22 @@ def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
 
 def loop_code(sass: str) -> Optional[Tuple[int, int]]:
     """(instructions, special-function ones) in the code of a kernel's loops in cuobjdump's SASS: from the lowest
-    address a backward branch jumps to up to the last backward branch, every branch inside counted (an iteration
-    runs one path through them); None where the kernel has no loop. A thread issues each of them once an iteration,
-    so for a loop whose tile products are few (Hopper's wgmma) they are what an iteration costs to issue; the
-    special-function units (MUFU: exponentials, reciprocals, square roots) issue 16 a clock a multiprocessor, an
-    eighth of the float32 units' rate."""
+    address a backward branch jumps to up to the last backward branch before the kernel's last EXIT (a loop's latch),
+    every branch inside counted (an iteration runs one path through them); None where the kernel has no loop. The
+    code between the loops and that EXIT (the epilogue) is not counted, nor the blocks ptxas places after it that
+    branch back into a loop (the warp-divergence paths of its reductions, which a converged warp never takes). A
+    thread issues each of them once an iteration, so for a loop whose tile products are few (Hopper's wgmma) they
+    are what an iteration costs to issue; the special-function units (MUFU: exponentials, reciprocals, square
+    roots) issue 16 a clock a multiprocessor, an eighth of the float32 units' rate."""
     code = []  # (address, opcode, branch target or None)
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         words = text.split()
         op = words[1] if words[0].startswith("@") else words[0]  # (after a predicate, @P0 or @!P1)
         target = re.search(r"0x([0-9a-f]+)", text) if op.split(".")[0] == "BRA" else None
         code.append((int(address, 16), op, int(target[1], 16) if target else None))
-    back = [(target, address) for address, _, target in code if target is not None and target < address]
+    end_of_kernel = max((address for address, op, _ in code if op == "EXIT"), default=float("inf"))
+    back = [(target, address) for address, _, target in code
+            if target is not None and target < address < end_of_kernel]
     if not back:
         return None
     start, end = min(target for target, _ in back), max(address for _, address in back)
