@@ -2,10 +2,10 @@
 """The fused attention form's kernel op by op on a GPU: the bidirectional kernel of ours in its code's launch
 settings and in each other one given (lion_vit.ops.Tuning: bidirectional_forward, bidirectional_backward; and
 the backward's key kernel in its other orientation, bidirectional_keys_first; every mask entry its own
-exponential, bidirectional_factored_masks off: "entrywise"), forward, and forward and
-backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v) in the same run; the
-kernel in the code's settings given features that torch ops mapped first ("mapped": the kernels then apply no map,
-and autograd differentiates the map), and the portable attention form (backend torch) beside them.
+exponential, bidirectional_factored_masks off: "entrywise"; the feature map applied to every tile of the kernels'
+loops as they read it, with no pass mapping q and k first, bidirectional_map_pass off: "maps in loops"),
+forward, and forward and backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v)
+in the same run, and the portable attention form (backend torch) beside them.
 
     python scripts/benchmark_fused.py                              # 224 px, batch 256
     python scripts/benchmark_fused.py --img-size 448 --batch-size 64 --backward 64,32,8 32,32,4
@@ -45,11 +45,11 @@ CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
 
 
 def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None,
-                    keys_first: Optional[bool] = None, factored: Optional[bool] = None
-                    ) -> contextlib.AbstractContextManager:
+                    keys_first: Optional[bool] = None, factored: Optional[bool] = None,
+                    map_pass: Optional[bool] = None) -> contextlib.AbstractContextManager:
     """The bidirectional kernel's settings inside the block (None: the code's)."""
     given = dict(bidirectional_forward=forward, bidirectional_backward=backward, bidirectional_keys_first=keys_first,
-                 bidirectional_factored_masks=factored)
+                 bidirectional_factored_masks=factored, bidirectional_map_pass=map_pass)
     return tuned(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -73,18 +73,18 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
-    from lion_vit.ops.features import mapped
 
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
     length = side * side + 1
     knobs = tuning()
     code = (knobs.bidirectional_forward, knobs.bidirectional_backward, knobs.bidirectional_keys_first,
-            knobs.bidirectional_factored_masks)
+            knobs.bidirectional_factored_masks, knobs.bidirectional_map_pass)
     kernels = [("bidirectional", *code)]
     kernels += [("bidirectional", forward, *code[1:]) for forward in args.forward if forward != code[0]]
     kernels += [("bidirectional", code[0], backward, *code[2:]) for backward in args.backward if backward != code[1]]
-    kernels += [("bidirectional", code[0], code[1], not code[2], code[3])]  # the key kernel's other orientation
-    kernels += [("bidirectional", *code[:3], not code[3])]  # the masks factored or not
+    kernels += [("bidirectional", *code[:2], not code[2], *code[3:])]  # the key kernel's other orientation
+    kernels += [("bidirectional", *code[:3], not code[3], code[4])]  # the masks factored or not
+    kernels += [("bidirectional", *code[:4], not code[4])]  # the map: a pass first, or in the loops
     rows = []
     for case in args.cases:
         generator = torch.Generator(device).manual_seed(0)
@@ -98,31 +98,27 @@ def main(argv=None) -> int:
         upstream = torch.randn(batch, heads, length, width, device=device, generator=generator).to(dtype)
 
         def attention(backend: str = "triton", kernel: Optional[str] = None):
-            """The layer's call; kernel: the bidirectional kernel forced (LION-lit's plan runs its linear kernels),
-            "mapped": given features mapped by torch ops."""
+            """The layer's call; kernel: the bidirectional kernel forced (LION-lit's plan runs its linear
+            kernels)."""
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] views of the projection
             plan = Plan("attention", "triton", whole=True) if kernel and case == "lion_lit" else None
-            feature_map = "silu_norm"
-            if kernel == "mapped":
-                (q, k), feature_map = mapped(q, k, feature_map), None
             return lion_attention(q, k, v, leaves[1] if len(leaves) > 1 else None, orders, form="attention",
-                                  backend=backend, feature_map=feature_map, plan=plan)
+                                  backend=backend, feature_map="silu_norm", plan=plan)
 
         def sdpa():
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
             return F.scaled_dot_product_attention(q, k, v)
 
         expected, first = None, len(rows)
-        runs = [("sdpa", None, None, None, None, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0]))
-                                                           for kernel in kernels]
-        runs += [("mapped", *code, partial(attention, kernel="mapped"))]
+        unset = (None,) * 5
+        runs = [("sdpa", *unset, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0])) for kernel in kernels]
         # the portable form, which for LION-lit is Q (K^T V) in torch matmuls, after LION-lit's code: its linear kernels
-        runs += [("linear kernels", None, None, None, None, attention)] if case == "lion_lit" else []
-        runs += [("linear" if case == "lion_lit" else "torch", None, None, None, None, partial(attention, "torch"))]
-        for name, forward, backward, keys_first, factored, call in runs:
-            settings = dict(forward=_text(forward, factored=factored),
-                            backward=_text(backward, keys_first, factored))
-            with launch_settings(forward, backward, keys_first, factored):
+        runs += [("linear kernels", *unset, attention)] if case == "lion_lit" else []
+        runs += [("linear" if case == "lion_lit" else "torch", *unset, partial(attention, "torch"))]
+        for name, forward, backward, keys_first, factored, map_pass, call in runs:
+            settings = dict(forward=_text(forward, factored=factored, map_pass=map_pass),
+                            backward=_text(backward, keys_first, factored, map_pass))
+            with launch_settings(forward, backward, keys_first, factored, map_pass):
                 try:
                     out = call()
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
@@ -136,7 +132,8 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()  # (nothing to free where CUDA never started: the interpreter's)
                     continue
                 diff = None
-                if name == "bidirectional" and (forward, backward, keys_first, factored) == code:  # (failed: no diffs)
+                # (the code's settings: what the others are compared with; where it failed, no diffs)
+                if name == "bidirectional" and (forward, backward, keys_first, factored, map_pass) == code:
                     expected = results
                 elif expected is not None and name != "sdpa":
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
@@ -160,11 +157,13 @@ def main(argv=None) -> int:
     return 1 if any(row["status"] == STATUS_ERROR for row in rows) else 0
 
 
-def _text(value: Optional[Setting], keys_first: Optional[bool] = None, factored: Optional[bool] = None) -> str:
+def _text(value: Optional[Setting], keys_first: Optional[bool] = None, factored: Optional[bool] = None,
+          map_pass: Optional[bool] = None) -> str:
     """A setting as own,loop,warps; a backward one with " keys first" where its key kernel's tiles are [keys,
-    queries]; either with " entrywise" where no mask tile is factored."""
+    queries]; either with " entrywise" where no mask tile is factored, and " maps in loops" where no pass maps q
+    and k first."""
     return "" if value is None else ",".join(map(str, value)) + (" keys first" if keys_first else "") + \
-        (" entrywise" if factored is False else "")
+        (" entrywise" if factored is False else "") + (" maps in loops" if map_pass is False else "")
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -344,6 +344,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bidirectional-entrywise-masks", action="store_true",
                         help="record the bidirectional kernels with an exponential for every mask entry, no tile "
                              "factored (Tuning.bidirectional_factored_masks off)")
+    parser.add_argument("--bidirectional-maps-in-loops", action="store_true",
+                        help="record the bidirectional kernels mapping every tile of q and k as they read it, with "
+                             "no map pass before them (Tuning.bidirectional_map_pass off)")
     parser.add_argument("--loops", action="store_true",
                         help="also count the instructions of each kernel's loops in its SASS (cuobjdump; about 0.3 "
                              "s a launch), special-function ones apart: what an iteration costs to issue")
@@ -360,6 +363,8 @@ def main(argv=None) -> int:
         knobs["bidirectional_keys_first"] = True
     if args.bidirectional_entrywise_masks:
         knobs["bidirectional_factored_masks"] = False
+    if args.bidirectional_maps_in_loops:
+        knobs["bidirectional_map_pass"] = False
     if args.records is None:  # recorded in a child process: the interpreter is on there, off here
         with tempfile.TemporaryDirectory() as folder:
             path = args.save_records or str(Path(folder) / "launches.json")

@@ -223,7 +223,7 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + launch_lines(folder) + map_lines(folder) + lit_lines(folder) + graph_lines(folder) + \
+    return lines + launch_lines(folder) + lit_lines(folder) + graph_lines(folder) + \
         group_lines(folder) + decode_lines(folder)
 
 
@@ -260,28 +260,6 @@ def lit_lines(folder: Path) -> List[str]:
     return lines
 
 
-def map_lines(folder: Path) -> List[str]:
-    """Where the feature map runs: in the bidirectional kernel as it reads q and k (the code's; a case's first
-    bidirectional row, the code's settings) or by torch ops before it (benchmark_fused.py's "mapped" rows), forward
-    and backward summed over the cases measured both ways; the pick, the faster."""
-    lines = []
-    for run, what in FUSED_KERNEL_RUNS:
-        rows = read(folder / run / "fused.csv")
-        pairs = []
-        for case in dict.fromkeys(row["case"] for row in rows):
-            in_kernel, first = (first_train_us(rows, case, kernel) for kernel in ("bidirectional", "mapped"))
-            if in_kernel is not None and first is not None:
-                pairs.append((in_kernel, first))
-        label = f"the feature map ({what})"
-        if not pairs:
-            lines.append(f"| {label} | not measured | - |")
-            continue
-        in_kernel, first = (sum(pair[i] for pair in pairs) for i in (0, 1))
-        pick = "in the kernels (as now)" if in_kernel <= first else "torch ops first"
-        lines.append(f"| {label} | torch ops first x{first / in_kernel:.2f} of in the kernels | {pick} |")
-    return lines
-
-
 def graph_lines(folder: Path) -> List[str]:
     """Inference at 224 px, batch 16, eager and replayed as a CUDA graph (benchmark_cuda_graph.py, graphs_224_b16),
     each against DeiT-S's the same way: where the replay meets INFERENCE_224 and the eager forward does not, the
@@ -302,7 +280,7 @@ def graph_lines(folder: Path) -> List[str]:
 
 def launch_lines(folder: Path) -> List[str]:
     """The bidirectional kernel's launch settings (Tuning.bidirectional_forward, _backward; "keys first":
-    _keys_first; "entrywise": _factored_masks off) from benchmark_fused.py's rows (the fused_kernels runs): each
+    _keys_first; "entrywise": _factored_masks off; "maps in loops": _map_pass off) from benchmark_fused.py's rows (the fused_kernels runs): each
     pair tried, its forward-and-backward time summed over the cases against the code's pair (the first), and the
     pick, the least."""
     lines = []

@@ -74,6 +74,13 @@ class Tuning:
         an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
         On until a GPU has timed both: less arithmetic for as many blocks a multiprocessor in the training launches
         (sm_90; docs/benchmarks.md, "Factored mask tiles").
+    bidirectional_map_pass: a pass of ours maps k just before the bidirectional forward kernel (q and k before the
+        backward's), which reads those features as given, rather than raw rows that each program maps as it reads a
+        tile of its loop (every key tile once per query tile: 4 times forward at 197 tokens in tiles of 64). The
+        features are dropped after the launch and made again for backward, whose kernels read the raw rows of their
+        own tiles for the map's gradient, so nothing more is kept. The same bits. On until a GPU has timed both:
+        the loops' SASS issues a third to two fifths less forward and a tenth to a sixth less backward, for a pass
+        over k (q and k) that writes each once (docs/benchmarks.md, "Kernels compiled without a GPU").
     linear_kernels: LION-lit's attention form (and its chunk form, one product) on the triton backend runs two kernels
         of ours (ops/triton/linear.py), which map q and k as they read them and write nothing but Y and a state per
         head, rather than Q (K^T V) in torch matmuls with each elementwise step around them a pass over memory. On
@@ -99,6 +106,7 @@ class Tuning:
     bidirectional_backward: LaunchSetting = (64, 32, 8)
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
+    bidirectional_map_pass: bool = True
     linear_kernels: bool = True
     grid_axis_limit: int = 65535
     normaliser_launch: LaunchSetting = (64, 16, 4)
@@ -107,7 +115,8 @@ class Tuning:
         if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
             raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
                              f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
-        for name in ("bidirectional_keys_first", "bidirectional_factored_masks", "linear_kernels"):
+        for name in ("bidirectional_keys_first", "bidirectional_factored_masks", "bidirectional_map_pass",
+                     "linear_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.chunk_backward_fails not in (None, True, False):

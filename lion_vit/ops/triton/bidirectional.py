@@ -11,9 +11,10 @@ a tile whose keys all come before (or all after) its queries along the scan an o
 (_scan_mask; Tuning.bidirectional_factored_masks).
 
 Forward, one program per query tile: S = q k^T and the mask tile by tile, the numerator and the normaliser (a row
-sum) in float32 registers, Y scaled as it is written (scalings.py). The kernels read raw q and k and apply the
-feature map as they load a tile (operands.py's fused maps; its gradient as they write dq and dk), so nothing
-mapped is written or kept.
+sum) in float32 registers, Y scaled as it is written (scalings.py). The feature map (operands.py's fused maps) is
+applied to raw q and k as the kernels load a tile, or (Tuning.bidirectional_map_pass) by a pass just before them
+whose features they read as given, dropped after the launch; its gradient as they write dq and dk, from the raw
+rows. Nothing mapped is kept for backward.
 
 Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z_i (zero for "none", and for
 "max" where |z_i| <= 1), dW = dn V^T - delta:
@@ -140,10 +141,22 @@ def _store_tile(x, value, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
 @triton.jit
 def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K: tl.constexpr,
           NORM_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A key tile's raw rows, its features and its values."""
-    raw = _tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K)
-    return raw, _features(raw, col_ok, DK, BLOCK_K, MAP_K, NORM_K), _tile(v, b, h, cols, col_ok, svb, svh, svl, DV,
-                                                                           BLOCK_V)
+    """A key tile's features and its values."""
+    return (_features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K, NORM_K),
+            _tile(v, b, h, cols, col_ok, svb, svh, svl, DV, BLOCK_V))
+
+
+@triton.jit
+def _map_kernel(x, f, sxb, sxh, sxl, L, H, D, MAP: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """The features f [B, H, L, D] (contiguous) of raw x [B, H, L, D] (rows contiguous): _features, as the kernels
+    map a tile they read (Tuning.bidirectional_map_pass)."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), bh % H
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < L
+    features = _features(_tile(x, b, h, t, ok, sxb, sxh, sxl, D, BLOCK_D), ok, D, BLOCK_D, MAP, NORM)
+    _store_tile(f, features, b, h, t, ok, H * L * D, L * D, D, D, BLOCK_D)
 
 
 @triton.jit
@@ -165,8 +178,8 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
-                                  BLOCK_K, BLOCK_V)
+        k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
+                               BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
         mask = _scan_mask(e0, i0, p0, row_ok, ek, ik, pk, col_ok, False, FACTORED)
         if SCANS == 2:
@@ -206,7 +219,7 @@ def _factors_kernel(dy, y, z, r, delta, sdb, sdh, sdl, syb, syh, syl, L, H, DV, 
 def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L, DK, DV,
              NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_V: tl.constexpr):
-    """A query tile's raw rows, its features, dn = dY r (in dY's dtype) and delta (r 1 and delta 0 where the
+    """A query tile's features, dn = dY r (in dY's dtype) and delta (r 1 and delta 0 where the
     scaling reads no normaliser)."""
     if NORMALISED:
         at = bh.to(tl.int64) * L + rows
@@ -215,8 +228,8 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
         factor, correction = tl.where(row_ok, 1.0, 0.0), tl.zeros_like(rows).to(tl.float32)
     dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
           ).to(dy.dtype.element_ty)
-    raw = _tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K)
-    return raw, _features(raw, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), dn, correction
+    return _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), \
+        dn, correction
 
 
 @triton.jit
@@ -256,22 +269,23 @@ def _over_queries(tile, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
-                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgb, sgh, sgl,
+def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
+                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
                           ses, seb, seh, sel, sps, L, H, DK, DV, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
-                          MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                          MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr, RAW_NORM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                           KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
-    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile. KEYS_FIRST:
+    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile; dk through
+    the map (RAW_MAP, RAW_NORM) of the raw keys raw (strides sr*), which k is or whose features it holds. KEYS_FIRST:
     its tiles are [keys, queries], the transposes of the query kernel's, so that every product's first operand
     spans the program's own keys (Hopper's wgmma wants 64 rows) and no product of registers is transposed."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < L
-    k_raw, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
-                                  BLOCK_K, BLOCK_V)
+    k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K, BLOCK_K,
+                           BLOCK_V)
     de0, di0 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -279,8 +293,8 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
-        _, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
-                                             L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+        q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
+                                          DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
                                                       sps, SCANS, KEYS_FIRST, FACTORED)
         if KEYS_FIRST:
@@ -301,8 +315,9 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
             after, before = _split(g * m1, p_q1, p_k1, KEYS_FIRST)
             de1 -= _over_queries(after, KEYS_FIRST)
             di1 += _over_queries(before, KEYS_FIRST)
-    _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, MAP_K, NORM_K), b, h, cols, col_ok, sgb, sgh, sgl,
-                DK, BLOCK_K)
+    k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
+    _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
+                sgl, DK, BLOCK_K)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
     at = bh.to(tl.int64) * L + cols  # (dE, dI: contiguous [S, B * H, L])
     tl.store(dE + at, de0, mask=col_ok)
@@ -314,28 +329,29 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, dk, dv, dE, dI,
 
 
 @triton.jit
-def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
-                             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sgb, sgh, sgl,
+def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
+                             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
                              ses, seb, seh, sel, sps, L, H, DK, DV,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
-                             NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                             FACTORED: tl.constexpr):
-    """dq (strides sg*) of a query tile; adds its row sums to the column sums in dE, dI."""
+                             NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr,
+                             RAW_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FACTORED: tl.constexpr):
+    """dq (strides sg*) of a query tile, through the map (RAW_MAP, RAW_NORM) of the raw queries raw (strides sr*),
+    which q is or whose features it holds; adds its row sums to the column sums in dE, dI."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
-    q_raw, q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl,
-                                             L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+    q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L, DK,
+                                      DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
-        _, k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
-                                  BLOCK_K, BLOCK_V)
+        k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
+                               BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
                                                       sps, SCANS, False, FACTORED)
         scores = tl.dot(q_tile, tl.trans(k_tile))
@@ -349,8 +365,9 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, dq, dE, dI,
             after, before = _split(g * m1, p_q1, p_k1, False)
             de1 += tl.sum(after, 1)
             di1 -= tl.sum(before, 1)
-    _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), b, h, rows, row_ok, sgb, sgh, sgl,
-                DK, BLOCK_K)
+    q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
+    _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
+                sgl, DK, BLOCK_K)
     at = bh.to(tl.int64) * L + rows
     tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de0, mask=row_ok)
     tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di0, mask=row_ok)
@@ -375,10 +392,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
     z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
     own, loop, warps = tuning().bidirectional_forward
+    k, maps = _by_pass(k, _maps(feature_map), "K")  # (the queries, each a program's own, mapped as read)
     _forward_kernel[(cdiv(length, own), batch * heads)](
         q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
-        SCALING=SCALING_CODES[scaling], **_maps(feature_map), BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
+        SCALING=SCALING_CODES[scaling], **maps, BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
         BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
     return y, z
 
@@ -403,16 +421,21 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
     dI = torch.empty_like(dE)
     own, loop, warps = tuning().bidirectional_backward
-    settings = dict(SCANS=scans, NORMALISED=normalised, **_maps(feature_map), BLOCK_K=_block(key_dim),
-                    BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
-    shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dy), *_strides(dq), *exclusive.stride(),
-              positions.stride(0), length, heads, key_dim, value_dim)
+    settings = dict(SCANS=scans, NORMALISED=normalised, BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
+                    FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
+    maps = _maps(feature_map)
+    queries, loads = _by_pass(q, maps, "Q")
+    keys, loads = _by_pass(k, loads, "K")
+    operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions)
+    strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dy))
+    shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim)
     _backward_keys_kernel[(cdiv(length, own), batch * heads)](
-        q, k, v, dy, r, correction, exclusive, inclusive, positions, dk, dv, dE, dI, *shared, *_strides(dv),
-        BLOCK_M=loop, BLOCK_N=own, KEYS_FIRST=tuning().bidirectional_keys_first, **settings)
+        *operands, k, dk, dv, dE, dI, *strides, *_strides(k), *shared, *_strides(dv), BLOCK_M=loop, BLOCK_N=own,
+        KEYS_FIRST=tuning().bidirectional_keys_first, RAW_MAP=maps["MAP_K"], RAW_NORM=maps["NORM_K"], **loads,
+        **settings)
     _backward_queries_kernel[(cdiv(length, own), batch * heads)](
-        q, k, v, dy, r, correction, exclusive, inclusive, positions, dq, dE, dI, *shared, BLOCK_M=own,
-        BLOCK_N=loop, **settings)
+        *operands, q, dq, dE, dI, *strides, *_strides(q), *shared, BLOCK_M=own, BLOCK_N=loop, RAW_MAP=maps["MAP_Q"],
+        RAW_NORM=maps["NORM_Q"], **loads, **settings)
     return dq, dk, dv, dE, dI
 
 
@@ -436,6 +459,24 @@ def _maps(feature_map: Optional[str]) -> dict:
     """The kernels' feature-map flags for a FUSED_MAPS name (None: q and k are features)."""
     (map_q, norm_q), (map_k, norm_k) = FUSED_MAPS.get(feature_map, ((IDENTITY, False),) * 2)
     return dict(MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k)
+
+
+_MAP_TOKENS = 64  # tokens per program of the map pass
+
+
+def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
+    """x [B, H, L, D] (raw q or k: operand "Q" or "K") as the kernels read it, and the flags (_maps) they read it
+    by: where Tuning.bidirectional_map_pass is on and the maps change x, its features [B, H, L, D] (contiguous) by
+    _map_kernel, read as given (operand's flags cleared); else x and the flags as they are."""
+    kind, norm = maps[f"MAP_{operand}"], maps[f"NORM_{operand}"]
+    if not tuning().bidirectional_map_pass or (kind == IDENTITY and not norm):
+        return x, maps
+    batch, heads, length, width = x.shape
+    features = x.new_empty(batch, heads, length, width)
+    _map_kernel[(cdiv(length, _MAP_TOKENS), batch * heads)](
+        x, features, *_strides(x), length, heads, width, MAP=kind, NORM=norm, BLOCK_T=_MAP_TOKENS,
+        BLOCK_D=_block(width))
+    return features, {**maps, f"MAP_{operand}": IDENTITY, f"NORM_{operand}": False}
 
 
 def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int,
