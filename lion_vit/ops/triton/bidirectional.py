@@ -66,25 +66,35 @@ def _pairs(per_query, per_key, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _scan_mask(e_q, i_q, p_q, q_ok, e_k, i_k, p_k, k_ok, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
-    """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32, of the tokens q_ok and k_ok (the
-    others' entries finite). The exponents are differences in E's dtype (float64 for long sequences, cumulative),
-    then rounded. FACTORED: a tile whose keys all come before its queries along the scan is the outer product
-    exp(E_i - R) exp(R - E_j), R the queries' largest E, and one whose keys all come after them exp(R - I_i)
-    exp(I_j - R), R their least I: an exponential per token, not per entry, each factor <= 1 (the sums are
-    monotone along the scan; the minimum keeps those of padding lanes finite too)."""
+def _span(p, ok):
+    """The first and last scan positions of a tile's tokens ok (positions p): whether _scan_mask factors a tile."""
+    return tl.min(tl.where(ok, p, 1 << 30)), tl.max(tl.where(ok, p, -1))
+
+
+@triton.jit
+def _references(e, i, ok):
+    """The largest E and least I of a query tile's tokens ok: the references R of _scan_mask's factored tiles."""
+    return tl.max(tl.where(ok, e, float("-inf"))), tl.min(tl.where(ok, i, float("inf")))
+
+
+@triton.jit
+def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, KEYS_FIRST: tl.constexpr,
+               FACTORED: tl.constexpr):
+    """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32 (the entries of padding tokens
+    finite). The exponents are differences in E's dtype (float64 for long sequences, cumulative), then rounded.
+    FACTORED: a tile whose keys all come before its queries along the scan (_span's first and last positions of
+    each) is the outer product exp(E_i - R) exp(R - E_j), R = r_e the queries' largest E, and one whose keys all
+    come after them exp(R - I_i) exp(I_j - R), R = r_i their least I (_references): an exponential per token, not
+    per entry, each factor <= 1 (the sums are monotone along the scan; the minimum keeps those of padding lanes
+    finite too). The caller reduces its own tile's span and references once, outside its loop."""
     if FACTORED:
-        first_q, last_q = tl.min(tl.where(q_ok, p_q, 1 << 30)), tl.max(tl.where(q_ok, p_q, -1))
-        first_k, last_k = tl.min(tl.where(k_ok, p_k, 1 << 30)), tl.max(tl.where(k_ok, p_k, -1))
         if last_k < first_q:
-            r = tl.max(tl.where(q_ok, e_q, float("-inf")))
-            queries, keys = _pairs(tl.exp(tl.minimum((e_q - r).to(tl.float32), 0.0)),
-                                   tl.exp(tl.minimum((r - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
+            queries, keys = _pairs(tl.exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)),
+                                   tl.exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
             mask = queries * keys
         elif first_k > last_q:
-            r = tl.min(tl.where(q_ok, i_q, float("inf")))
-            queries, keys = _pairs(tl.exp(tl.minimum((r - i_q).to(tl.float32), 0.0)),
-                                   tl.exp(tl.minimum((i_k - r).to(tl.float32), 0.0)), KEYS_FIRST)
+            queries, keys = _pairs(tl.exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)),
+                                   tl.exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0)), KEYS_FIRST)
             mask = queries * keys
         else:
             mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
@@ -175,16 +185,20 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
+    first_q, last_q = _span(p0, row_ok)  # (the first scan's: the one factored)
+    r_e, r_i = _references(e0, i0, row_ok)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        mask = _scan_mask(e0, i0, p0, row_ok, ek, ik, pk, col_ok, False, FACTORED)
+        first_k, last_k = _span(pk, col_ok)
+        mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-            mask += _scan_mask(e1, i1, p1, row_ok, ek, ik, pk, col_ok, False, False)  # (never factors: _masks)
+            mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False,
+                               False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
         numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
@@ -233,19 +247,31 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 
 @triton.jit
-def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, SCANS: tl.constexpr,
-           KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
+def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i,
+           SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
-    second: the first's where there is one scan) with its query and key positions. FACTORED factors the first
-    scan's tiles only: along the second of two (the natural models' column snake) a tile of consecutive tokens
-    spans every column, so its keys are never all before or all after its queries, and the test costs registers."""
+    second: the first's where there is one scan) with its query and key positions. first, last (and r_e, r_i where
+    the program's own tile holds queries): the first scan's _span (and _references) of the program's own tile, its
+    keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's are reduced here.
+    FACTORED factors the first scan's tiles only: along the second of two (the natural models' column snake) a tile
+    of consecutive tokens spans every column, so its keys are never all before or all after its queries, and the
+    test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-    m0 = _scan_mask(e, i, p_q, row_ok, e_k, i_k, p_k, col_ok, KEYS_FIRST, FACTORED)
+    if OWN_KEYS:
+        first_q, last_q = _span(p_q, row_ok)
+        largest, least = _references(e, i, row_ok)
+        first_k, last_k = first, last
+    else:
+        first_q, last_q, largest, least = first, last, r_e, r_i
+        first_k, last_k = _span(p_k, col_ok)
+    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
+                    FACTORED)
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        m1 = _scan_mask(e, i, p_q1, row_ok, e_k, i_k, p_k1, col_ok, KEYS_FIRST, False)
+        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
+                        False)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
     return m0, m0, p_q, p_k, m0, p_q, p_k
 
@@ -290,13 +316,16 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
     de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+    first_k, last_k = _span(p_own, col_ok)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS, KEYS_FIRST, FACTORED)
+                                                      sps, first_k, last_k, 0.0, 0.0, SCANS, KEYS_FIRST, FACTORED,
+                                                      True)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
@@ -347,13 +376,16 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    first_q, last_q = _span(p_own, row_ok)
+    r_e, r_i = _references(e_own, i_own, row_ok)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, SCANS, False, FACTORED)
+                                                      sps, first_q, last_q, r_e, r_i, SCANS, False, FACTORED, False)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
