@@ -17,7 +17,7 @@ the dtype GPUs train in.
 Prints a line per compiled launch (target, kernel, dtype, constexpr flags, shared memory, and from the
 cubin its registers per thread, stack frame and local memory, which is where registers spill; from the PTX its
 tensor-core instructions; the blocks a multiprocessor fits by registers and shared memory; with --loops, from the
-SASS the instructions of its loops' code, special-function ones apart) and exits 1
+SASS the instructions of its loops' code, special-function ones and barriers apart) and exits 1
 if any fails, with the compiler's message. --records FILE compiles launches recorded before (JSON: module,
 kernel, args, kwargs; a tensor is {"tensor": dtype, "aligned": bool}) instead of recording them.
 """
@@ -255,15 +255,16 @@ def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
     return f", {min(by_registers, by_shared)} blocks a multiprocessor"
 
 
-def loop_code(sass: str) -> Optional[Tuple[int, int]]:
-    """(instructions, special-function ones) in the code of a kernel's loops in cuobjdump's SASS: from the lowest
-    address a backward branch jumps to up to the last backward branch before the kernel's last EXIT (a loop's latch),
-    every branch inside counted (an iteration runs one path through them); None where the kernel has no loop. The
-    code between the loops and that EXIT (the epilogue) is not counted, nor the blocks ptxas places after it that
-    branch back into a loop (the warp-divergence paths of its reductions, which a converged warp never takes). A
-    thread issues each of them once an iteration, so for a loop whose tile products are few (Hopper's wgmma) they
-    are what an iteration costs to issue; the special-function units (MUFU: exponentials, reciprocals, square
-    roots) issue 16 a clock a multiprocessor, an eighth of the float32 units' rate."""
+def loop_code(sass: str) -> Optional[Tuple[int, int, int]]:
+    """(instructions, special-function ones, barriers) in the code of a kernel's loops in cuobjdump's SASS: from the
+    lowest address a backward branch jumps to up to the last backward branch before the kernel's last EXIT (a loop's
+    latch), every branch inside counted (an iteration runs one path through them); None where the kernel has no
+    loop. The code between the loops and that EXIT (the epilogue) is not counted, nor the blocks ptxas places after
+    it that branch back into a loop (the warp-divergence paths of its reductions, which a converged warp never
+    takes). A thread issues each of them once an iteration, so for a loop whose tile products are few (Hopper's
+    wgmma) they are what an iteration costs to issue; the special-function units (MUFU: exponentials, reciprocals,
+    square roots) issue 16 a clock a multiprocessor, an eighth of the float32 units' rate; at a barrier (BAR: shared
+    memory's exchanges between warps, a reduction's or a layout's) every warp of the block waits for the others."""
     code = []  # (address, opcode, branch target or None)
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         words = text.split()
@@ -277,14 +278,14 @@ def loop_code(sass: str) -> Optional[Tuple[int, int]]:
         return None
     start, end = min(target for target, _ in back), max(address for _, address in back)
     ops = [op for address, op, _ in code if start <= address <= end]
-    return len(ops), sum(op.startswith("MUFU") for op in ops)
+    return len(ops), sum(op.startswith("MUFU") for op in ops), sum(op.split(".")[0] == "BAR" for op in ops)
 
 
 def _loop_issue(compiled) -> str:
-    """", loop I instructions (MUFU M)" (`loop_code` of the cubin's SASS); "" where cuobjdump is missing or there
-    is no loop."""
+    """", loop I instructions (MUFU M, BAR B)" (`loop_code` of the cubin's SASS); "" where cuobjdump is missing or
+    there is no loop."""
     found = loop_code(_cuobjdump(compiled, "-sass") or "")
-    return f", loop {found[0]} instructions (MUFU {found[1]})" if found else ""
+    return f", loop {found[0]} instructions (MUFU {found[1]}, BAR {found[2]})" if found else ""
 
 
 def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
                              "no map pass before them (Tuning.bidirectional_map_pass off)")
     parser.add_argument("--loops", action="store_true",
                         help="also count the instructions of each kernel's loops in its SASS (cuobjdump; about 0.3 "
-                             "s a launch), special-function ones apart: what an iteration costs to issue")
+                             "s a launch), special-function ones and barriers apart: what an iteration costs to "
+                             "issue")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
     parser.add_argument("--knobs", type=json.loads, default={}, help=argparse.SUPPRESS)  # and its parent's knobs
     args = parser.parse_args(argv)

@@ -992,16 +992,16 @@ def test_every_kernel_compiles_for_hopper_where_the_interpreter_would_not_tell(t
 def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
     """compile_kernels.loop_code (--loops): the instructions from the lowest target of a backward branch to the last
     backward branch before the kernel's last EXIT (the latch, predicated or not), predicated ones and every branch
-    inside included, and the special-function ones among them; not the epilogue, nor the out-of-line blocks after
-    that EXIT that branch back into the loop (a reduction's divergence path, as ptxas places them); a forward branch
-    (an if) opens no loop, and a kernel without a backward branch has no loop."""
+    inside included, and the special-function ones and barriers among them; not the epilogue, nor the out-of-line
+    blocks after that EXIT that branch back into the loop (a reduction's divergence path, as ptxas places them); a
+    forward branch (an if) opens no loop, and a kernel without a backward branch has no loop."""
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   MUFU.RCP R2, R3 ;
         /*0020*/                   FMUL R4, R2, R2 ;
         /*0030*/               @P0 BRA 0x70 ;
         /*0040*/                   MUFU.EX2 R5, R4 ;
-        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0060*/                   BRA.DIV UR6, 0xd0 ;
         /*0070*/                   MUFU.EX2 R6, R4 ;
         /*0080*/              @!P1 BRA 0x20 ;
@@ -1013,8 +1013,8 @@ def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
         /*00e0*/                   BRA 0x70 ;
         /*00f0*/                   BRA 0xf0;
 """
-    assert compile_kernels.loop_code(sass) == (7, 2)  # 0x20-0x80: FMUL, BRA, MUFU, HGMMA, BRA.DIV, MUFU, BRA
-    assert compile_kernels.loop_code(sass.replace("@!P1 BRA 0x20", "BRA 0x20")) == (7, 2)
+    assert compile_kernels.loop_code(sass) == (7, 2, 1)  # 0x20-0x80: FMUL, BRA, MUFU, BAR, BRA.DIV, MUFU, BRA
+    assert compile_kernels.loop_code(sass.replace("@!P1 BRA 0x20", "BRA 0x20")) == (7, 2, 1)
     assert compile_kernels.loop_code(sass.replace("BRA 0x20", "BRA 0xc0").replace("BRA 0x70 ;\n        /*00f0",
                                                                                   "EXIT ;\n        /*00f0")) is None
 
