@@ -277,7 +277,8 @@ def test_the_bidirectional_kernel_reads_projection_views_of_other_widths():
 def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch, knobs):
     """Tuning.bidirectional_forward, _backward, _keys_first and _factored_masks reach the kernels as they launch:
     each kernel's grid (a program per own tile and image-head), its loop's tile, its warps, the key kernel's
-    orientation and the masks' factoring; in another setting the function is the same."""
+    orientation and the masks' factoring; in another setting the function is the same. One scan in token order
+    (no orders) launches them IN_ORDER: its tiles' spans are their bounds."""
     from lion_vit.ops.triton import bidirectional
     launches = []
 
@@ -288,7 +289,8 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append((self.kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"],
-                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST"), kwargs["FACTORED"]))
+                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST"), kwargs["FACTORED"],
+                                 kwargs["IN_ORDER"]))
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
@@ -302,17 +304,17 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
         return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
 
     code = run()
-    assert launches[1][-2] is tuning().bidirectional_keys_first
-    assert [launch[-1] for launch in launches] == [tuning().bidirectional_factored_masks] * 3
+    assert launches[1][-3] is tuning().bidirectional_keys_first
+    assert [launch[-2:] for launch in launches] == [(tuning().bidirectional_factored_masks, True)] * 3
     knobs(bidirectional_forward=(16, 32, 2), bidirectional_backward=(32, 16, 1),
           bidirectional_keys_first=not tuning().bidirectional_keys_first,
           bidirectional_factored_masks=not tuning().bidirectional_factored_masks)
     launches.clear()
     other = run()
     keys_first, factored = tuning().bidirectional_keys_first, tuning().bidirectional_factored_masks
-    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2, None, factored),
-                        ("_backward_keys_kernel", (2, 2), 16, 32, 1, keys_first, factored),
-                        ("_backward_queries_kernel", (2, 2), 32, 16, 1, None, factored)]
+    assert launches == [("_forward_kernel", (3, 2), 16, 32, 2, None, factored, True),
+                        ("_backward_keys_kernel", (2, 2), 16, 32, 1, keys_first, factored, True),
+                        ("_backward_queries_kernel", (2, 2), 32, 16, 1, None, factored, True)]
     assert all(rel_err(got, want) < 1e-5 for got, want in zip(other, code))
 
 

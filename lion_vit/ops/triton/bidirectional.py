@@ -66,9 +66,16 @@ def _pairs(per_query, per_key, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _span(p, ok):
-    """The first and last scan positions of a tile's tokens ok (positions p): whether _scan_mask factors a tile."""
-    return tl.min(tl.where(ok, p, 1 << 30)), tl.max(tl.where(ok, p, -1))
+def _span(p, ok, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
+    """The first and last scan positions of a tile's tokens ok (positions p; the tile: SIZE tokens from start, of
+    L): whether _scan_mask factors a tile. IN_ORDER (one scan in token order, p the tokens' own indices): its
+    first and last tokens, with no reduction (one through shared memory, where the tile's tokens span the
+    block's warps)."""
+    if IN_ORDER:
+        first, last = start, tl.minimum(start + SIZE, L) - 1
+    else:
+        first, last = tl.min(tl.where(ok, p, 1 << 30)), tl.max(tl.where(ok, p, -1))
+    return first, last
 
 
 @triton.jit
@@ -174,7 +181,7 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
                     ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
                     MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                    FACTORED: tl.constexpr):
+                    FACTORED: tl.constexpr, IN_ORDER: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,7 +192,7 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
-    first_q, last_q = _span(p0, row_ok)  # (the first scan's: the one factored)
+    first_q, last_q = _span(p0, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)  # (the first scan's: the one factored)
     r_e, r_i = _references(e0, i0, row_ok)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -193,7 +200,7 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        first_k, last_k = _span(pk, col_ok)
+        first_k, last_k = _span(pk, col_ok, start, L, BLOCK_N, IN_ORDER)
         mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
@@ -247,24 +254,26 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 
 @triton.jit
-def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i,
-           SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr):
+def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i, start, L,
+           LOOP: tl.constexpr, SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr,
+           OWN_KEYS: tl.constexpr, IN_ORDER: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
     second: the first's where there is one scan) with its query and key positions. first, last (and r_e, r_i where
     the program's own tile holds queries): the first scan's _span (and _references) of the program's own tile, its
-    keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's are reduced here.
+    keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's (LOOP tokens from start)
+    here.
     FACTORED factors the first scan's tiles only: along the second of two (the natural models' column snake) a tile
     of consecutive tokens spans every column, so its keys are never all before or all after its queries, and the
     test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
     if OWN_KEYS:
-        first_q, last_q = _span(p_q, row_ok)
+        first_q, last_q = _span(p_q, row_ok, start, L, LOOP, IN_ORDER)
         largest, least = _references(e, i, row_ok)
         first_k, last_k = first, last
     else:
         first_q, last_q, largest, least = first, last, r_e, r_i
-        first_k, last_k = _span(p_k, col_ok)
+        first_k, last_k = _span(p_k, col_ok, start, L, LOOP, IN_ORDER)
     m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                     FACTORED)
     if SCANS == 2:
@@ -301,7 +310,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr, RAW_NORM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                          KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr):
+                          KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, IN_ORDER: tl.constexpr):
     """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile; dk through
     the map (RAW_MAP, RAW_NORM) of the raw keys raw (strides sr*), which k is or whose features it holds. KEYS_FIRST:
     its tiles are [keys, queries], the transposes of the query kernel's, so that every product's first operand
@@ -317,15 +326,15 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-    first_k, last_k = _span(p_own, col_ok)
+    first_k, last_k = _span(p_own, col_ok, block * BLOCK_N, L, BLOCK_N, IN_ORDER)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, first_k, last_k, 0.0, 0.0, SCANS, KEYS_FIRST, FACTORED,
-                                                      True)
+                                                      sps, first_k, last_k, 0.0, 0.0, start, L, BLOCK_M, SCANS,
+                                                      KEYS_FIRST, FACTORED, True, IN_ORDER)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
@@ -364,7 +373,8 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
                              NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr,
                              RAW_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FACTORED: tl.constexpr):
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FACTORED: tl.constexpr,
+                             IN_ORDER: tl.constexpr):
     """dq (strides sg*) of a query tile, through the map (RAW_MAP, RAW_NORM) of the raw queries raw (strides sr*),
     which q is or whose features it holds; adds its row sums to the column sums in dE, dI."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -377,7 +387,7 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-    first_q, last_q = _span(p_own, row_ok)
+    first_q, last_q = _span(p_own, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)
     r_e, r_i = _references(e_own, i_own, row_ok)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -385,7 +395,8 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, first_q, last_q, r_e, r_i, SCANS, False, FACTORED, False)
+                                                      sps, first_q, last_q, r_e, r_i, start, L, BLOCK_N, SCANS, False,
+                                                      FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
@@ -415,10 +426,11 @@ def _strides(x: Tensor) -> Tuple[int, int, int]:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-             feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Optional[Tensor]]:
+             feature_map: Optional[str], scaling: str, in_order: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) and the normaliser [B, H, L] float32 (None for scaling "none") of
     q, k [B, H, L, Dk] (raw, mapped by the kernels through a FUSED_MAPS name, or features: None) and v, from each
-    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L]."""
+    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L]; in_order: one scan
+    in token order (positions the tokens' indices), whose tiles' spans need no reduction."""
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
@@ -429,12 +441,14 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
         q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **maps, BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
-        BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
+        BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order,
+        num_warps=warps)
     return y, z
 
 
 def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-              y: Tensor, z: Optional[Tensor], feature_map: Optional[str], scaling: str) -> Tuple[Tensor, ...]:
+              y: Tensor, z: Optional[Tensor], feature_map: Optional[str], scaling: str, in_order: bool = False
+              ) -> Tuple[Tensor, ...]:
     """The gradients of q, k, v (token-major, as a projection's are) and of E and I ([S, B, H, L] float32) from
     dY [B, H, L, Dv] and what _forward took and gave."""
     dy = rows_contiguous(dy)
@@ -454,7 +468,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     dI = torch.empty_like(dE)
     own, loop, warps = tuning().bidirectional_backward
     settings = dict(SCANS=scans, NORMALISED=normalised, BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
-                    FACTORED=tuning().bidirectional_factored_masks, num_warps=warps)
+                    FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order, num_warps=warps)
     maps = _maps(feature_map)
     queries, loads = _by_pass(q, maps, "Q")
     keys, loads = _by_pass(k, loads, "K")
@@ -476,15 +490,16 @@ class _Bidirectional(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-                feature_map: Optional[str], scaling: str) -> Tensor:
-        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
+                feature_map: Optional[str], scaling: str, in_order: bool) -> Tensor:
+        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling, in_order)
         ctx.save_for_backward(q, k, v, exclusive, inclusive, positions, y, z)
-        ctx.feature_map, ctx.scaling = feature_map, scaling
+        ctx.feature_map, ctx.scaling, ctx.in_order = feature_map, scaling, in_order
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        return (*_backward(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling), None, None, None)
+        return (*_backward(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling, ctx.in_order), None, None, None,
+                None)
 
 
 def _maps(feature_map: Optional[str]) -> dict:
@@ -548,7 +563,8 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
             return _INFERENCE_OP(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
         q, k, v, exclusive, inclusive, positions, feature_map = _prepared(q, k, v, log_decays, orders, feature_map,
                                                                           traced=True)
-        return _TRAINING_OP(q, k, v, exclusive, inclusive, positions, feature_map, scaling)[0].transpose(1, 2)
+        return _TRAINING_OP(q, k, v, exclusive, inclusive, positions, feature_map, scaling, orders is None
+                            )[0].transpose(1, 2)
     return _eagerly(q, k, v, log_decays, orders, feature_map, scaling).transpose(1, 2)
 
 
@@ -580,9 +596,10 @@ def _eagerly(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orde
     """Y [B, L, H, Dv] of bidirectional_form."""
     from ..dispatch import records_autograd
     q, k, v, exclusive, inclusive, positions, feature_map = _prepared(q, k, v, log_decays, orders, feature_map)
+    in_order = orders is None  # (one scan in token order)
     if not records_autograd(q, k, v, exclusive, inclusive):  # (inference: no autograd Functions' host time)
-        return _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)[0].transpose(1, 2)
-    y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
+        return _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling, in_order)[0].transpose(1, 2)
+    y = _Bidirectional.apply(q, k, v, exclusive, inclusive, positions, feature_map, scaling, in_order)
     return _FirstOrderOnly.apply(y).transpose(1, 2)
 
 
@@ -601,27 +618,27 @@ def _custom_ops():
 
     @launched_on_device_of(0)
     def forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-                feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Tensor]:
-        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling)
+                feature_map: Optional[str], scaling: str, in_order: bool) -> Tuple[Tensor, Tensor]:
+        y, z = _forward(q, k, v, exclusive, inclusive, positions, feature_map, scaling, in_order)
         return y.transpose(1, 2), q.new_empty(0, dtype=torch.float32) if z is None else z
 
     def forward_shape(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-                      feature_map: Optional[str], scaling: str) -> Tuple[Tensor, Tensor]:
+                      feature_map: Optional[str], scaling: str, in_order: bool) -> Tuple[Tensor, Tensor]:
         batch, heads, length, value_dim = v.shape
         return (v.new_empty(batch, length, heads, value_dim),
                 q.new_empty((0,) if scaling == "none" else (batch, heads, length), dtype=torch.float32))
 
     @launched_on_device_of(0)
     def backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
-                 y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str
+                 y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str, in_order: bool
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         grads = _backward(dy.transpose(1, 2), q, k, v, exclusive, inclusive, positions, y.transpose(1, 2),
-                          None if scaling == "none" else z, feature_map, scaling)
+                          None if scaling == "none" else z, feature_map, scaling, in_order)
         return (*(grad.transpose(1, 2) for grad in grads[:3]), *grads[3:])  # (token-major: contiguous)
 
     def backward_shape(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor,
-                       positions: Tensor, y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str
-                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       positions: Tensor, y: Tensor, z: Tensor, feature_map: Optional[str], scaling: str,
+                       in_order: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         batch, heads, length, _ = v.shape
         tokens = [x.new_empty(batch, length, heads, x.shape[-1]) for x in (q, k, v)]
         return (*tokens, *(q.new_empty((len(positions), batch, heads, length), dtype=torch.float32)
@@ -629,11 +646,11 @@ def _custom_ops():
 
     def save(ctx, inputs, output) -> None:
         ctx.save_for_backward(*inputs[:6], *output)
-        ctx.feature_map, ctx.scaling = inputs[6:]
+        ctx.feature_map, ctx.scaling, ctx.in_order = inputs[6:]
 
     def differentiate(ctx, dy: Tensor, dz: Tensor):
-        dq, dk, dv, dE, dI = backward_op(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dE, dI, None, None, None
+        dq, dk, dv, dE, dI = backward_op(dy, *ctx.saved_tensors, ctx.feature_map, ctx.scaling, ctx.in_order)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dE, dI, None, None, None, None
 
     ops = registered_ops("bidirectional", inference, inference_shape, forward, forward_shape, backward, backward_shape)
     if ops is None:
