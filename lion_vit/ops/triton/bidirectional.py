@@ -261,10 +261,9 @@ def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, f
     second: the first's where there is one scan) with its query and key positions. first, last (and r_e, r_i where
     the program's own tile holds queries): the first scan's _span (and _references) of the program's own tile, its
     keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's (LOOP tokens from start)
-    here.
-    FACTORED factors the first scan's tiles only: along the second of two (the natural models' column snake) a tile
-    of consecutive tokens spans every column, so its keys are never all before or all after its queries, and the
-    test costs registers."""
+    here. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column snake)
+    a tile of consecutive tokens spans every column, so its keys are never all before or all after its queries, and
+    the test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
     if OWN_KEYS:
