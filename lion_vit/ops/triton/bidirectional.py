@@ -28,7 +28,8 @@ come from the log decays by torch ops (O(L)), through which autograd carries the
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -75,6 +76,18 @@ def _span(p, ok, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
         first, last = start, tl.minimum(start + SIZE, L) - 1
     else:
         first, last = tl.min(tl.where(ok, p, 1 << 30)), tl.max(tl.where(ok, p, -1))
+    return first, last
+
+
+@triton.jit
+def _loop_span(T, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
+    """_span of a loop's tile (SIZE tokens from start, of L) with no reduction: its first and last tokens IN_ORDER,
+    else read from the table T [tiles, 2] (_tile_spans)."""
+    if IN_ORDER:
+        first, last = start, tl.minimum(start + SIZE, L) - 1
+    else:
+        at = (start // SIZE) * 2
+        first, last = tl.load(T + at), tl.load(T + at + 1)
     return first, last
 
 
@@ -177,7 +190,7 @@ def _map_kernel(x, f, sxb, sxh, sxl, L, H, D, MAP: tl.constexpr, NORM: tl.conste
 
 
 @triton.jit
-def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
+def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
                     ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
                     MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -200,7 +213,7 @@ def _forward_kernel(q, k, v, E, I, P, y, z, sqb, sqh, sql, skb, skh, skl, svb, s
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
-        first_k, last_k = _span(pk, col_ok, start, L, BLOCK_N, IN_ORDER)
+        first_k, last_k = _loop_span(T, start, L, BLOCK_N, IN_ORDER)
         mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
@@ -254,25 +267,25 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 
 @triton.jit
-def _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i, start, L,
+def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i, start, L,
            LOOP: tl.constexpr, SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr,
            OWN_KEYS: tl.constexpr, IN_ORDER: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
     second: the first's where there is one scan) with its query and key positions. first, last (and r_e, r_i where
     the program's own tile holds queries): the first scan's _span (and _references) of the program's own tile, its
     keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's (LOOP tokens from start)
-    here. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column snake)
-    a tile of consecutive tokens spans every column, so its keys are never all before or all after its queries, and
-    the test costs registers."""
+    by _loop_span. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column
+    snake) a tile of consecutive tokens spans every column, so its keys are never all before or all after its
+    queries, and the test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
     if OWN_KEYS:
-        first_q, last_q = _span(p_q, row_ok, start, L, LOOP, IN_ORDER)
+        first_q, last_q = _loop_span(T, start, L, LOOP, IN_ORDER)
         largest, least = _references(e, i, row_ok)
         first_k, last_k = first, last
     else:
         first_q, last_q, largest, least = first, last, r_e, r_i
-        first_k, last_k = _span(p_k, col_ok, start, L, LOOP, IN_ORDER)
+        first_k, last_k = _loop_span(T, start, L, LOOP, IN_ORDER)
     m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                     FACTORED)
     if SCANS == 2:
@@ -303,7 +316,7 @@ def _over_queries(tile, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
+def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI,
                           sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
                           ses, seb, seh, sel, sps, L, H, DK, DV, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
@@ -331,8 +344,8 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
         row_ok = rows < L
         q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
-        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, first_k, last_k, 0.0, 0.0, start, L, BLOCK_M, SCANS,
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
+                                                      sel, sps, first_k, last_k, 0.0, 0.0, start, L, BLOCK_M, SCANS,
                                                       KEYS_FIRST, FACTORED, True, IN_ORDER)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
@@ -366,7 +379,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, raw, dk, dv, dE, dI,
 
 
 @triton.jit
-def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
+def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
                              sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
                              ses, seb, seh, sel, sps, L, H, DK, DV,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
@@ -393,9 +406,9 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, raw, dq, dE, dI,
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
-        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel,
-                                                      sps, first_q, last_q, r_e, r_i, start, L, BLOCK_N, SCANS, False,
-                                                      FACTORED, False, IN_ORDER)
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
+                                                      sel, sps, first_q, last_q, r_e, r_i, start, L, BLOCK_N, SCANS,
+                                                      False, FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
@@ -436,8 +449,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
     z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
     own, loop, warps = tuning().bidirectional_forward
     k, maps = _by_pass(k, _maps(feature_map), "K")  # (the queries, each a program's own, mapped as read)
+    spans = positions if in_order else _tile_spans(positions, loop)  # (in order: unread)
     _forward_kernel[(cdiv(length, own), batch * heads)](
-        q, k, v, exclusive, inclusive, positions, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
+        q, k, v, exclusive, inclusive, positions, spans, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **maps, BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
         BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order,
@@ -471,7 +485,8 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     maps = _maps(feature_map)
     queries, loads = _by_pass(q, maps, "Q")
     keys, loads = _by_pass(k, loads, "K")
-    operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions)
+    spans = positions if in_order else _tile_spans(positions, loop)  # (in order: unread)
+    operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions, spans)
     strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dy))
     shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim)
     _backward_keys_kernel[(cdiv(length, own), batch * heads)](
@@ -508,6 +523,27 @@ def _maps(feature_map: Optional[str]) -> dict:
 
 
 _MAP_TOKENS = 64  # tokens per program of the map pass
+
+_SPANS_KEPT: Dict[tuple, Tuple[weakref.ref, Tensor]] = {}
+
+
+def _tile_spans(positions: Tensor, size: int) -> Tensor:
+    """The first scan's first and last positions of each tile of `size` tokens, [tiles, 2], from positions
+    [S, L]: what the kernels' loops read (_loop_span) in place of two reductions a tile. Kept per positions tensor
+    (those of a model's orders are kept with them: fla._scan_indices) and size."""
+    key = (id(positions), size)
+    kept = _SPANS_KEPT.get(key)
+    if kept is not None and kept[0]() is positions:
+        return kept[1]
+    length = positions.shape[-1]
+    tiles, first = cdiv(length, size), positions[0]
+    if tiles * size > length:  # (the last tile filled with its last token's position: its span the same)
+        first = torch.cat([first, first[-1:].expand(tiles * size - length)])
+    spans = torch.stack(first.view(tiles, size).aminmax(dim=1), 1)  # (three small ops where nothing is kept)
+    if len(_SPANS_KEPT) >= 64:
+        _SPANS_KEPT.clear()
+    _SPANS_KEPT[key] = (weakref.ref(positions), spans)
+    return spans
 
 
 def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
