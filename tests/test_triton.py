@@ -562,7 +562,8 @@ def test_triton_gradients_are_the_same_bits_every_run(form, keys_first, chunks_a
 
 def test_scan_indices_are_built_once_per_orders_tensor():
     """A model hands the same orders tensor to every call: from the second call on, no index arithmetic
-    runs around the kernels; another orders tensor of the same shape gets indices of its own."""
+    runs around the kernels (the bidirectional kernel's tile spans too); another orders tensor of the same shape
+    gets indices of its own."""
     orders = snake_orders(3, 4, num_prefix_tokens=1).to(DEVICE)
     q, k, v, lam = make_inputs(1, 2, 13, 16, "selective", torch.float32)
     log_decays = torch.log(torch.stack([lam, lam.flip(-1)])).float()
@@ -575,6 +576,13 @@ def test_scan_indices_are_built_once_per_orders_tensor():
     with AtenCalls() as seen:
         run(orders)
     assert not {"arange", "argsort", "sort", "roll"} & seen.names, seen.names
+    from lion_vit.ops import Plan
+    attention = partial(lion_attention, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), log_decays.to(DEVICE), orders,
+                        form="attention", backend="triton", plan=Plan("attention", "triton", whole=True))
+    attention()
+    with AtenCalls() as seen:  # (the bidirectional kernel's table of tile spans, kept as the indices are)
+        attention()
+    assert not {"aminmax", "cat", "argsort"} & seen.names, seen.names
     for other in (orders.flip(0), orders.flip(0).clone()):  # the scans swapped: each scan its other decays
         expected = lion_reference_multiscan(q.double(), k.double(), v.double(), log_decays.double(), other.cpu())
         assert rel_err(run(other), expected) < TOL

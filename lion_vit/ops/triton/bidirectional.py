@@ -28,8 +28,7 @@ come from the log decays by torch ops (O(L)), through which autograd carries the
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -38,7 +37,7 @@ from torch import Tensor
 
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
-from .fla import _FirstOrderOnly, _scan_indices, kernel_inputs, launched_on_device_of
+from .fla import _FirstOrderOnly, _scan_indices, kept, kernel_inputs, launched_on_device_of
 from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, cdiv,
                        in_rows, rows_contiguous)
 
@@ -524,27 +523,6 @@ def _maps(feature_map: Optional[str]) -> dict:
 
 _MAP_TOKENS = 64  # tokens per program of the map pass
 
-_SPANS_KEPT: Dict[tuple, Tuple[weakref.ref, Tensor]] = {}
-
-
-def _tile_spans(positions: Tensor, size: int) -> Tensor:
-    """The first scan's first and last positions of each tile of `size` tokens, [tiles, 2], from positions
-    [S, L]: what the kernels' loops read (_loop_span) in place of two reductions a tile. Kept per positions tensor
-    (those of a model's orders are kept with them: fla._scan_indices) and size."""
-    key = (id(positions), size)
-    kept = _SPANS_KEPT.get(key)
-    if kept is not None and kept[0]() is positions:
-        return kept[1]
-    length = positions.shape[-1]
-    tiles, first = cdiv(length, size), positions[0]
-    if tiles * size > length:  # (the last tile filled with its last token's position: its span the same)
-        first = torch.cat([first, first[-1:].expand(tiles * size - length)])
-    spans = torch.stack(first.view(tiles, size).aminmax(dim=1), 1)  # (three small ops where nothing is kept)
-    if len(_SPANS_KEPT) >= 64:
-        _SPANS_KEPT.clear()
-    _SPANS_KEPT[key] = (weakref.ref(positions), spans)
-    return spans
-
 
 def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
     """x [B, H, L, D] (raw q or k: operand "Q" or "K") as the kernels read it, and the flags (_maps) they read it
@@ -559,6 +537,19 @@ def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
         x, features, *_strides(x), length, heads, width, MAP=kind, NORM=norm, BLOCK_T=_MAP_TOKENS,
         BLOCK_D=_block(width))
     return features, {**maps, f"MAP_{operand}": IDENTITY, f"NORM_{operand}": False}
+
+
+def _tile_spans(positions: Tensor, size: int) -> Tensor:
+    """The first scan's first and last positions of each tile of `size` tokens, [tiles, 2], from positions
+    [S, L]: what the kernels' loops read (_loop_span) in place of two reductions a tile. Kept per positions tensor
+    (those of a model's orders are kept with them: fla._scan_indices) and size."""
+    def make() -> Tensor:
+        length = positions.shape[-1]
+        tiles, first = cdiv(length, size), positions[0]
+        if tiles * size > length:  # (the last tile filled with its last token's position: its span the same)
+            first = torch.cat([first, first[-1:].expand(tiles * size - length)])
+        return torch.stack(first.view(tiles, size).aminmax(dim=1), 1)  # (three small ops where nothing is kept)
+    return kept(positions, ("tile spans", size), make)
 
 
 def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int,

@@ -25,7 +25,7 @@ import importlib.util
 import re
 import weakref
 from functools import lru_cache, wraps
-from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -99,16 +99,33 @@ class _Indices(NamedTuple):
     spans: Tensor  # [2, S, 1, 1, L] float32: each token's scan position p and p + 1 (bidirectional.cumulative)
 
 
-_kept: Dict[tuple, Tuple[Optional[weakref.ref], _Indices]] = {}
+_kept: Dict[tuple, Tuple[Optional[weakref.ref], object]] = {}
+_KEPT_AT_MOST = 64
+_Kept = TypeVar("_Kept")
+
+
+def kept(owner: Optional[Tensor], key: tuple, make: Callable[[], _Kept]) -> _Kept:
+    """make()'s result, made once per owner tensor (while that lives: a model keeps its orders) and key, or per key
+    where owner is None, and kept (at most _KEPT_AT_MOST at a time), so that a call launches none of its work."""
+    full = key if owner is None else (id(owner), *key)
+    found = _kept.get(full)
+    if found is not None and (owner is None or found[0]() is owner):
+        return found[1]  # type: ignore[return-value]
+    value = make()
+    if len(_kept) >= _KEPT_AT_MOST:
+        _kept.clear()
+    _kept[full] = (None if owner is None else weakref.ref(owner), value)
+    return value
 
 
 def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -> _Indices:
     """The indices of S scans (orders [S, L], or None: one scan in token order), built once per orders
     tensor (a model keeps one per grid) or length and kept, so that a call launches no index arithmetic."""
-    key = (length, device) if orders is None else (id(orders), length, device)
-    kept = _kept.get(key)
-    if kept is not None and (orders is None or kept[0]() is orders):
-        return kept[1]
+    return kept(orders, ("scan indices", length, device), lambda: _indices(orders, length, device))
+
+
+def _indices(orders: Optional[Tensor], length: int, device: torch.device) -> _Indices:
+    """_scan_indices' indices, built."""
     from .operands import Layout
     order = torch.arange(length, device=device)[None] if orders is None else orders
     mirrored = order.flip(-1)
@@ -120,11 +137,7 @@ def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -
                     torch.stack([position, length - 1 - position], 1).flatten(0, 1))
     following = order.roll(-1, -1).gather(-1, position)
     spans = torch.stack([position, position + 1]).float()[:, :, None, None, :]
-    indices = _Indices(order, following, (position == length - 1)[:, None, :, None], layout, position, spans)
-    if len(_kept) >= 64:
-        _kept.clear()
-    _kept[key] = (None if orders is None else weakref.ref(orders), indices)
-    return indices
+    return _Indices(order, following, (position == length - 1)[:, None, :, None], layout, position, spans)
 
 
 def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int, heads: int
