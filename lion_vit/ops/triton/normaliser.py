@@ -121,8 +121,9 @@ def _launch(kernel, launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], *
             x_factor: Optional[Tensor] = None, reverse: bool = False, **flags) -> None:
     sequences, length, heads, width = x.shape
     chunk_tokens, _, warps = launch
-    kernel[(cdiv(length, chunk_tokens), sequences * heads)](
-        x, x_factor, gates, *args, length, heads, width, cdiv(length, chunk_tokens),
+    chunks = cdiv(length, chunk_tokens)
+    kernel[(chunks, sequences * heads)](
+        x, x_factor, gates, *args, length, heads, width, chunks,
         HAS_X_FACTOR=x_factor is not None, HAS_GATES=gates is not None, REVERSE=reverse, **flags,
         BLOCK_T=chunk_tokens, BLOCK_K=_block(width), num_warps=warps)
 
