@@ -48,11 +48,15 @@ FLOAT64_EXPONENTS_ABOVE = 1024
 
 
 @triton.jit
-def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps):
-    """One scan's E, I (float32, or float64 for long sequences) and positions of tokens t."""
+def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps, IN_ORDER: tl.constexpr):
+    """One scan's E, I (float32, or float64 for long sequences) and positions of tokens t: IN_ORDER (one scan in
+    token order), t themselves, not loaded."""
     at = s * ses + b * seb + h * seh + t * sel
-    return (tl.load(E + at, mask=ok, other=0.0), tl.load(I + at, mask=ok, other=0.0),
-            tl.load(P + s * sps + t, mask=ok, other=0))
+    if IN_ORDER:
+        positions = t
+    else:
+        positions = tl.load(P + s * sps + t, mask=ok, other=0)
+    return tl.load(E + at, mask=ok, other=0.0), tl.load(I + at, mask=ok, other=0.0), positions
 
 
 @triton.jit
@@ -199,9 +203,9 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
     q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
-    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
     if SCANS == 2:
-        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
     first_q, last_q = _span(p0, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)  # (the first scan's: the one factored)
@@ -211,11 +215,11 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
-        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
         first_k, last_k = _loop_span(T, start, L, BLOCK_N, IN_ORDER)
         mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
         if SCANS == 2:
-            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
             mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False,
                                False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
@@ -276,8 +280,8 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
     by _loop_span. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column
     snake) a tile of consecutive tokens spans every column, so its keys are never all before or all after its
     queries, and the test costs registers."""
-    e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-    e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+    e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
+    e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
     if OWN_KEYS:
         first_q, last_q = _loop_span(T, start, L, LOOP, IN_ORDER)
         largest, least = _references(e, i, row_ok)
@@ -288,8 +292,8 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
     m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                     FACTORED)
     if SCANS == 2:
-        e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps)
-        e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+        e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
+        e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
         m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                         False)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
@@ -336,7 +340,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps)
+    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
     first_k, last_k = _span(p_own, col_ok, block * BLOCK_N, L, BLOCK_N, IN_ORDER)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -397,7 +401,7 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps)
+    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
     first_q, last_q = _span(p_own, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)
     r_e, r_i = _references(e_own, i_own, row_ok)
     for start in range(0, L, BLOCK_N):
@@ -441,7 +445,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) and the normaliser [B, H, L] float32 (None for scaling "none") of
     q, k [B, H, L, Dk] (raw, mapped by the kernels through a FUSED_MAPS name, or features: None) and v, from each
     scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L]; in_order: one scan
-    in token order (positions the tokens' indices), whose tiles' spans need no reduction."""
+    in token order (positions the tokens' indices, which the kernels take for them: not read), whose tiles' spans
+    need no reduction."""
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
