@@ -588,6 +588,34 @@ def test_scan_indices_are_built_once_per_orders_tensor():
         assert rel_err(run(other), expected) < TOL
 
 
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_bidirectional_kernels_read_positions_as_int32(traced, monkeypatch):
+    """The kernels read each scan's positions, and the table of their tiles' spans, as int32 (half int64's
+    registers and bytes in every loop): eagerly from the indices kept with the orders, traced (a compiler's custom
+    op) from the positions it computes. Two snakes, training: forward and both backward kernels."""
+    from lion_vit.ops.triton import bidirectional
+    read = []
+
+    def recorded(kernel):
+        class Recorded:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    read.extend(args[kernel.arg_names.index(name)].dtype for name in "PT")
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Recorded()
+
+    for name in ("_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"):
+        monkeypatch.setattr(bidirectional, name, recorded(getattr(bidirectional, name)))
+    orders = snake_orders(3, 4, num_prefix_tokens=1).to(DEVICE)
+    q, k, v = (t.to(DEVICE).requires_grad_() for t in make_inputs(1, 2, 13, 16, "fixed", torch.float32)[:3])
+    log_decays = torch.full((2, 1, 2, 1), -0.5, device=DEVICE)
+    if traced:  # (what bidirectional_form runs under a compiler, without compiling)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton").sum().backward()
+    assert read == 6 * [torch.int32], read
+
 GRID = (36, 36)  # 9 x 9 patches of 4 px and a class token: 82 tokens, a chunk of 64 and one of 18 (chunks_always)
 
 

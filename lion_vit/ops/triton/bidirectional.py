@@ -444,8 +444,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
              feature_map: Optional[str], scaling: str, in_order: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) and the normaliser [B, H, L] float32 (None for scaling "none") of
     q, k [B, H, L, Dk] (raw, mapped by the kernels through a FUSED_MAPS name, or features: None) and v, from each
-    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L]; in_order: one scan
-    in token order (positions the tokens' indices, which the kernels take for them: not read), whose tiles' spans
+    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L] int32; in_order: one
+    scan in token order (positions the tokens' indices, which the kernels take for them: not read), whose tiles' spans
     need no reduction."""
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -601,8 +601,9 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
 
 def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
               feature_map: Optional[str], traced: bool = False) -> tuple:
-    """The kernels' operands: q, k, v in one dtype, rows contiguous; each scan's E, I and positions; the feature map
-    they apply. traced: positions as torch ops (a compiler traces them), not the indices kept per orders tensor."""
+    """The kernels' operands: q, k, v in one dtype, rows contiguous; each scan's E, I and positions (int32); the
+    feature map they apply. traced: positions as torch ops (a compiler traces them), not the indices kept per orders
+    tensor."""
     if log_decays is None:  # (LION-lit, where a plan forces the kernel: one scan, every decay 1)
         log_decays = q.new_zeros(1, 1, 1, 1, dtype=torch.float32)
     if len(log_decays) > 2:
@@ -613,11 +614,12 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
     if traced:
         order = torch.arange(length, device=q.device)[None] if orders is None else orders
         positions, spans = torch.argsort(order, dim=-1), None
+        narrow = positions.int()
     else:
-        indices = _scan_indices(orders, length, q.device)
-        order, positions, spans = indices.order, indices.position, indices.spans  # (kept with the orders)
+        indices = _scan_indices(orders, length, q.device)  # (kept with the orders)
+        order, positions, spans, narrow = indices.order, indices.position, indices.spans, indices.narrow_position
     exclusive, inclusive = cumulative(log_decays, order, positions, batch, heads, spans)
-    return q, k, v, exclusive, inclusive, positions, feature_map
+    return q, k, v, exclusive, inclusive, narrow, feature_map
 
 
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
