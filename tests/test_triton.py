@@ -616,6 +616,43 @@ def test_the_bidirectional_kernels_read_positions_as_int32(traced, monkeypatch):
     lion_attention(q, k, v, log_decays, orders, form="attention", backend="triton").sum().backward()
     assert read == 6 * [torch.int32], read
 
+
+@pytest.mark.parametrize("decay", ["fixed", "selective"])
+@pytest.mark.parametrize("scans", [1, 2])
+def test_the_bidirectional_kernels_read_within_the_padding_of_their_operands(decay, scans):
+    """E, I and the positions run past L to a multiple of every tile of the launch settings (here 96 for 71 tokens),
+    so that the kernels read them without masks: with NaN just past that padding the output is the reference's and
+    every gradient the same bits as without, dE and dI are 0 past L (so the decays' gradients take nothing from the
+    padding), and a backward under tiles that do not divide the padding is one clear error."""
+    from lion_vit.ops.triton import bidirectional
+    g = torch.Generator().manual_seed(5)
+    orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE) if scans == 2 else None
+    q, k, v = (torch.rand(2, 2, 71, 16, generator=g).to(DEVICE) for _ in range(3))
+    log_decays = torch.log(torch.rand(scans, 2, 2, 71 if decay == "selective" else 1, generator=g) * 0.9 + 0.05)
+    expected = lion_reference_multiscan(q.double().cpu(), k.double().cpu(), v.double().cpu(), log_decays.double(),
+                                        torch.arange(71)[None] if orders is None else orders.cpu())
+
+    def poisoned(x):  # x in a buffer that is NaN past it
+        buffer = torch.full((*x.shape[:-1], x.shape[-1] + 32), float("nan"), dtype=x.dtype, device=x.device)
+        buffer[..., :x.shape[-1]] = x
+        return buffer[..., :x.shape[-1]]
+
+    dy = torch.randn(2, 2, 71, 16, generator=g).to(DEVICE)
+    with tuned(bidirectional_forward=(16, 16, 1), bidirectional_backward=(32, 16, 1)):
+        q, k, v, E, I, P, _ = bidirectional._prepared(q, k, v, log_decays.to(DEVICE), orders, None)
+        assert E.shape[-1] == I.shape[-1] == P.shape[-1] == 96
+        runs = []
+        for E, I in [(E, I), (poisoned(E.contiguous()), poisoned(I.contiguous()))]:
+            y, z = bidirectional._forward(q, k, v, E, I, P, None, "sum", orders is None)
+            runs.append([y, *bidirectional._backward(dy, q, k, v, E, I, P, y, z, None, "sum", orders is None)])
+    for clean, read_past in zip(*runs):
+        assert torch.equal(clean, read_past)
+    assert rel_err(runs[1][0].cpu(), expected) < TOL
+    dE, dI = runs[1][-2:]
+    assert not dE[..., 71:].any() and not dI[..., 71:].any() and dE[..., :71].any()
+    with tuned(bidirectional_backward=(64, 64, 1)), pytest.raises(RuntimeError, match="padded to 96 tokens"):
+        bidirectional._backward(dy, q, k, v, E, I, P, y, z, None, "sum", orders is None)
+
 GRID = (36, 36)  # 9 x 9 patches of 4 px and a class token: 82 tokens, a chunk of 64 and one of 18 (chunks_always)
 
 

@@ -24,13 +24,16 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
 
 a small kernel for each row's r and delta first, then one kernel per key tile (dk, dv and the column sums) and
 one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits every run. E and I
-come from the log decays by torch ops (O(L)), through which autograd carries their gradients on.
+come from the log decays by torch ops (O(L)), through which autograd carries their gradients on. E, I, the
+positions and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the per-token
+vectors without masks (a padding key's scores are 0, so its entries and gradients are too).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -48,15 +51,15 @@ FLOAT64_EXPONENTS_ABOVE = 1024
 
 
 @triton.jit
-def _scan_vectors(E, I, P, s, b, h, t, ok, ses, seb, seh, sel, sps, IN_ORDER: tl.constexpr):
-    """One scan's E, I (float32, or float64 for long sequences) and positions of tokens t: IN_ORDER (one scan in
-    token order), t themselves, not loaded."""
+def _scan_vectors(E, I, P, s, b, h, t, ses, seb, seh, sel, sps, IN_ORDER: tl.constexpr):
+    """One scan's E, I (float32, or float64 for long sequences) and positions of tokens t, read past L without
+    masks (_padded): IN_ORDER (one scan in token order), the positions are t themselves, not loaded."""
     at = s * ses + b * seb + h * seh + t * sel
     if IN_ORDER:
         positions = t
     else:
-        positions = tl.load(P + s * sps + t, mask=ok, other=0)
-    return tl.load(E + at, mask=ok, other=0.0), tl.load(I + at, mask=ok, other=0.0), positions
+        positions = tl.load(P + s * sps + t)
+    return tl.load(E + at), tl.load(I + at), positions
 
 
 @triton.jit
@@ -203,9 +206,9 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
     q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
-    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
+    e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     if SCANS == 2:
-        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
+        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
     first_q, last_q = _span(p0, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)  # (the first scan's: the one factored)
@@ -215,11 +218,11 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
-        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
+        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
         first_k, last_k = _loop_span(T, start, L, BLOCK_N, IN_ORDER)
         mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
         if SCANS == 2:
-            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
+            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
             mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False,
                                False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
@@ -280,8 +283,8 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
     by _loop_span. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column
     snake) a tile of consecutive tokens spans every column, so its keys are never all before or all after its
     queries, and the test costs registers."""
-    e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
-    e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
+    e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
+    e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
     if OWN_KEYS:
         first_q, last_q = _loop_span(T, start, L, LOOP, IN_ORDER)
         largest, least = _references(e, i, row_ok)
@@ -292,8 +295,8 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
     m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                     FACTORED)
     if SCANS == 2:
-        e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
-        e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
+        e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
+        e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
         m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
                         False)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
@@ -321,12 +324,12 @@ def _over_queries(tile, KEYS_FIRST: tl.constexpr):
 @triton.jit
 def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI,
                           sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
-                          ses, seb, seh, sel, sps, L, H, DK, DV, swb, swh, swl,
+                          ses, seb, seh, sel, sps, L, LP, H, DK, DV, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr, RAW_NORM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                           KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, IN_ORDER: tl.constexpr):
-    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, L] of a key tile; dk through
+    """dk (strides sg*, as dq's) and dv (sw*) and the column sums of dE, dI [S, B, H, LP] of a key tile; dk through
     the map (RAW_MAP, RAW_NORM) of the raw keys raw (strides sr*), which k is or whose features it holds. KEYS_FIRST:
     its tiles are [keys, queries], the transposes of the query kernel's, so that every product's first operand
     spans the program's own keys (Hopper's wgmma wants 64 rows) and no product of registers is transposed."""
@@ -340,7 +343,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, col_ok, ses, seb, seh, sel, sps, IN_ORDER)
+    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
     first_k, last_k = _span(p_own, col_ok, block * BLOCK_N, L, BLOCK_N, IN_ORDER)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -372,19 +375,19 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
-    at = bh.to(tl.int64) * L + cols  # (dE, dI: contiguous [S, B * H, L])
-    tl.store(dE + at, de0, mask=col_ok)
-    tl.store(dI + at, di0, mask=col_ok)
+    at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP], every token written: the grid tiles LP)
+    tl.store(dE + at, de0)
+    tl.store(dI + at, di0)
     if SCANS == 2:
-        at += tl.num_programs(1).to(tl.int64) * L
-        tl.store(dE + at, de1, mask=col_ok)
-        tl.store(dI + at, di1, mask=col_ok)
+        at += tl.num_programs(1).to(tl.int64) * LP
+        tl.store(dE + at, de1)
+        tl.store(dI + at, di1)
 
 
 @triton.jit
 def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
                              sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
-                             ses, seb, seh, sel, sps, L, H, DK, DV,
+                             ses, seb, seh, sel, sps, L, LP, H, DK, DV,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
                              NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr,
                              RAW_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -401,7 +404,7 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, row_ok, ses, seb, seh, sel, sps, IN_ORDER)
+    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     first_q, last_q = _span(p_own, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)
     r_e, r_i = _references(e_own, i_own, row_ok)
     for start in range(0, L, BLOCK_N):
@@ -426,11 +429,11 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
     q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
-    at = bh.to(tl.int64) * L + rows
+    at = bh.to(tl.int64) * LP + rows
     tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de0, mask=row_ok)
     tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di0, mask=row_ok)
     if SCANS == 2:
-        at += tl.num_programs(1).to(tl.int64) * L
+        at += tl.num_programs(1).to(tl.int64) * LP
         tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de1, mask=row_ok)
         tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di1, mask=row_ok)
 
@@ -444,16 +447,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
              feature_map: Optional[str], scaling: str, in_order: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Y [B, H, L, Dv] (a view of [B, L, H, Dv]) and the normaliser [B, H, L] float32 (None for scaling "none") of
     q, k [B, H, L, Dk] (raw, mapped by the kernels through a FUSED_MAPS name, or features: None) and v, from each
-    scan's E, I [S, B, H, L] float32 (broadcast views are read as they are) and positions [S, L] int32; in_order: one
-    scan in token order (positions the tokens' indices, which the kernels take for them: not read), whose tiles' spans
-    need no reduction."""
+    scan's E, I [S, B, H, LP] float32 (broadcast views are read as they are) and positions [S, LP] int32, padded past
+    L (_padded); in_order: one scan in token order (positions the tokens' indices, which the kernels take for them:
+    not read), whose tiles' spans need no reduction."""
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
     z = q.new_empty((batch, heads, length), dtype=torch.float32) if scaling != "none" else None
-    own, loop, warps = tuning().bidirectional_forward
+    own, loop, warps = _tiles("forward", exclusive.shape[-1])
     k, maps = _by_pass(k, _maps(feature_map), "K")  # (the queries, each a program's own, mapped as read)
-    spans = positions if in_order else _tile_spans(positions, loop)  # (in order: unread)
+    spans = positions if in_order else _tile_spans(positions, loop, length)  # (in order: unread)
     _forward_kernel[(cdiv(length, own), batch * heads)](
         q, k, v, exclusive, inclusive, positions, spans, y, z, *_strides(q), *_strides(k), *_strides(v), *_strides(y),
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
@@ -466,8 +469,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
 def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
               y: Tensor, z: Optional[Tensor], feature_map: Optional[str], scaling: str, in_order: bool = False
               ) -> Tuple[Tensor, ...]:
-    """The gradients of q, k, v (token-major, as a projection's are) and of E and I ([S, B, H, L] float32) from
-    dY [B, H, L, Dv] and what _forward took and gave."""
+    """The gradients of q, k, v (token-major, as a projection's are) and of E and I ([S, B, H, LP] float32, 0 past L)
+    from dY [B, H, L, Dv] and what _forward took and gave."""
     dy = rows_contiguous(dy)
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -480,20 +483,20 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
             SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
     dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
-    scans = len(positions)
-    dE = q.new_empty((scans, batch, heads, length), dtype=torch.float32)
-    dI = torch.empty_like(dE)
-    own, loop, warps = tuning().bidirectional_backward
+    scans, padded = positions.shape
+    dE = q.new_empty((scans, batch, heads, padded), dtype=torch.float32)  # (every token written: the key kernel's
+    dI = torch.empty_like(dE)                                             # grid tiles them)
+    own, loop, warps = _tiles("backward", padded)
     settings = dict(SCANS=scans, NORMALISED=normalised, BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
                     FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order, num_warps=warps)
     maps = _maps(feature_map)
     queries, loads = _by_pass(q, maps, "Q")
     keys, loads = _by_pass(k, loads, "K")
-    spans = positions if in_order else _tile_spans(positions, loop)  # (in order: unread)
+    spans = positions if in_order else _tile_spans(positions, loop, length)  # (in order: unread)
     operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions, spans)
     strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dy))
-    shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim)
-    _backward_keys_kernel[(cdiv(length, own), batch * heads)](
+    shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, padded, heads, key_dim, value_dim)
+    _backward_keys_kernel[(padded // own, batch * heads)](
         *operands, k, dk, dv, dE, dI, *strides, *_strides(k), *shared, *_strides(dv), BLOCK_M=loop, BLOCK_N=own,
         KEYS_FIRST=tuning().bidirectional_keys_first, RAW_MAP=maps["MAP_K"], RAW_NORM=maps["NORM_K"], **loads,
         **settings)
@@ -544,39 +547,76 @@ def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
     return features, {**maps, f"MAP_{operand}": IDENTITY, f"NORM_{operand}": False}
 
 
-def _tile_spans(positions: Tensor, size: int) -> Tensor:
+def _tile_spans(positions: Tensor, size: int, length: int) -> Tensor:
     """The first scan's first and last positions of each tile of `size` tokens, [tiles, 2], from positions
-    [S, L]: what the kernels' loops read (_loop_span) in place of two reductions a tile. Kept per positions tensor
-    (those of a model's orders are kept with them: fla._scan_indices) and size."""
+    [S, LP] of `length` tokens (past them: padding): what the kernels' loops read (_loop_span) in place of two
+    reductions a tile. Kept per positions tensor (those of a model's orders are kept with them: _scan_positions)
+    and size."""
     def make() -> Tensor:
-        length = positions.shape[-1]
-        tiles, first = cdiv(length, size), positions[0]
+        tiles, first = cdiv(length, size), positions[0, :length]
         if tiles * size > length:  # (the last tile filled with its last token's position: its span the same)
             first = torch.cat([first, first[-1:].expand(tiles * size - length)])
         return torch.stack(first.view(tiles, size).aminmax(dim=1), 1)  # (three small ops where nothing is kept)
-    return kept(positions, ("tile spans", size), make)
+    return kept(positions, ("tile spans", size, length), make)
 
 
-def cumulative(log_decays: Tensor, order: Tensor, position: Tensor, batch: int, heads: int,
-               spans: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """Each scan's E and I (the module docstring) in token order, [S, B, H, L] (broadcast views), float32 or,
-    above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays [S, B|1, H|1, L|1] in token order, orders [S, L]
-    (scan position -> token) and positions [S, L] (token -> scan position); spans: [2, S, 1, 1, L] float32, the
-    positions p and p + 1 where they are kept (else made here), so that one decay per head takes one product,
-    E = p a and I = (p + 1) a. Torch ops: autograd differentiates them."""
-    scans, length = order.shape
+def _padded(length: int) -> int:
+    """The tokens the kernels' per-token operands hold (LP): `length` up to a multiple of every tile of the launch
+    settings, so that the kernels read them without masks."""
+    knobs = tuning()
+    multiple = max(*knobs.bidirectional_forward[:2], *knobs.bidirectional_backward[:2])  # (powers of two)
+    return cdiv(length, multiple) * multiple
+
+
+def _tiles(which: str, padded: int) -> Tuple[int, int, int]:
+    """Tuning.bidirectional_<which>, checked against the operands' padding (a setting changed between a forward and
+    its backward would read past it)."""
+    own, loop, warps = getattr(tuning(), f"bidirectional_{which}")
+    if padded % own or padded % loop:
+        raise RuntimeError(f"the bidirectional kernels' operands were padded to {padded} tokens, which the tiles of "
+                           f"Tuning.bidirectional_{which} ({own}, {loop}) do not divide: keep the launch settings "
+                           "of a forward for its backward")
+    return own, loop, warps
+
+
+class _Padded(NamedTuple):
+    """Each scan's order and positions with LP - L padding tokens after the last, in token order and last along
+    every scan (_padded)."""
+    order: Tensor  # [S, LP]: scan position -> token
+    position: Tensor  # [S, LP]: token -> scan position
+    kernel_position: Tensor  # [S, LP] int32: position, as the kernels read it (half int64's registers)
+    spans: Tensor  # [2, S, 1, 1, LP] float32: p and p + 1, from which one decay per head gives E and I
+
+
+def _scan_positions(order: Tensor, position: Tensor, padded: int, keep: bool = True) -> _Padded:
+    """_Padded of each scan's order and positions [S, L], to `padded` tokens. Kept per position tensor (kept with a
+    model's orders: fla._scan_indices) unless keep is False (a compiler traces them)."""
+    def make() -> _Padded:
+        scans, length = position.shape
+        past = torch.arange(length, padded, device=position.device).expand(scans, -1)
+        order_, position_ = torch.cat([order, past], -1), torch.cat([position, past], -1)
+        return _Padded(order_, position_, position_.int(), torch.stack([position_, position_ + 1]).float()[
+            :, :, None, None, :])
+    return kept(position, ("padded", padded), make) if keep else make()
+
+
+def cumulative(log_decays: Tensor, scans: _Padded, length: int, batch: int, heads: int) -> Tuple[Tensor, Tensor]:
+    """Each scan's E and I (the module docstring) in token order, [S, B, H, LP] (broadcast views; the padding tokens
+    decay by 1, last along every scan), float32 or, above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays
+    [S, B|1, H|1, L|1] of `length` tokens in token order and the scans padded to LP (_scan_positions): one decay per
+    head takes one product, E = p a and I = (p + 1) a. Torch ops: autograd differentiates them."""
+    count, padded = scans.order.shape
     dtype = torch.float64 if length > FLOAT64_EXPONENTS_ABOVE else torch.float32
     a = log_decays if log_decays.dtype == dtype else log_decays.to(dtype)
     if a.shape[-1] == 1:  # one decay per head: E_t = p_t a, I_t = (p_t + 1) a
-        if spans is None:
-            spans = torch.stack([position, position + 1])[:, :, None, None, :]
-        exclusive, inclusive = (a * (spans if spans.dtype == dtype else spans.to(dtype))).unbind(0)
+        exclusive, inclusive = (a * (scans.spans if dtype == torch.float32 else scans.spans.to(dtype))).unbind(0)
     else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
+        a = F.pad(a, (0, padded - length))  # (after every real token along the scan: their sums are as unpadded)
         wide = a.double() if length > FLOAT64_CUMSUM_ABOVE else a
-        along = wide.gather(-1, order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
-        exclusive = (along.cumsum(-1) - along).gather(-1, position[:, None, None, :].expand_as(along)).to(dtype)
+        along = wide.gather(-1, scans.order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
+        exclusive = (along.cumsum(-1) - along).gather(-1, scans.position[:, None, None, :].expand_as(along)).to(dtype)
         inclusive = exclusive + a
-    return exclusive.expand(scans, batch, heads, length), inclusive.expand(scans, batch, heads, length)
+    return exclusive.expand(count, batch, heads, padded), inclusive.expand(count, batch, heads, padded)
 
 
 def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
@@ -601,9 +641,9 @@ def bidirectional_form(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Ten
 
 def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], orders: Optional[Tensor],
               feature_map: Optional[str], traced: bool = False) -> tuple:
-    """The kernels' operands: q, k, v in one dtype, rows contiguous; each scan's E, I and positions (int32); the
-    feature map they apply. traced: positions as torch ops (a compiler traces them), not the indices kept per orders
-    tensor."""
+    """The kernels' operands: q, k, v in one dtype, rows contiguous; each scan's E, I and positions (int32), padded
+    past L (_padded); the feature map they apply. traced: positions as torch ops (a compiler traces them), not the
+    indices kept per orders tensor."""
     if log_decays is None:  # (LION-lit, where a plan forces the kernel: one scan, every decay 1)
         log_decays = q.new_zeros(1, 1, 1, 1, dtype=torch.float32)
     if len(log_decays) > 2:
@@ -613,13 +653,13 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
     batch, heads, length, _ = v.shape
     if traced:
         order = torch.arange(length, device=q.device)[None] if orders is None else orders
-        positions, spans = torch.argsort(order, dim=-1), None
-        narrow = positions.int()
+        position = torch.argsort(order, dim=-1)
     else:
         indices = _scan_indices(orders, length, q.device)  # (kept with the orders)
-        order, positions, spans, narrow = indices.order, indices.position, indices.spans, indices.narrow_position
-    exclusive, inclusive = cumulative(log_decays, order, positions, batch, heads, spans)
-    return q, k, v, exclusive, inclusive, narrow, feature_map
+        order, position = indices.order, indices.position
+    scans = _scan_positions(order, position, _padded(length), keep=not traced)
+    exclusive, inclusive = cumulative(log_decays, scans, length, batch, heads)
+    return q, k, v, exclusive, inclusive, scans.kernel_position, feature_map
 
 
 @torch.compiler.disable  # (the kernels and their bookkeeping run eagerly)
@@ -674,8 +714,8 @@ def _custom_ops():
                        in_order: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         batch, heads, length, _ = v.shape
         tokens = [x.new_empty(batch, length, heads, x.shape[-1]) for x in (q, k, v)]
-        return (*tokens, *(q.new_empty((len(positions), batch, heads, length), dtype=torch.float32)
-                           for _ in range(2)))
+        return (*tokens, *(q.new_empty(positions.shape[:1] + (batch, heads) + positions.shape[1:],
+                                       dtype=torch.float32) for _ in range(2)))
 
     def save(ctx, inputs, output) -> None:
         ctx.save_for_backward(*inputs[:6], *output)

@@ -96,8 +96,6 @@ class _Indices(NamedTuple):
     last: Tensor  # [S, 1, L, 1]: whether a token is its scan's last
     layout: Layout  # what the fused steps read (operands.py)
     position: Tensor  # [S, L]: token -> scan position
-    spans: Tensor  # [2, S, 1, 1, L] float32: each token's scan position p and p + 1 (bidirectional.cumulative)
-    narrow_position: Tensor  # [S, L] int32: position, as the bidirectional kernels read it (half int64's registers)
 
 
 _kept: Dict[tuple, Tuple[Optional[weakref.ref], object]] = {}
@@ -137,9 +135,7 @@ def _indices(orders: Optional[Tensor], length: int, device: torch.device) -> _In
     layout = Layout(q_index, kv_index, torch.stack([position, (length - 2 - position) % length], 1).flatten(0, 1),
                     torch.stack([position, length - 1 - position], 1).flatten(0, 1))
     following = order.roll(-1, -1).gather(-1, position)
-    spans = torch.stack([position, position + 1]).float()[:, :, None, None, :]
-    return _Indices(order, following, (position == length - 1)[:, None, :, None], layout, position, spans,
-                    position.int())
+    return _Indices(order, following, (position == length - 1)[:, None, :, None], layout, position)
 
 
 def _gates_and_folds(log_decays: Optional[Tensor], indices: _Indices, batch: int, heads: int
