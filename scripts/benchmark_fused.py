@@ -3,7 +3,8 @@
 settings and in each other one given (lion_vit.ops.Tuning: bidirectional_forward, bidirectional_backward; and
 the backward's key kernel in its other orientation, bidirectional_keys_first; every mask entry its own
 exponential, bidirectional_factored_masks off: "entrywise"; the feature map applied to every tile of the kernels'
-loops as they read it, with no pass mapping q and k first, bidirectional_map_pass off: "maps in loops"),
+loops as they read it, with no pass mapping q and k first, bidirectional_map_pass off: "maps in loops"; the
+forward's registers as ptxas allots them, bidirectional_forward_blocks 0: "uncapped"),
 forward, and forward and backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v)
 in the same run, and the portable attention form (backend torch) beside them.
 
@@ -46,10 +47,11 @@ CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
 
 def launch_settings(forward: Optional[Setting] = None, backward: Optional[Setting] = None,
                     keys_first: Optional[bool] = None, factored: Optional[bool] = None,
-                    map_pass: Optional[bool] = None) -> contextlib.AbstractContextManager:
+                    map_pass: Optional[bool] = None, blocks: Optional[int] = None) -> contextlib.AbstractContextManager:
     """The bidirectional kernel's settings inside the block (None: the code's)."""
     given = dict(bidirectional_forward=forward, bidirectional_backward=backward, bidirectional_keys_first=keys_first,
-                 bidirectional_factored_masks=factored, bidirectional_map_pass=map_pass)
+                 bidirectional_factored_masks=factored, bidirectional_map_pass=map_pass,
+                 bidirectional_forward_blocks=blocks)
     return tuned(**{name: value for name, value in given.items() if value is not None})
 
 
@@ -78,13 +80,14 @@ def main(argv=None) -> int:
     length = side * side + 1
     knobs = tuning()
     code = (knobs.bidirectional_forward, knobs.bidirectional_backward, knobs.bidirectional_keys_first,
-            knobs.bidirectional_factored_masks, knobs.bidirectional_map_pass)
+            knobs.bidirectional_factored_masks, knobs.bidirectional_map_pass, knobs.bidirectional_forward_blocks)
     kernels = [("bidirectional", *code)]
     kernels += [("bidirectional", forward, *code[1:]) for forward in args.forward if forward != code[0]]
     kernels += [("bidirectional", code[0], backward, *code[2:]) for backward in args.backward if backward != code[1]]
     kernels += [("bidirectional", *code[:2], not code[2], *code[3:])]  # the key kernel's other orientation
-    kernels += [("bidirectional", *code[:3], not code[3], code[4])]  # the masks factored or not
-    kernels += [("bidirectional", *code[:4], not code[4])]  # the map: a pass first, or in the loops
+    kernels += [("bidirectional", *code[:3], not code[3], *code[4:])]  # the masks factored or not
+    kernels += [("bidirectional", *code[:4], not code[4], code[5])]  # the map: a pass first, or in the loops
+    kernels += [("bidirectional", *code[:5], 0 if code[5] else 3)]  # the forward's registers capped or not
     rows = []
     for case in args.cases:
         generator = torch.Generator(device).manual_seed(0)
@@ -110,15 +113,15 @@ def main(argv=None) -> int:
             return F.scaled_dot_product_attention(q, k, v)
 
         expected, first = None, len(rows)
-        unset = (None,) * 5
+        unset = (None,) * 6
         runs = [("sdpa", *unset, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0])) for kernel in kernels]
         # the portable form, which for LION-lit is Q (K^T V) in torch matmuls, after LION-lit's code: its linear kernels
         runs += [("linear kernels", *unset, attention)] if case == "lion_lit" else []
         runs += [("linear" if case == "lion_lit" else "torch", *unset, partial(attention, "torch"))]
-        for name, forward, backward, keys_first, factored, map_pass, call in runs:
-            settings = dict(forward=_text(forward, factored=factored, map_pass=map_pass),
+        for name, forward, backward, keys_first, factored, map_pass, blocks, call in runs:
+            settings = dict(forward=_text(forward, factored=factored, map_pass=map_pass, blocks=blocks),
                             backward=_text(backward, keys_first, factored, map_pass))
-            with launch_settings(forward, backward, keys_first, factored, map_pass):
+            with launch_settings(forward, backward, keys_first, factored, map_pass, blocks):
                 try:
                     out = call()
                     results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
                     continue
                 diff = None
                 # (the code's settings: what the others are compared with; where it failed, no diffs)
-                if name == "bidirectional" and (forward, backward, keys_first, factored, map_pass) == code:
+                if name == "bidirectional" and (forward, backward, keys_first, factored, map_pass, blocks) == code:
                     expected = results
                 elif expected is not None and name != "sdpa":
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
@@ -158,12 +161,13 @@ def main(argv=None) -> int:
 
 
 def _text(value: Optional[Setting], keys_first: Optional[bool] = None, factored: Optional[bool] = None,
-          map_pass: Optional[bool] = None) -> str:
+          map_pass: Optional[bool] = None, blocks: Optional[int] = None) -> str:
     """A setting as own,loop,warps; a backward one with " keys first" where its key kernel's tiles are [keys,
     queries]; either with " entrywise" where no mask tile is factored, and " maps in loops" where no pass maps q
-    and k first."""
+    and k first; a forward one with " uncapped" where its registers are not capped (blocks 0)."""
     return "" if value is None else ",".join(map(str, value)) + (" keys first" if keys_first else "") + \
-        (" entrywise" if factored is False else "") + (" maps in loops" if map_pass is False else "")
+        (" entrywise" if factored is False else "") + (" maps in loops" if map_pass is False else "") + \
+        (" uncapped" if blocks == 0 else "")
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:

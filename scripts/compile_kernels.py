@@ -307,7 +307,8 @@ def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
         driver.set_active(_Target(arch))
         for launch in launches:
             module, name, args, kwargs = launch
-            flags = " ".join(f"{key}={value}" for key, value in kwargs.items() if key.isupper() or key == "num_warps")
+            flags = " ".join(f"{key}={value}" for key, value in kwargs.items()
+                             if key.isupper() or key in ("num_warps", "maxnreg"))
             what = f"sm_{arch} {name} {_dtype(launch)} {flags}"
             kernel = getattr(importlib.import_module(module), name)
             try:
@@ -340,6 +341,9 @@ def main(argv=None) -> int:
         parser.add_argument(f"--bidirectional-{which}", type=launch_setting, metavar="O,L,W",
                             help=f"record the bidirectional {which} kernel{'s' if which == 'backward' else ''} in "
                                  f"this launch setting (own,loop,warps; lion_vit.ops.Tuning), not the code's")
+    parser.add_argument("--bidirectional-forward-uncapped", action="store_true",
+                        help="record the bidirectional forward kernel with its registers as ptxas allots them, not "
+                             "capped to fit Tuning.bidirectional_forward_blocks blocks a multiprocessor")
     parser.add_argument("--bidirectional-keys-first", action="store_true",
                         help="record the bidirectional backward's key kernel with its tiles [keys, queries]")
     parser.add_argument("--bidirectional-entrywise-masks", action="store_true",
@@ -361,6 +365,8 @@ def main(argv=None) -> int:
         return 0
     knobs = {f"bidirectional_{which}": getattr(args, f"bidirectional_{which}") for which in ("forward", "backward")
              if getattr(args, f"bidirectional_{which}") is not None}
+    if args.bidirectional_forward_uncapped:
+        knobs["bidirectional_forward_blocks"] = 0
     if args.bidirectional_keys_first:
         knobs["bidirectional_keys_first"] = True
     if args.bidirectional_entrywise_masks:

@@ -280,9 +280,9 @@ def graph_lines(folder: Path) -> List[str]:
 
 def launch_lines(folder: Path) -> List[str]:
     """The bidirectional kernel's launch settings (Tuning.bidirectional_forward, _backward; "keys first":
-    _keys_first; "entrywise": _factored_masks off; "maps in loops": _map_pass off) from benchmark_fused.py's rows (the fused_kernels runs): each
-    pair tried, its forward-and-backward time summed over the cases against the code's pair (the first), and the
-    pick, the least."""
+    _keys_first; "entrywise": _factored_masks off; "maps in loops": _map_pass off; "uncapped": _forward_blocks 0)
+    from benchmark_fused.py's rows (the fused_kernels runs): each pair tried, its forward-and-backward time summed
+    over the cases against the code's pair (the first), and the pick, the least."""
     lines = []
     for run, what in FUSED_KERNEL_RUNS:
         totals: Dict[str, float] = {}

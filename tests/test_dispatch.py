@@ -343,6 +343,7 @@ def test_tuned_sets_knobs_for_its_block_and_refuses_bad_ones(kernels):
             (dict(bidirectional_backward=(8, 16, 4)), "bidirectional_backward must be"),
             (dict(bidirectional_backward=(64, 32)), "bidirectional_backward must be"),
             (dict(bidirectional_keys_first=1), "bidirectional_keys_first must be True or False"),
+            (dict(bidirectional_forward_blocks=-1), "bidirectional_forward_blocks must be a positive integer, or 0"),
             (dict(bidirectional_factored_masks="no"), "bidirectional_factored_masks must be True or False")]:
         with pytest.raises(ValueError, match=message):
             with tuned(**changes):

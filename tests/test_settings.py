@@ -184,6 +184,7 @@ def test_a_checkpoint_is_read_by_evaluation_only():
     ("tuning.bidirectional_forward=[64,48,4]", "bidirectional_forward must be (own tile, loop tile, warps)"),
     ("tuning.bidirectional_backward=64", "bidirectional_backward must be (own tile, loop tile, warps)"),
     ("tuning.bidirectional_keys_first=1", "bidirectional_keys_first must be True or False"),
+    ("tuning.bidirectional_forward_blocks=-1", "bidirectional_forward_blocks must be a positive integer, or 0"),
     ("tuning.bidirectional_factored_masks=0", "bidirectional_factored_masks must be True or False"),
     ("tuning.normaliser_launch=[8,16,4]", "normaliser_launch must be (tokens per chunk, chunk sums per carry tile, "
      "warps): powers of two, tokens per chunk at least 16"),

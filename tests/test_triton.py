@@ -617,6 +617,30 @@ def test_the_bidirectional_kernels_read_positions_as_int32(traced, monkeypatch):
     assert read == 6 * [torch.int32], read
 
 
+
+@pytest.mark.parametrize("dtype, blocks, cap", [(torch.float16, 3, 168), (torch.float16, 2, 255),
+                                                (torch.float16, 0, None), (torch.float32, 3, None)])
+def test_the_bidirectional_forward_caps_its_registers_to_fit_its_blocks(dtype, blocks, cap, monkeypatch):
+    """Tuning.bidirectional_forward_blocks: the forward kernel's launch caps its registers (maxnreg) so that that many
+    blocks of its warps (4) fit a multiprocessor's 64 K registers, for 16-bit q, k, v with float32 sums; float32
+    launches, which would spill under the cap, and 0 run as ptxas allots them."""
+    from lion_vit.ops.triton import bidirectional
+    caps = []
+    kernel = bidirectional._forward_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                caps.append(kwargs.get("maxnreg"))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(bidirectional, "_forward_kernel", Recorded())
+    q, k, v = (t.to(DEVICE, dtype) for t in make_inputs(1, 2, 20, 16, "fixed", torch.float32)[:3])
+    with tuned(bidirectional_forward=(64, 64, 4), bidirectional_forward_blocks=blocks), torch.no_grad():
+        lion_attention(q, k, v, torch.full((1, 1, 2, 1), -0.5, device=DEVICE), form="attention", backend="triton")
+    assert caps == [cap]
+
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("scans", [1, 2])
 def test_the_bidirectional_kernels_read_within_the_padding_of_their_operands(decay, scans):
@@ -915,9 +939,10 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     """scripts/benchmark_fused.py (the GPU timing of the bidirectional kernel's launch settings) under the
     interpreter: at 37 tokens (a 6 x 6 grid and a class token, one and two scans) the bidirectional kernel in
     another setting of each kernel, with the backward's key kernel in its other orientation, with its masks
-    factored the other way, with its feature map the other way (Tuning.bidirectional_map_pass), and the portable
-    form, match the kernel in the code's
-    settings within float16's rounding, outputs and gradients, and the code's settings are left as they were."""
+    factored the other way, with its feature map the other way (Tuning.bidirectional_map_pass), with its forward's
+    registers capped the other way (Tuning.bidirectional_forward_blocks), and the portable form, match the kernel
+    in the code's settings within float16's rounding, outputs and gradients, and the code's settings are left as
+    they were."""
     import runpy
     before = tuning()
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
@@ -932,17 +957,20 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     in_loops = "" if before.bidirectional_map_pass else " maps in loops"
     other_keys, other_masks = " keys first" if not keys_first else "", " entrywise" if not entrywise else ""
     other_maps = " maps in loops" if not in_loops else ""
-    code = [forward + entrywise + in_loops, backward + keys_first + entrywise + in_loops]
+    uncapped = "" if before.bidirectional_forward_blocks else " uncapped"
+    other_cap = " uncapped" if not uncapped else ""
+    code = [forward + entrywise + in_loops + uncapped, backward + keys_first + entrywise + in_loops]
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
         assert [row[2:4] for row in ours] == [
-            code, ["32,16,2" + entrywise + in_loops, code[1]], [code[0], "16,16,2" + entrywise + in_loops],
+            code, ["32,16,2" + entrywise + in_loops + uncapped, code[1]], [code[0], "16,16,2" + entrywise + in_loops],
             [code[0], backward + other_keys + entrywise + in_loops],
-            [forward + other_masks + in_loops, backward + keys_first + other_masks + in_loops],
-            [forward + entrywise + other_maps, backward + keys_first + entrywise + other_maps]]
+            [forward + other_masks + in_loops + uncapped, backward + keys_first + other_masks + in_loops],
+            [forward + entrywise + other_maps + uncapped, backward + keys_first + entrywise + other_maps],
+            [forward + entrywise + in_loops + other_cap, code[1]]]
         compared = ours[1:] + [row for row in rows if row[:2] == [case, "torch"]]
-        assert ours[0][-1] == "" and len(compared) == 6 and all(float(row[-1]) < 3e-3 for row in compared)
-        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 6 + ["torch"]
+        assert ours[0][-1] == "" and len(compared) == 7 and all(float(row[-1]) < 3e-3 for row in compared)
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 7 + ["torch"]
     assert tuning() is before
 
 
@@ -956,8 +984,8 @@ def test_the_fused_kernels_benchmark_times_lion_lits_three_routes(capsys):
                  "--cases", "lion_lit"]) == 0
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lion_lit")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 4 + ["linear kernels", "linear"]
-    assert all(float(row[-1]) < 3e-3 for row in rows[4:])
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 5 + ["linear kernels", "linear"]
+    assert all(float(row[-1]) < 3e-3 for row in rows[5:])
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
@@ -983,8 +1011,8 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| lion_d")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 6 + ["torch"]
-    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok", "ok"]
+    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 7 + ["torch"]
+    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok", "ok", "ok"]
 
 
 def test_kernels_unpack_into_flat_names_only():

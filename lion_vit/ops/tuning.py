@@ -66,6 +66,13 @@ class Tuning:
     bidirectional_forward, bidirectional_backward: the bidirectional kernel's launch settings (tokens of a
         program's own tile, tokens per tile of its loop, warps), forward and for both backward kernels; tiles are
         powers of two of at least 16 tokens (tl.dot), warps a power of two.
+    bidirectional_forward_blocks: the bidirectional forward kernel's registers are capped so that this many of its
+        blocks fit a multiprocessor's 64 K registers at once, in launches on 16-bit q, k, v with float32 sums (below
+        FLOAT64_EXPONENTS_ABOVE tokens); 0: as many as ptxas' own allotment lets fit. 3 (of 4 warps: 168 registers
+        a thread) until a GPU has timed both: with the GPU machine's Triton 3.6.0, sm_90, ptxas gives the bfloat16
+        launches 160-168 registers and spills nothing, where uncapped it takes 176-218 and fits 2 blocks; float32
+        tiles and float64 sums, which would spill under the cap, are left uncapped (docs/benchmarks.md, "Kernels
+        compiled without a GPU").
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
         tiles as mma.sync), rather than [queries, keys] as the other kernels do.
@@ -104,6 +111,7 @@ class Tuning:
     recurrent_group_programs: Optional[int] = None
     bidirectional_forward: LaunchSetting = (64, 64, 4)
     bidirectional_backward: LaunchSetting = (64, 32, 8)
+    bidirectional_forward_blocks: int = 3
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
     bidirectional_map_pass: bool = True
@@ -137,6 +145,10 @@ class Tuning:
         if not _positive_int(self.grid_axis_limit):
             raise ValueError(f"grid_axis_limit must be a positive integer (CUDA's: 65535), got "
                              f"{self.grid_axis_limit!r}")
+        if not (self.bidirectional_forward_blocks == 0 or _positive_int(self.bidirectional_forward_blocks)) or \
+                isinstance(self.bidirectional_forward_blocks, bool):
+            raise ValueError(f"bidirectional_forward_blocks must be a positive integer, or 0 (registers as ptxas "
+                             f"allots them), got {self.bidirectional_forward_blocks!r}")
         if self.recurrent_group_programs is not None and not _positive_int(self.recurrent_group_programs):
             raise ValueError(f"recurrent_group_programs must be a positive integer or None (the GPU's "
                              f"multiprocessors), got {self.recurrent_group_programs!r}")

@@ -462,8 +462,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **maps, BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
         BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order,
-        num_warps=warps)
+        num_warps=warps, **_register_cap(q, exclusive, warps))
     return y, z
+
+
+def _register_cap(q: Tensor, exclusive: Tensor, warps: int) -> dict:
+    """The forward kernel's maxnreg: Tuning.bidirectional_forward_blocks blocks of `warps` warps in a
+    multiprocessor's 64 K registers (8 a thread at a time), for 16-bit q with float32 sums; nothing for float32 tiles
+    or float64 sums, which would spill under it, or where the knob is 0."""
+    blocks = tuning().bidirectional_forward_blocks
+    if not blocks or q.element_size() != 2 or exclusive.dtype != torch.float32:
+        return {}
+    return dict(maxnreg=min(255, 65536 // (blocks * warps * 32) // 8 * 8))
 
 
 def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tensor, positions: Tensor,
