@@ -104,6 +104,14 @@ def _references(e, i, ok):
 
 
 @triton.jit
+def _exp(x):
+    """exp(x) of float32 exponents (the masks' entries and factors) as 2^(x log2 e): PTX ex2.approx.ftz, whose
+    results below 2^-126 (1e-38) are 0. tl.exp lowers to ex2.approx without ftz, which ptxas wraps in three more
+    instructions each to keep those subnormal (docs/benchmarks.md, "Kernels compiled without a GPU")."""
+    return tl.math.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, KEYS_FIRST: tl.constexpr,
                FACTORED: tl.constexpr):
     """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32 (the entries of padding tokens
@@ -115,12 +123,12 @@ def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k,
     finite too). The caller reduces its own tile's span and references once, outside its loop."""
     if FACTORED:
         if last_k < first_q:
-            queries, keys = _pairs(tl.exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)),
-                                   tl.exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
+            queries, keys = _pairs(_exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)),
+                                   _exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
             mask = queries * keys
         elif first_k > last_q:
-            queries, keys = _pairs(tl.exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)),
-                                   tl.exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0)), KEYS_FIRST)
+            queries, keys = _pairs(_exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)),
+                                   _exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0)), KEYS_FIRST)
             mask = queries * keys
         else:
             mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
@@ -137,7 +145,7 @@ def _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
     i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
     exponent = tl.where(p_q > p_k, e_q - e_k, i_k - i_q)
-    return tl.exp(tl.minimum(exponent.to(tl.float32), 0.0))
+    return _exp(tl.minimum(exponent.to(tl.float32), 0.0))
 
 
 @triton.jit
