@@ -70,7 +70,7 @@ class Tuning:
         blocks fit a multiprocessor's 64 K registers at once, in launches on 16-bit q, k, v with float32 sums (below
         FLOAT64_EXPONENTS_ABOVE tokens); 0: as many as ptxas' own allotment lets fit. 3 (of 4 warps: 168 registers
         a thread) until a GPU has timed both: with the GPU machine's Triton 3.6.0, sm_90, ptxas gives the bfloat16
-        launches 160-168 registers and spills nothing, where uncapped it takes 176-218 and fits 2 blocks; float32
+        launches 160-168 registers and spills nothing, where uncapped it takes 180-230 and fits 2 blocks; float32
         tiles and float64 sums, which would spill under the cap, are left uncapped (docs/benchmarks.md, "Kernels
         compiled without a GPU").
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
