@@ -644,10 +644,11 @@ def test_the_bidirectional_forward_caps_its_registers_to_fit_its_blocks(dtype, b
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("scans", [1, 2])
 def test_the_bidirectional_kernels_read_within_the_padding_of_their_operands(decay, scans):
-    """E, I and the positions run past L to a multiple of every tile of the launch settings (here 96 for 71 tokens),
-    so that the kernels read them without masks: with NaN just past that padding the output is the reference's and
-    every gradient the same bits as without, dE and dI are 0 past L (so the decays' gradients take nothing from the
-    padding), and a backward under tiles that do not divide the padding is one clear error."""
+    """E, I and the positions run past L to a multiple of every tile of the launch settings (here 128 for 71 tokens:
+    the forward's own tile of 64), so that the kernels read them without masks: with NaN just past that padding the
+    output is the reference's and every gradient the same bits as without, dE and dI are 0 past L (so the decays'
+    gradients take nothing from the padding; past 96, the backward's key tiles of 32, filled), and a backward under
+    tiles that do not divide the padding is one clear error."""
     from lion_vit.ops.triton import bidirectional
     g = torch.Generator().manual_seed(5)
     orders = snake_orders(7, 10, num_prefix_tokens=1).to(DEVICE) if scans == 2 else None
@@ -662,9 +663,9 @@ def test_the_bidirectional_kernels_read_within_the_padding_of_their_operands(dec
         return buffer[..., :x.shape[-1]]
 
     dy = torch.randn(2, 2, 71, 16, generator=g).to(DEVICE)
-    with tuned(bidirectional_forward=(16, 16, 1), bidirectional_backward=(32, 16, 1)):
+    with tuned(bidirectional_forward=(64, 16, 1), bidirectional_backward=(32, 16, 1)):
         q, k, v, E, I, P, _ = bidirectional._prepared(q, k, v, log_decays.to(DEVICE), orders, None)
-        assert E.shape[-1] == I.shape[-1] == P.shape[-1] == 96
+        assert E.shape[-1] == I.shape[-1] == P.shape[-1] == 128
         runs = []
         for E, I in [(E, I), (poisoned(E.contiguous()), poisoned(I.contiguous()))]:
             y, z = bidirectional._forward(q, k, v, E, I, P, None, "sum", orders is None)
@@ -674,7 +675,7 @@ def test_the_bidirectional_kernels_read_within_the_padding_of_their_operands(dec
     assert rel_err(runs[1][0].cpu(), expected) < TOL
     dE, dI = runs[1][-2:]
     assert not dE[..., 71:].any() and not dI[..., 71:].any() and dE[..., :71].any()
-    with tuned(bidirectional_backward=(64, 64, 1)), pytest.raises(RuntimeError, match="padded to 96 tokens"):
+    with tuned(bidirectional_backward=(256, 16, 1)), pytest.raises(RuntimeError, match="padded to 128 tokens"):
         bidirectional._backward(dy, q, k, v, E, I, P, y, z, None, "sum", orders is None)
 
 GRID = (36, 36)  # 9 x 9 patches of 4 px and a class token: 82 tokens, a chunk of 64 and one of 18 (chunks_always)

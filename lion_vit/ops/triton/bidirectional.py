@@ -383,7 +383,7 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
-    at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP], every token written: the grid tiles LP)
+    at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP]; padding tokens' 0)
     tl.store(dE + at, de0)
     tl.store(dI + at, di0)
     if SCANS == 2:
@@ -502,9 +502,12 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
     dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
     scans, padded = positions.shape
-    dE = q.new_empty((scans, batch, heads, padded), dtype=torch.float32)  # (every token written: the key kernel's
-    dI = torch.empty_like(dE)                                             # grid tiles them)
+    dE = q.new_empty((scans, batch, heads, padded), dtype=torch.float32)
+    dI = torch.empty_like(dE)
     own, loop, warps = _tiles("backward", padded)
+    covered = cdiv(length, own) * own  # (the key kernel writes its tiles' every token: 0 past L)
+    if covered < padded:  # (a larger tile of the forward's padded further)
+        dE[..., covered:], dI[..., covered:] = 0.0, 0.0
     settings = dict(SCANS=scans, NORMALISED=normalised, BLOCK_K=_block(key_dim), BLOCK_V=_block(value_dim),
                     FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order, num_warps=warps)
     maps = _maps(feature_map)
@@ -514,7 +517,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions, spans)
     strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dy))
     shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, padded, heads, key_dim, value_dim)
-    _backward_keys_kernel[(padded // own, batch * heads)](
+    _backward_keys_kernel[(cdiv(length, own), batch * heads)](
         *operands, k, dk, dv, dE, dI, *strides, *_strides(k), *shared, *_strides(dv), BLOCK_M=loop, BLOCK_N=own,
         KEYS_FIRST=tuning().bidirectional_keys_first, RAW_MAP=maps["MAP_K"], RAW_NORM=maps["NORM_K"], **loads,
         **settings)
