@@ -106,8 +106,8 @@ def _references(e, i, ok):
 @triton.jit
 def _exp(x):
     """exp(x) of float32 exponents (the masks' entries and factors) as 2^(x log2 e): PTX ex2.approx.ftz, whose
-    results below 2^-126 (1e-38) are 0. tl.exp lowers to ex2.approx without ftz, which ptxas wraps in three more
-    instructions each to keep those subnormal (docs/benchmarks.md, "Kernels compiled without a GPU")."""
+    results below 2^-126 (1e-38) are 0. tl.exp lowers to ex2.approx without ftz, which ptxas wraps in more
+    instructions to keep those subnormal (docs/benchmarks.md, "Kernels compiled without a GPU")."""
     return tl.math.exp2(x * 1.4426950408889634)
 
 
