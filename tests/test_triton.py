@@ -41,6 +41,25 @@ def kernels_here(monkeypatch):
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
+BIDIRECTIONAL_KERNELS = ("_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel")
+
+
+def watch_launches(monkeypatch, name: str, seen) -> None:
+    """ops.triton.bidirectional.<name> launched as before, with seen(kernel, grid, args, kwargs) called at each
+    launch first (for the test's duration)."""
+    from lion_vit.ops.triton import bidirectional
+    kernel = getattr(bidirectional, name)
+
+    class Watched:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen(kernel, grid, args, kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(bidirectional, name, Watched())
+
+
 def _check(fn, reference, tensors, tol=TOL, value_shape=None):
     """fn's output and gradients (of every tensor given) against reference's, for one random upstream.
     value_shape: the output's, where it is not the third tensor's (v)."""
@@ -279,23 +298,11 @@ def test_the_bidirectional_kernels_launch_in_the_settings_in_effect(monkeypatch,
     each kernel's grid (a program per own tile and image-head), its loop's tile, its warps, the key kernel's
     orientation and the masks' factoring; in another setting the function is the same. One scan in token order
     (no orders) launches them IN_ORDER: its tiles' spans are their bounds."""
-    from lion_vit.ops.triton import bidirectional
     launches = []
-
-    class Recorded:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((self.kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"],
-                                 kwargs["num_warps"], kwargs.get("KEYS_FIRST"), kwargs["FACTORED"],
-                                 kwargs["IN_ORDER"]))
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name in ("_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"):
-        monkeypatch.setattr(bidirectional, name, Recorded(getattr(bidirectional, name)))
+    for name in BIDIRECTIONAL_KERNELS:
+        watch_launches(monkeypatch, name, lambda kernel, grid, args, kwargs: launches.append(
+            (kernel.fn.__name__, tuple(grid), kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"],
+             kwargs.get("KEYS_FIRST"), kwargs["FACTORED"], kwargs["IN_ORDER"])))
     q, k, v, lam = make_inputs(1, 2, 40, 16, "selective", torch.float32)
     leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, torch.log(lam)[None])]
 
@@ -375,18 +382,9 @@ def test_the_bidirectional_kernels_map_pass_gives_the_same_bits(feature_map, sca
     raw q, k, v and the decays are the reference's, and the same bits as with the maps in the loops (on a GPU, within
     rounding: the compiler may contract the map's arithmetic differently in the two kernels)."""
     from lion_vit.ops.features import get_feature_map
-    from lion_vit.ops.triton import bidirectional
     passes = []
-    kernel = bidirectional._map_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(x, *args, **kwargs):
-                passes.append((tuple(x.shape), kwargs["MAP"], kwargs["NORM"]))
-                return kernel[grid](x, *args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(bidirectional, "_map_kernel", Recorded())
+    watch_launches(monkeypatch, "_map_kernel", lambda kernel, grid, args, kwargs: passes.append(
+        (tuple(args[0].shape), kwargs["MAP"], kwargs["NORM"])))
     orders = snake_orders(7, 10, num_prefix_tokens=1) if scans == 2 else None
     g = torch.Generator().manual_seed(12)
     qkv = torch.randn(1, 71, 3, 2, 16, generator=g)  # [B, L, (q, k, v), H, D] as a projection gives them
@@ -594,20 +592,10 @@ def test_the_bidirectional_kernels_read_positions_as_int32(traced, monkeypatch):
     """The kernels read each scan's positions, and the table of their tiles' spans, as int32 (half int64's
     registers and bytes in every loop): eagerly from the indices kept with the orders, traced (a compiler's custom
     op) from the positions it computes. Two snakes, training: forward and both backward kernels."""
-    from lion_vit.ops.triton import bidirectional
     read = []
-
-    def recorded(kernel):
-        class Recorded:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    read.extend(args[kernel.arg_names.index(name)].dtype for name in "PT")
-                    return kernel[grid](*args, **kwargs)
-                return launch
-        return Recorded()
-
-    for name in ("_forward_kernel", "_backward_keys_kernel", "_backward_queries_kernel"):
-        monkeypatch.setattr(bidirectional, name, recorded(getattr(bidirectional, name)))
+    for name in BIDIRECTIONAL_KERNELS:
+        watch_launches(monkeypatch, name, lambda kernel, grid, args, kwargs: read.extend(
+            args[kernel.arg_names.index(operand)].dtype for operand in "PT"))
     orders = snake_orders(3, 4, num_prefix_tokens=1).to(DEVICE)
     q, k, v = (t.to(DEVICE).requires_grad_() for t in make_inputs(1, 2, 13, 16, "fixed", torch.float32)[:3])
     log_decays = torch.full((2, 1, 2, 1), -0.5, device=DEVICE)
@@ -624,22 +612,14 @@ def test_the_bidirectional_forward_caps_its_registers_to_fit_its_blocks(dtype, b
     """Tuning.bidirectional_forward_blocks: the forward kernel's launch caps its registers (maxnreg) so that that many
     blocks of its warps (4) fit a multiprocessor's 64 K registers, for 16-bit q, k, v with float32 sums; float32
     launches, which would spill under the cap, and 0 run as ptxas allots them."""
-    from lion_vit.ops.triton import bidirectional
     caps = []
-    kernel = bidirectional._forward_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                caps.append(kwargs.get("maxnreg"))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(bidirectional, "_forward_kernel", Recorded())
+    watch_launches(monkeypatch, "_forward_kernel",
+                   lambda kernel, grid, args, kwargs: caps.append(kwargs.get("maxnreg")))
     q, k, v = (t.to(DEVICE, dtype) for t in make_inputs(1, 2, 20, 16, "fixed", torch.float32)[:3])
     with tuned(bidirectional_forward=(64, 64, 4), bidirectional_forward_blocks=blocks), torch.no_grad():
         lion_attention(q, k, v, torch.full((1, 1, 2, 1), -0.5, device=DEVICE), form="attention", backend="triton")
     assert caps == [cap]
+
 
 @pytest.mark.parametrize("decay", ["fixed", "selective"])
 @pytest.mark.parametrize("scans", [1, 2])
