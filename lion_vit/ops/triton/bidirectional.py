@@ -98,12 +98,6 @@ def _loop_span(T, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
 
 
 @triton.jit
-def _references(e, i, ok):
-    """The largest E and least I of a query tile's tokens ok: the references R of _scan_mask's factored tiles."""
-    return tl.max(tl.where(ok, e, float("-inf"))), tl.min(tl.where(ok, i, float("inf")))
-
-
-@triton.jit
 def _exp(x):
     """exp(x) of float32 exponents (the masks' entries and factors) as 2^(x log2 e): PTX ex2.approx.ftz, whose
     results below 2^-126 (1e-38) are 0. tl.exp lowers to ex2.approx without ftz, which ptxas wraps in more
@@ -112,23 +106,45 @@ def _exp(x):
 
 
 @triton.jit
-def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, KEYS_FIRST: tl.constexpr,
-               FACTORED: tl.constexpr):
+def _references(e, i, ok, KEYS: tl.constexpr):
+    """A program's own tile's references R of _scan_mask's factored tiles and its factors there, (R_E, R_I, below,
+    above), from the E and I of its tokens ok: computed once, outside its loop. below: where keys come before
+    queries along the scan, above: after. R is a query tile's largest E and least I, a key tile's (KEYS) least E and
+    largest I, so that every factor is <= 1, the tile's own and those of any tile factored against it."""
+    if KEYS:
+        r_e, r_i = tl.min(tl.where(ok, e, float("inf"))), tl.max(tl.where(ok, i, float("-inf")))
+        below, above = r_e - e, i - r_i
+    else:
+        r_e, r_i = tl.max(tl.where(ok, e, float("-inf"))), tl.min(tl.where(ok, i, float("inf")))
+        below, above = e - r_e, r_i - i
+    return r_e, r_i, _exp(tl.minimum(below.to(tl.float32), 0.0)), _exp(tl.minimum(above.to(tl.float32), 0.0))
+
+
+@triton.jit
+def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+               KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr):
     """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32 (the entries of padding tokens
     finite). The exponents are differences in E's dtype (float64 for long sequences, cumulative), then rounded.
     FACTORED: a tile whose keys all come before its queries along the scan (_span's first and last positions of
-    each) is the outer product exp(E_i - R) exp(R - E_j), R = r_e the queries' largest E, and one whose keys all
-    come after them exp(R - I_i) exp(I_j - R), R = r_i their least I (_references): an exponential per token, not
-    per entry, each factor <= 1 (the sums are monotone along the scan; the minimum keeps those of padding lanes
-    finite too). The caller reduces its own tile's span and references once, outside its loop."""
+    each) is the outer product exp(E_i - R) exp(R - E_j), R = r_e, and one whose keys all come after them
+    exp(R - I_i) exp(I_j - R), R = r_i: an exponential per token, not per entry. The references are the program's
+    own tile's, as are its factors own_below, own_above (_references: its keys' where OWN_KEYS, else its
+    queries'), computed once outside its loop; each factor is <= 1 (the sums are monotone along
+    the scan; the minimum keeps those of padding lanes finite too)."""
     if FACTORED:
         if last_k < first_q:
-            queries, keys = _pairs(_exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)),
-                                   _exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0)), KEYS_FIRST)
+            if OWN_KEYS:
+                queries, keys = _exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)), own_below
+            else:
+                queries, keys = own_below, _exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0))
+            queries, keys = _pairs(queries, keys, KEYS_FIRST)
             mask = queries * keys
         elif first_k > last_q:
-            queries, keys = _pairs(_exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)),
-                                   _exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0)), KEYS_FIRST)
+            if OWN_KEYS:
+                queries, keys = _exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)), own_above
+            else:
+                queries, keys = own_above, _exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0))
+            queries, keys = _pairs(queries, keys, KEYS_FIRST)
             mask = queries * keys
         else:
             mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
@@ -220,7 +236,7 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
     first_q, last_q = _span(p0, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)  # (the first scan's: the one factored)
-    r_e, r_i = _references(e0, i0, row_ok)
+    r_e, r_i, own_below, own_above = _references(e0, i0, row_ok, False)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
@@ -228,11 +244,12 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
                                BLOCK_K, BLOCK_V)
         ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
         first_k, last_k = _loop_span(T, start, L, BLOCK_N, IN_ORDER)
-        mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False, FACTORED)
+        mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+                          False, FACTORED, False)
         if SCANS == 2:
             ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
-            mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, False,
-                               False)  # (never factors: _masks)
+            mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, own_below,
+                               own_above, False, False, False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
         numerator += tl.dot(weights.to(v_tile.dtype), v_tile)
@@ -281,32 +298,31 @@ def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, s
 
 
 @triton.jit
-def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i, start, L,
-           LOOP: tl.constexpr, SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr,
-           OWN_KEYS: tl.constexpr, IN_ORDER: tl.constexpr):
+def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first, last, r_e, r_i, own_below,
+           own_above, start, L, LOOP: tl.constexpr, SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr,
+           FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr, IN_ORDER: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
-    second: the first's where there is one scan) with its query and key positions. first, last (and r_e, r_i where
-    the program's own tile holds queries): the first scan's _span (and _references) of the program's own tile, its
-    keys where OWN_KEYS, else its queries, reduced once outside its loop; the loop tile's (LOOP tokens from start)
-    by _loop_span. FACTORED factors the first scan's tiles only: along the second of two (the natural models' column
-    snake) a tile of consecutive tokens spans every column, so its keys are never all before or all after its
-    queries, and the test costs registers."""
+    second: the first scan's where there is one) with its query and key positions. first, last, r_e, r_i, own_below,
+    own_above: the first scan's _span and _references of the program's own tile, its keys where OWN_KEYS, else its
+    queries, made once outside its loop; the loop tile's span (LOOP tokens from start) by _loop_span. FACTORED
+    factors the first scan's tiles only: along the second of two (the natural models' column snake) a tile of
+    consecutive tokens spans every column, so its keys are never all before or all after its queries, and the test
+    costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
     if OWN_KEYS:
         first_q, last_q = _loop_span(T, start, L, LOOP, IN_ORDER)
-        largest, least = _references(e, i, row_ok)
         first_k, last_k = first, last
     else:
-        first_q, last_q, largest, least = first, last, r_e, r_i
+        first_q, last_q = first, last
         first_k, last_k = _loop_span(T, start, L, LOOP, IN_ORDER)
-    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
-                    FACTORED)
+    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+                    KEYS_FIRST, FACTORED, OWN_KEYS)
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
-        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, largest, least, first_k, last_k, KEYS_FIRST,
-                        False)
+        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+                        KEYS_FIRST, False, OWN_KEYS)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
     return m0, m0, p_q, p_k, m0, p_q, p_k
 
@@ -351,16 +367,17 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     de1, di1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    _e_own, _i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
+    e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
     first_k, last_k = _span(p_own, col_ok, block * BLOCK_N, L, BLOCK_N, IN_ORDER)
+    r_e, r_i, own_below, own_above = _references(e_own, i_own, col_ok, True)
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
-                                                      sel, sps, first_k, last_k, 0.0, 0.0, start, L, BLOCK_M, SCANS,
-                                                      KEYS_FIRST, FACTORED, True, IN_ORDER)
+                                                      sel, sps, first_k, last_k, r_e, r_i, own_below, own_above,
+                                                      start, L, BLOCK_M, SCANS, KEYS_FIRST, FACTORED, True, IN_ORDER)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
@@ -414,15 +431,15 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     e_own, i_own, p_own = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     first_q, last_q = _span(p_own, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)
-    r_e, r_i = _references(e_own, i_own, row_ok)
+    r_e, r_i, own_below, own_above = _references(e_own, i_own, row_ok, False)
     for start in range(0, L, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
-                                                      sel, sps, first_q, last_q, r_e, r_i, start, L, BLOCK_N, SCANS,
-                                                      False, FACTORED, False, IN_ORDER)
+                                                      sel, sps, first_q, last_q, r_e, r_i, own_below, own_above,
+                                                      start, L, BLOCK_N, SCANS, False, FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
