@@ -22,11 +22,11 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
     dq = (dW * M) K,   dk = (dW * M)^T Q,   dv = (S * M)^T dn,   and per scan, with G = dW * S * M_s,
     dE_t = sum_{p_j < p_t} G_tj - sum_{p_i > p_t} G_it,   dI_t = sum_{p_i < p_t} G_it - sum_{p_j > p_t} G_tj,
 
-a small kernel for each row's r and delta first, then one kernel per key tile (dk, dv and the column sums) and
-one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits every run. E and I
-come from the log decays by torch ops (O(L)), through which autograd carries their gradients on. E, I, the
-positions and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the per-token
-vectors without masks (a padding key's scores are 0, so its entries and gradients are too).
+a small kernel for each row's dn (in dY's dtype) and delta first, then one kernel per key tile (dk, dv and the
+column sums) and one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits
+every run. E and I come from the log decays by torch ops (O(L)), through which autograd carries their gradients
+on. E, I, the positions and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the
+per-token vectors without masks (a padding key's scores are 0, so its entries and gradients are too).
 """
 from __future__ import annotations
 
@@ -260,41 +260,39 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
 
 
 @triton.jit
-def _factors_kernel(dy, y, z, r, delta, sdb, sdh, sdl, syb, syh, syl, L, H, DV, SCALING: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Each row's r (the scaling's factor on dY) and delta (dY . Y / z where the divisor depends on z), float32
-    [B, H, L], from dY, Y and the normaliser z: what both backward kernels read per query."""
+def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh, snl, L, H, DV,
+                    SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Each row's dn = dY r (r the scaling's factor on dY; in dY's dtype) and delta (dY . Y / z where the divisor
+    depends on z; float32 [B, H, L]), from dY, Y and the normaliser z: what both backward kernels read per query.
+    Made once here, dn is read as it is by the key kernel's every iteration, which would otherwise scale dY again
+    in its products' operand layout, each warp a copy."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < L
-    outer = tl.sum(_tile(dy, b, h, rows, ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32)
-                   * _tile(y, b, h, rows, ok, syb, syh, syl, DV, BLOCK_V).to(tl.float32), 1)
+    grad = _tile(dy, b, h, rows, ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32)
+    outer = tl.sum(grad * _tile(y, b, h, rows, ok, syb, syh, syl, DV, BLOCK_V).to(tl.float32), 1)
     at = bh.to(tl.int64) * L + rows
     normaliser = tl.load(z + at, mask=ok, other=1.0)
     factor = 1.0 / _divisor(normaliser, SCALING)
     correction = outer / normaliser
     if SCALING == 2:  # max(|z|, 1): z's gradient only where |z| > 1
         correction = tl.where(tl.abs(normaliser) > 1.0, correction, 0.0)
-    tl.store(r + at, factor, mask=ok)
+    _store_tile(dn, grad * factor[:, None], b, h, rows, ok, snb, snh, snl, DV, BLOCK_V)
     tl.store(delta + at, correction, mask=ok)
 
 
 @triton.jit
-def _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L, DK, DV,
+def _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl, L, DK, DV,
              NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_V: tl.constexpr):
-    """A query tile's features, dn = dY r (in dY's dtype) and delta (r 1 and delta 0 where the
-    scaling reads no normaliser)."""
+    """A query tile's features, dn (dY itself where the scaling reads no normaliser: r 1) and delta (0 there)."""
     if NORMALISED:
-        at = bh.to(tl.int64) * L + rows
-        factor, correction = tl.load(r + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
+        correction = tl.load(delta + bh.to(tl.int64) * L + rows, mask=row_ok, other=0.0)
     else:
-        factor, correction = tl.where(row_ok, 1.0, 0.0), tl.zeros_like(rows).to(tl.float32)
-    dn = (_tile(dy, b, h, rows, row_ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32) * factor[:, None]
-          ).to(dy.dtype.element_ty)
+        correction = tl.zeros_like(rows).to(tl.float32)
     return _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), \
-        dn, correction
+        _tile(dn, b, h, rows, row_ok, snb, snh, snl, DV, BLOCK_V), correction
 
 
 @triton.jit
@@ -346,8 +344,8 @@ def _over_queries(tile, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI,
-                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
+def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
+                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, snb, snh, snl, srb, srh, srl, sgb, sgh, sgl,
                           ses, seb, seh, sel, sps, L, LP, H, DK, DV, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr, RAW_NORM: tl.constexpr,
@@ -373,20 +371,20 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
     for start in range(0, L, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
-        q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L,
-                                          DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+        q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl,
+                                               L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
                                                       sel, sps, first_k, last_k, r_e, r_i, own_below, own_above,
                                                       start, L, BLOCK_M, SCANS, KEYS_FIRST, FACTORED, True, IN_ORDER)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
-            dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn)
-            dw = tl.dot(v_tile, tl.trans(dn)) - correction[None, :]
+            dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn_tile)
+            dw = tl.dot(v_tile, tl.trans(dn_tile)) - correction[None, :]
             dk_acc += tl.dot((dw * mask).to(q_tile.dtype), q_tile)
         else:
             scores = tl.dot(q_tile, tl.trans(k_tile))
-            dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn)
-            dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
+            dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn_tile)
+            dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
             dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
         g = dw * scores
         after, before = _split(g * m0, p_q0, p_k0, KEYS_FIRST)
@@ -410,8 +408,8 @@ def _backward_keys_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dk, dv, dE, dI
 
 
 @triton.jit
-def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
-                             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, srb, srh, srl, sgb, sgh, sgl,
+def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
+                             sqb, sqh, sql, skb, skh, skl, svb, svh, svl, snb, snh, snl, srb, srh, srl, sgb, sgh, sgl,
                              ses, seb, seh, sel, sps, L, LP, H, DK, DV,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
                              NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr,
@@ -424,8 +422,8 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
-    q_tile, dn, correction = _queries(q, dy, r, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, sdb, sdh, sdl, L, DK,
-                                      DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+    q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl, L,
+                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -441,7 +439,7 @@ def _backward_queries_kernel(q, k, v, dy, r, delta, E, I, P, T, raw, dq, dE, dI,
                                                       sel, sps, first_q, last_q, r_e, r_i, own_below, own_above,
                                                       start, L, BLOCK_N, SCANS, False, FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
-        dw = tl.dot(dn, tl.trans(v_tile)) - correction[:, None]
+        dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
         g = dw * scores
         after, before = _split(g * m0, p_q0, p_k0, False)
@@ -510,11 +508,11 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     normalised = scaling != "none"
-    r = correction = None
+    dn, correction = dy, None  # (dY itself where the scaling reads no normaliser)
     if normalised:
-        r, correction = torch.empty_like(z), torch.empty_like(z)
+        dn, correction = torch.empty_like(dy), torch.empty_like(z)
         _factors_kernel[(cdiv(length, 32), batch * heads)](
-            dy, y, z, r, correction, *_strides(dy), *_strides(y), length, heads, value_dim,
+            dy, y, z, dn, correction, *_strides(dy), *_strides(y), *_strides(dn), length, heads, value_dim,
             SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
     dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
@@ -531,8 +529,8 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     queries, loads = _by_pass(q, maps, "Q")
     keys, loads = _by_pass(k, loads, "K")
     spans = positions if in_order else _tile_spans(positions, loop, length)  # (in order: unread)
-    operands = (queries, keys, v, dy, r, correction, exclusive, inclusive, positions, spans)
-    strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dy))
+    operands = (queries, keys, v, dn, correction, exclusive, inclusive, positions, spans)
+    strides = (*_strides(queries), *_strides(keys), *_strides(v), *_strides(dn))
     shared = (*_strides(dq), *exclusive.stride(), positions.stride(0), length, padded, heads, key_dim, value_dim)
     _backward_keys_kernel[(cdiv(length, own), batch * heads)](
         *operands, k, dk, dv, dE, dI, *strides, *_strides(k), *shared, *_strides(dv), BLOCK_M=loop, BLOCK_N=own,
