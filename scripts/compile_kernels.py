@@ -255,37 +255,74 @@ def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
     return f", {min(by_registers, by_shared)} blocks a multiprocessor"
 
 
-def loop_code(sass: str) -> Optional[Tuple[int, int, int]]:
-    """(instructions, special-function ones, barriers) in the code of a kernel's loops in cuobjdump's SASS: from the
-    lowest address a backward branch jumps to up to the last backward branch before the kernel's last EXIT (a loop's
-    latch), every branch inside counted (an iteration runs one path through them); None where the kernel has no
-    loop. The code between the loops and that EXIT (the epilogue) is not counted, nor the blocks ptxas places after
-    it that branch back into a loop (the warp-divergence paths of its reductions, which a converged warp never
-    takes). A thread issues each of them once an iteration, so for a loop whose tile products are few (Hopper's
-    wgmma) they are what an iteration costs to issue; the special-function units (MUFU: exponentials, reciprocals,
-    square roots) issue 16 a clock a multiprocessor, an eighth of the float32 units' rate; at a barrier (BAR: shared
-    memory's exchanges between warps, a reduction's or a layout's) every warp of the block waits for the others."""
-    code = []  # (address, opcode, branch target or None)
+def _loop(sass: str) -> Optional[list]:
+    """The instructions of a kernel's loops in cuobjdump's SASS (`loop_code`), each (address, opcode, branch target
+    or None, whether the branch may fall through: predicated, or a divergence branch); None without a loop."""
+    code = []
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
         words = text.split()
         op = words[1] if words[0].startswith("@") else words[0]  # (after a predicate, @P0 or @!P1)
         target = re.search(r"0x([0-9a-f]+)", text) if op.split(".")[0] == "BRA" else None
-        code.append((int(address, 16), op, int(target[1], 16) if target else None))
-    end_of_kernel = max((address for address, op, _ in code if op == "EXIT"), default=float("inf"))
-    back = [(target, address) for address, _, target in code
+        code.append((int(address, 16), op, int(target[1], 16) if target else None,
+                     words[0].startswith("@") or op != "BRA"))
+    end_of_kernel = max((address for address, op, *_ in code if op == "EXIT"), default=float("inf"))
+    back = [(target, address) for address, _, target, _ in code
             if target is not None and target < address < end_of_kernel]
     if not back:
         return None
     start, end = min(target for target, _ in back), max(address for _, address in back)
-    ops = [op for address, op, _ in code if start <= address <= end]
+    return [instruction for instruction in code if start <= instruction[0] <= end]
+
+
+def loop_code(sass: str) -> Optional[Tuple[int, int, int]]:
+    """(instructions, special-function ones, barriers) in the code of a kernel's loops in cuobjdump's SASS: from the
+    lowest address a backward branch jumps to up to the last backward branch before the kernel's last EXIT (a loop's
+    latch), every branch inside counted (an iteration runs one path through them: `loop_paths`); None where the
+    kernel has no loop. The code between the loops and that EXIT (the epilogue) is not counted, nor the blocks
+    ptxas places after it that branch back into a loop (the warp-divergence paths of its reductions, which a
+    converged warp never takes). A thread issues each of them once an iteration, so for a loop whose tile products
+    are few (Hopper's wgmma) they are what an iteration costs to issue; the special-function units (MUFU:
+    exponentials, reciprocals, square roots) issue 16 a clock a multiprocessor, an eighth of the float32 units' rate;
+    at a barrier (BAR: shared memory's exchanges between warps, a reduction's or a layout's) every warp of the block
+    waits for the others."""
+    loop = _loop(sass)
+    if loop is None:
+        return None
+    ops = [op for _, op, *_ in loop]
     return len(ops), sum(op.startswith("MUFU") for op in ops), sum(op.split(".")[0] == "BAR" for op in ops)
 
 
+def loop_paths(sass: str) -> Optional[Tuple[int, int]]:
+    """The fewest and the most instructions an iteration of `loop_code`'s loops issues: its paths from the loop's
+    first instruction to its latch, along fall-throughs and forward branches (a branch out of the loop ends no path
+    there, a backward one falls through). Paths that no iteration takes count too (two tests of one condition: a
+    tile's mask, then its sums), so the range bounds what iterations issue; in the bidirectional kernels the fewest
+    are a factored tile's, the most a tile's whose mask is made entry by entry."""
+    loop = _loop(sass)
+    if loop is None:
+        return None
+    index = {address: at for at, (address, *_) in enumerate(loop)}
+    fewest, most = [None] * len(loop), [None] * len(loop)
+    fewest[0] = most[0] = 1
+    for at, (address, op, target, falls) in enumerate(loop):
+        if fewest[at] is None:
+            continue
+        following = [at + 1] if (target is None or falls or target <= address) and at + 1 < len(loop) else []
+        if target is not None and target > address and target in index:
+            following.append(index[target])
+        for then in following:
+            fewest[then] = min(fewest[then] or 1 << 30, fewest[at] + 1)
+            most[then] = max(most[then] or 0, most[at] + 1)
+    return fewest[-1], most[-1]
+
+
 def _loop_issue(compiled) -> str:
-    """", loop I instructions (MUFU M, BAR B)" (`loop_code` of the cubin's SASS); "" where cuobjdump is missing or
-    there is no loop."""
-    found = loop_code(_cuobjdump(compiled, "-sass") or "")
-    return f", loop {found[0]} instructions (MUFU {found[1]}, BAR {found[2]})" if found else ""
+    """", loop I instructions (MUFU M, BAR B), an iteration F-M" (`loop_code`, `loop_paths` of the cubin's SASS);
+    "" where cuobjdump is missing or there is no loop."""
+    sass = _cuobjdump(compiled, "-sass") or ""
+    found, paths = loop_code(sass), loop_paths(sass)
+    return (f", loop {found[0]} instructions (MUFU {found[1]}, BAR {found[2]}), an iteration {paths[0]}-{paths[1]}"
+            if found else "")
 
 
 def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:

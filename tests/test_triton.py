@@ -1078,7 +1078,8 @@ def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
     backward branch before the kernel's last EXIT (the latch, predicated or not), predicated ones and every branch
     inside included, and the special-function ones and barriers among them; not the epilogue, nor the out-of-line
     blocks after that EXIT that branch back into the loop (a reduction's divergence path, as ptxas places them); a
-    forward branch (an if) opens no loop, and a kernel without a backward branch has no loop."""
+    forward branch (an if) opens no loop, and a kernel without a backward branch has no loop. loop_paths: the
+    fewest and the most of them an iteration issues, the if taken or not, the divergence branch falling through."""
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   MUFU.RCP R2, R3 ;
@@ -1099,6 +1100,9 @@ def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
 """
     assert compile_kernels.loop_code(sass) == (7, 2, 1)  # 0x20-0x80: FMUL, BRA, MUFU, BAR, BRA.DIV, MUFU, BRA
     assert compile_kernels.loop_code(sass.replace("@!P1 BRA 0x20", "BRA 0x20")) == (7, 2, 1)
+    assert compile_kernels.loop_paths(sass) == (4, 7)  # the if taken: FMUL, BRA, MUFU, BRA
+    assert compile_kernels.loop_paths(sass.replace("@P0 BRA 0x70", "BRA 0x70")) == (4, 4)
+    assert compile_kernels.loop_paths(sass.replace("@P0 BRA 0x70", "@P0 BRA 0x50")) == (6, 7)
     assert compile_kernels.loop_code(sass.replace("BRA 0x20", "BRA 0xc0").replace("BRA 0x70 ;\n        /*00f0",
                                                                                   "EXIT ;\n        /*00f0")) is None
 
