@@ -300,12 +300,13 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
            own_above, start, L, LOOP: tl.constexpr, SCANS: tl.constexpr, KEYS_FIRST: tl.constexpr,
            FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr, IN_ORDER: tl.constexpr):
     """The mask tile [queries, keys] (KEYS_FIRST: [keys, queries]) of every scan summed, and each scan's own (the
-    second: the first scan's where there is one) with its query and key positions. first, last, r_e, r_i, own_below,
-    own_above: the first scan's _span and _references of the program's own tile, its keys where OWN_KEYS, else its
-    queries, made once outside its loop; the loop tile's span (LOOP tokens from start) by _loop_span. FACTORED
-    factors the first scan's tiles only: along the second of two (the natural models' column snake) a tile of
-    consecutive tokens spans every column, so its keys are never all before or all after its queries, and the test
-    costs registers."""
+    second: the first scan's where there is one) with its query and key positions, and the first scan's side: 1
+    where the tile's keys all come before its queries, -1 where all after, else 0 (0 where not FACTORED). first,
+    last, r_e, r_i, own_below, own_above: the first scan's _span and _references of the program's own tile, its
+    keys where OWN_KEYS, else its queries, made once outside its loop; the loop tile's span (LOOP tokens from
+    start) by _loop_span. FACTORED factors the first scan's tiles only: along the second of two (the natural
+    models' column snake) a tile of consecutive tokens spans every column, so its keys are never all before or all
+    after its queries, and the test costs registers."""
     e, i, p_q = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     e_k, i_k, p_k = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
     if OWN_KEYS:
@@ -316,31 +317,50 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
         first_k, last_k = _loop_span(T, start, L, LOOP, IN_ORDER)
     m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                     KEYS_FIRST, FACTORED, OWN_KEYS)
+    side = (last_k < first_q).to(tl.int32) - (first_k > last_q).to(tl.int32) if FACTORED else 0
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
         m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                         KEYS_FIRST, False, OWN_KEYS)
-        return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1
-    return m0, m0, p_q, p_k, m0, p_q, p_k
+        return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1, side
+    return m0, m0, p_q, p_k, m0, p_q, p_k, side
 
 
 @triton.jit
-def _split(g, p_q, p_k, KEYS_FIRST: tl.constexpr):
-    """g [queries, keys] (KEYS_FIRST: [keys, queries]) where the query comes after its key along the scan, and where
-    before (the diagonal in neither): the parts that reach E and I."""
-    p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
-    return tl.where(p_q > p_k, g, 0.0), tl.where(p_q < p_k, g, 0.0)
-
-
-@triton.jit
-def _over_queries(tile, KEYS_FIRST: tl.constexpr):
-    """A tile's sums over its queries: a vector over its keys."""
-    if KEYS_FIRST:
-        sums = tl.sum(tile, 1)
-    else:
+def _sums(tile, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
+    """A tile's sums over its queries (a vector over its keys) where OVER_QUERIES, else over its keys."""
+    if OVER_QUERIES and not KEYS_FIRST:
         sums = tl.sum(tile, 0)
+    else:  # ([keys, queries] tiles are summed over queries only)
+        sums = tl.sum(tile, 1)
     return sums
+
+
+@triton.jit
+def _split_sums(de, di, g, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
+    """de + SIGN (the _sums of g [queries, keys], KEYS_FIRST: [keys, queries], where the query comes after its key
+    along the scan) and di - SIGN (where before; the diagonal in neither): the parts that reach E and I."""
+    p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
+    return (de + SIGN * _sums(tl.where(p_q > p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES),
+            di - SIGN * _sums(tl.where(p_q < p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES))
+
+
+@triton.jit
+def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                OVER_QUERIES: tl.constexpr, SIDED: tl.constexpr):
+    """_split_sums, where SIDED with no test per entry for a tile on one side (_masks's side): 1, every entry
+    after, -1, every entry before."""
+    if SIDED:
+        if side > 0:
+            de += SIGN * _sums(g, KEYS_FIRST, OVER_QUERIES)
+        elif side < 0:
+            di -= SIGN * _sums(g, KEYS_FIRST, OVER_QUERIES)
+        else:
+            de, di = _split_sums(de, di, g, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+    else:
+        de, di = _split_sums(de, di, g, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+    return de, di
 
 
 @triton.jit
@@ -373,9 +393,9 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
         row_ok = rows < L
         q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl,
                                                L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
-        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
-                                                      sel, sps, first_k, last_k, r_e, r_i, own_below, own_above,
-                                                      start, L, BLOCK_M, SCANS, KEYS_FIRST, FACTORED, True, IN_ORDER)
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1, side = _masks(
+            E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first_k, last_k, r_e, r_i,
+            own_below, own_above, start, L, BLOCK_M, SCANS, KEYS_FIRST, FACTORED, True, IN_ORDER)
         if KEYS_FIRST:
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn_tile)
@@ -387,13 +407,9 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
             dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
             dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
         g = dw * scores
-        after, before = _split(g * m0, p_q0, p_k0, KEYS_FIRST)
-        de0 -= _over_queries(after, KEYS_FIRST)
-        di0 += _over_queries(before, KEYS_FIRST)
+        de0, di0 = _accumulate(de0, di0, g * m0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
         if SCANS == 2:
-            after, before = _split(g * m1, p_q1, p_k1, KEYS_FIRST)
-            de1 -= _over_queries(after, KEYS_FIRST)
-            di1 += _over_queries(before, KEYS_FIRST)
+            de1, di1 = _accumulate(de1, di1, g * m1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
@@ -435,20 +451,16 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
-        mask, m0, p_q0, p_k0, m1, p_q1, p_k1 = _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh,
-                                                      sel, sps, first_q, last_q, r_e, r_i, own_below, own_above,
-                                                      start, L, BLOCK_N, SCANS, False, FACTORED, False, IN_ORDER)
+        mask, m0, p_q0, p_k0, m1, p_q1, p_k1, side = _masks(
+            E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first_q, last_q, r_e, r_i,
+            own_below, own_above, start, L, BLOCK_N, SCANS, False, FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
         dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
         g = dw * scores
-        after, before = _split(g * m0, p_q0, p_k0, False)
-        de0 += tl.sum(after, 1)
-        di0 -= tl.sum(before, 1)
+        de0, di0 = _accumulate(de0, di0, g * m0, p_q0, p_k0, side, 1.0, False, False, FACTORED)
         if SCANS == 2:
-            after, before = _split(g * m1, p_q1, p_k1, False)
-            de1 += tl.sum(after, 1)
-            di1 -= tl.sum(before, 1)
+            de1, di1 = _accumulate(de1, di1, g * m1, p_q1, p_k1, 0, 1.0, False, False, False)
     q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
