@@ -207,8 +207,8 @@ def _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K:
 
 
 @triton.jit
-def _map_kernel(x, f, sxb, sxh, sxl, L, H, D, MAP: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+def _map_kernel(x, f, sxb, sxh, sxl, L, H, D: tl.constexpr, MAP: tl.constexpr, NORM: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The features f [B, H, L, D] (contiguous) of raw x [B, H, L, D] (rows contiguous): _features, as the kernels
     map a tile they read (Tuning.bidirectional_map_pass)."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -221,10 +221,10 @@ def _map_kernel(x, f, sxb, sxh, sxl, L, H, D, MAP: tl.constexpr, NORM: tl.conste
 
 @triton.jit
 def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, syb, syh, syl,
-                    ses, seb, seh, sel, sps, L, H, DK, DV, SCANS: tl.constexpr, SCALING: tl.constexpr,
-                    MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                    FACTORED: tl.constexpr, IN_ORDER: tl.constexpr):
+                    ses, seb, seh, sel, sps, L, H, DK: tl.constexpr, DV: tl.constexpr, SCANS: tl.constexpr,
+                    SCALING: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, MAP_K: tl.constexpr,
+                    NORM_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_V: tl.constexpr, FACTORED: tl.constexpr, IN_ORDER: tl.constexpr):
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -260,7 +260,7 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
 
 
 @triton.jit
-def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh, snl, L, H, DV,
+def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh, snl, L, H, DV: tl.constexpr,
                     SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     """Each row's dn = dY r (r the scaling's factor on dY; in dY's dtype) and delta (dY . Y / z where the divisor
     depends on z; float32 [B, H, L]), from dY, Y and the normaliser z: what both backward kernels read per query.
@@ -366,7 +366,7 @@ def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.co
 @triton.jit
 def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
                           sqb, sqh, sql, skb, skh, skl, svb, svh, svl, snb, snh, snl, srb, srh, srl, sgb, sgh, sgl,
-                          ses, seb, seh, sel, sps, L, LP, H, DK, DV, swb, swh, swl,
+                          ses, seb, seh, sel, sps, L, LP, H, DK: tl.constexpr, DV: tl.constexpr, swb, swh, swl,
                           SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr,
                           MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr, RAW_NORM: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -426,7 +426,7 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
 @triton.jit
 def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
                              sqb, sqh, sql, skb, skh, skl, svb, svh, svl, snb, snh, snl, srb, srh, srl, sgb, sgh, sgl,
-                             ses, seb, seh, sel, sps, L, LP, H, DK, DV,
+                             ses, seb, seh, sel, sps, L, LP, H, DK: tl.constexpr, DV: tl.constexpr,
                              SCANS: tl.constexpr, NORMALISED: tl.constexpr, MAP_Q: tl.constexpr,
                              NORM_Q: tl.constexpr, MAP_K: tl.constexpr, NORM_K: tl.constexpr, RAW_MAP: tl.constexpr,
                              RAW_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
