@@ -41,8 +41,8 @@ from torch import Tensor
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kept, kernel_inputs, launched_on_device_of
-from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _features_grad, _mapped, cdiv,
-                       in_rows, rows_contiguous)
+from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _exp, _features_grad, _mapped,
+                       cdiv, in_rows, rows_contiguous)
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
@@ -95,14 +95,6 @@ def _loop_span(T, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
         at = (start // SIZE) * 2
         first, last = tl.load(T + at), tl.load(T + at + 1)
     return first, last
-
-
-@triton.jit
-def _exp(x):
-    """exp(x) of float32 exponents (the masks' entries and factors) as 2^(x log2 e): PTX ex2.approx.ftz, whose
-    results below 2^-126 (1e-38) are 0. tl.exp lowers to ex2.approx without ftz, which ptxas wraps in more
-    instructions to keep those subnormal (docs/benchmarks.md, "Kernels compiled without a GPU")."""
-    return tl.math.exp2(x * 1.4426950408889634)
 
 
 @triton.jit

@@ -43,11 +43,25 @@ class Layout(NamedTuple):
 
 
 @triton.jit
+def _exp(x):
+    """exp(x) of float32 x as 2^(x log2 e): PTX ex2.approx.ftz, whose results below 2^-126 (1e-38) are 0. tl.exp
+    lowers to ex2.approx without ftz, which ptxas wraps in more instructions to keep those subnormal
+    (docs/benchmarks.md, "Kernels compiled without a GPU")."""
+    return tl.math.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _sigmoid(x):
+    """tl.sigmoid, its exponential _exp's (-log2 e one constant: a negation apart is one more instruction)."""
+    return 1.0 / (1.0 + tl.math.exp2(x * -1.4426950408889634))
+
+
+@triton.jit
 def _mapped(x, kind: tl.constexpr):
     if kind == 1:  # SiLU(x) + 0.5
-        x = x * tl.sigmoid(x) + 0.5
+        x = x * _sigmoid(x) + 0.5
     elif kind == 2:  # ELU(x) + 1 (exp of the non-positive part only: no overflow where unused)
-        x = tl.where(x > 0, x + 1.0, tl.exp(tl.minimum(x, 0.0)))
+        x = tl.where(x > 0, x + 1.0, _exp(tl.minimum(x, 0.0)))
     return x
 
 
@@ -141,10 +155,10 @@ def _features_grad(x, g, valid, rows, kind: tl.constexpr, norm: tl.constexpr):
         f = f / n
         g = (g - f * tl.sum(f * g, axis=1)[:, None]) / n
     if kind == 1:  # d/dx (x sigmoid(x)) = sigmoid(x) (1 + x (1 - sigmoid(x)))
-        s = tl.sigmoid(x)
+        s = _sigmoid(x)
         g = g * s * (1.0 + x * (1.0 - s))
     elif kind == 2:
-        g = tl.where(x > 0, g, g * tl.exp(tl.minimum(x, 0.0)))
+        g = tl.where(x > 0, g, g * _exp(tl.minimum(x, 0.0)))
     return tl.where(valid, g, 0.0)
 
 
