@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=256)
     parser.add_argument("--forward", nargs="+", type=launch_setting, default=[(128, 64, 8), (64, 32, 4)],
                         metavar="O,L,W", help="the bidirectional forward kernel's settings to try besides the code's")
-    parser.add_argument("--backward", nargs="+", type=launch_setting, default=[(32, 32, 4), (64, 64, 8), (32, 64, 4)],
+    parser.add_argument("--backward", nargs="+", type=launch_setting, default=[(64, 32, 8), (32, 32, 4), (64, 64, 8)],
                         metavar="O,L,W", help="the bidirectional backward kernels' settings to try besides the "
                                               "code's")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))

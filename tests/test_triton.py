@@ -961,7 +961,9 @@ def test_the_fused_kernels_benchmark_times_lion_lits_three_routes(capsys):
     ("linear") beside the bidirectional kernel forced with every decay 1, all within float16's rounding of it."""
     import runpy
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
-    assert main(["--img-size", "96", "--batch-size", "1", "--forward", "64,64,4", "--backward", "64,32,8",
+    codes = [",".join(map(str, setting)) for setting in (tuning().bidirectional_forward,
+                                                         tuning().bidirectional_backward)]
+    assert main(["--img-size", "96", "--batch-size", "1", "--forward", codes[0], "--backward", codes[1],
                  "--cases", "lion_lit"]) == 0
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lion_lit")]

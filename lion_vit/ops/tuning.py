@@ -65,7 +65,9 @@ class Tuning:
         (None: the GPU's multiprocessors; 1 on other devices).
     bidirectional_forward, bidirectional_backward: the bidirectional kernel's launch settings (tokens of a
         program's own tile, tokens per tile of its loop, warps), forward and for both backward kernels; tiles are
-        powers of two of at least 16 tokens (tl.dot), warps a power of two.
+        powers of two of at least 16 tokens (tl.dot), warps a power of two. The backward's 4 warps until a GPU has
+        timed them: compiled for Hopper, 8 warps issue about as much a thread as 4 for the same tiles, part of the
+        work done by both warpgroups (docs/benchmarks.md, "Kernels compiled without a GPU").
     bidirectional_forward_blocks: the bidirectional forward kernel's registers are capped so that this many of its
         blocks fit a multiprocessor's 64 K registers at once, in launches on 16-bit q, k, v with float32 sums (below
         FLOAT64_EXPONENTS_ABOVE tokens); 0: as many as ptxas' own allotment lets fit. 3 (of 4 warps: 168 registers
@@ -109,7 +111,7 @@ class Tuning:
     group_share: float = 4 / 3
     recurrent_group_programs: Optional[int] = None
     bidirectional_forward: LaunchSetting = (64, 64, 4)
-    bidirectional_backward: LaunchSetting = (64, 32, 8)
+    bidirectional_backward: LaunchSetting = (64, 32, 4)
     bidirectional_forward_blocks: int = 3
     bidirectional_keys_first: bool = False
     bidirectional_factored_masks: bool = True
