@@ -381,8 +381,13 @@ def main(argv=None) -> int:
     parser.add_argument("--bidirectional-forward-uncapped", action="store_true",
                         help="record the bidirectional forward kernel with its registers as ptxas allots them, not "
                              "capped to fit Tuning.bidirectional_forward_blocks blocks a multiprocessor")
-    parser.add_argument("--bidirectional-keys-first", action="store_true",
-                        help="record the bidirectional backward's key kernel with its tiles [keys, queries]")
+    orientation = parser.add_mutually_exclusive_group()
+    orientation.add_argument("--bidirectional-keys-first", action="store_true",
+                             help="record the bidirectional backward's key kernel with its tiles [keys, queries] "
+                                  "(Tuning.bidirectional_keys_first on)")
+    orientation.add_argument("--bidirectional-queries-first", action="store_true",
+                             help="record it with its tiles [queries, keys], as the other kernels' "
+                                  "(Tuning.bidirectional_keys_first off)")
     parser.add_argument("--bidirectional-entrywise-masks", action="store_true",
                         help="record the bidirectional kernels with an exponential for every mask entry, no tile "
                              "factored (Tuning.bidirectional_factored_masks off)")
@@ -404,8 +409,8 @@ def main(argv=None) -> int:
              if getattr(args, f"bidirectional_{which}") is not None}
     if args.bidirectional_forward_uncapped:
         knobs["bidirectional_forward_blocks"] = 0
-    if args.bidirectional_keys_first:
-        knobs["bidirectional_keys_first"] = True
+    if args.bidirectional_keys_first or args.bidirectional_queries_first:
+        knobs["bidirectional_keys_first"] = args.bidirectional_keys_first
     if args.bidirectional_entrywise_masks:
         knobs["bidirectional_factored_masks"] = False
     if args.bidirectional_maps_in_loops:

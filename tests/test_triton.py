@@ -944,7 +944,8 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     for case in ("lion_s", "lion_s_natural"):
         ours = [row for row in rows if row[:2] == [case, "bidirectional"]]
         assert [row[2:4] for row in ours] == [
-            code, ["32,16,2" + entrywise + in_loops + uncapped, code[1]], [code[0], "16,16,2" + entrywise + in_loops],
+            code, ["32,16,2" + entrywise + in_loops + uncapped, code[1]],
+            [code[0], "16,16,2" + keys_first + entrywise + in_loops],
             [code[0], backward + other_keys + entrywise + in_loops],
             [forward + other_masks + in_loops + uncapped, backward + keys_first + other_masks + in_loops],
             [forward + entrywise + other_maps + uncapped, backward + keys_first + entrywise + other_maps],
@@ -989,7 +990,8 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
     assert main(["--img-size", "64", "--batch-size", "1", "--forward", "32,16,2", "--backward", "16,16,2",
                  "--cases", "lion_d"]) == 1
     out = capsys.readouterr().out
-    backward = ",".join(map(str, tuning().bidirectional_backward))
+    backward = ",".join(map(str, tuning().bidirectional_backward)) + (" keys first" if tuning().bidirectional_keys_first
+                                                                      else "")
     assert f"lion_d bidirectional 32,16,2 {backward}: RuntimeError: Triton Error [CUDA]: invalid argument" \
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
@@ -1111,19 +1113,21 @@ def test_compile_kernels_counts_the_code_of_a_kernels_loops_in_its_sass():
 
 def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_given(tmp_path, capsys):
     """--bidirectional-backward (and -forward) record the bidirectional kernels' launches in that setting, and
-    --bidirectional-keys-first, --bidirectional-entrywise-masks, --bidirectional-maps-in-loops with those knobs (the
-    last: no map pass), so that a setting's registers and tensor-core instructions can be read without a GPU; a
-    setting the kernels cannot run is the parser's one-line error."""
-    records = tmp_path / "launches.json"
-    assert compile_kernels.main(["--quick", "--save-records", str(records), "--bidirectional-backward", "32,32,4",
-                                 "--bidirectional-keys-first", "--bidirectional-entrywise-masks",
-                                 "--bidirectional-maps-in-loops"]) == 0
-    settings = {(name, *(kwargs.get(key) for key in ("BLOCK_M", "BLOCK_N", "num_warps", "KEYS_FIRST", "FACTORED")))
-                for module, name, _, kwargs in json.loads(records.read_text()) if module.endswith("bidirectional")}
+    --bidirectional-keys-first (or -queries-first), --bidirectional-entrywise-masks, --bidirectional-maps-in-loops
+    with those knobs (the last: no map pass), so that a setting's registers and tensor-core instructions can be read
+    without a GPU; a setting the kernels cannot run is the parser's one-line error."""
     own, loop, warps = tuning().bidirectional_forward
-    assert settings == {("_forward_kernel", own, loop, warps, None, False), ("_factors_kernel", *[None] * 5),
-                        ("_backward_keys_kernel", 32, 32, 4, True, False),
-                        ("_backward_queries_kernel", 32, 32, 4, None, False)}
+    for orientation, keys_first in (("--bidirectional-keys-first", True), ("--bidirectional-queries-first", False)):
+        records = tmp_path / f"launches{orientation}.json"
+        assert compile_kernels.main(["--quick", "--save-records", str(records), "--bidirectional-backward", "32,32,4",
+                                     orientation, "--bidirectional-entrywise-masks",
+                                     "--bidirectional-maps-in-loops"]) == 0
+        settings = {(name, *(kwargs.get(key) for key in ("BLOCK_M", "BLOCK_N", "num_warps", "KEYS_FIRST",
+                                                         "FACTORED")))
+                    for module, name, _, kwargs in json.loads(records.read_text()) if module.endswith("bidirectional")}
+        assert settings == {("_forward_kernel", own, loop, warps, None, False), ("_factors_kernel", *[None] * 5),
+                            ("_backward_keys_kernel", 32, 32, 4, keys_first, False),
+                            ("_backward_queries_kernel", 32, 32, 4, None, False)}
     for bad in ("64,24,4", "64,x,4"):
         with pytest.raises(SystemExit) as stopped:
             compile_kernels.main(["--bidirectional-forward", bad])

@@ -76,7 +76,9 @@ class Tuning:
         "Kernels compiled without a GPU").
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
-        tiles as mma.sync), rather than [queries, keys] as the other kernels do.
+        tiles as mma.sync), rather than [queries, keys] as the other kernels do. On until a GPU has timed both:
+        with the backward's 4 warps it issues less and spills nothing in 16-bit launches (docs/benchmarks.md,
+        "Kernels compiled without a GPU").
     bidirectional_factored_masks: the bidirectional kernels make a mask tile whose keys all come before its queries
         along the scan (or all after them) as the outer product of a vector over its queries and one over its keys,
         an exponential per token, rather than one per entry as the tiles that hold both (ops/triton/bidirectional.py).
@@ -113,7 +115,7 @@ class Tuning:
     bidirectional_forward: LaunchSetting = (64, 64, 4)
     bidirectional_backward: LaunchSetting = (64, 32, 4)
     bidirectional_forward_blocks: int = 3
-    bidirectional_keys_first: bool = False
+    bidirectional_keys_first: bool = True
     bidirectional_factored_masks: bool = True
     bidirectional_map_pass: bool = True
     linear_kernels: bool = True
