@@ -121,8 +121,8 @@ def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k,
     each) is the outer product exp(E_i - R) exp(R - E_j), R = r_e, and one whose keys all come after them
     exp(R - I_i) exp(I_j - R), R = r_i: an exponential per token, not per entry. The references are the program's
     own tile's, as are its factors own_below, own_above (_references: its keys' where OWN_KEYS, else its
-    queries'), computed once outside its loop; each factor is <= 1 (the sums are monotone along
-    the scan; the minimum keeps those of padding lanes finite too)."""
+    queries'), computed once outside its loop; each factor is <= 1 (the sums are monotone along the scan; the
+    minimum keeps those of padding lanes finite too)."""
     if FACTORED:
         if last_k < first_q:
             if OWN_KEYS:
@@ -324,7 +324,7 @@ def _sums(tile, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
     """A tile's sums over its queries (a vector over its keys) where OVER_QUERIES, else over its keys."""
     if OVER_QUERIES and not KEYS_FIRST:
         sums = tl.sum(tile, 0)
-    else:  # ([keys, queries] tiles are summed over queries only)
+    else:  # (a [keys, queries] tile's over its queries, a [queries, keys] tile's over its keys: along its rows)
         sums = tl.sum(tile, 1)
     return sums
 
