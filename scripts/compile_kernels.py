@@ -325,6 +325,13 @@ def _loop_issue(compiled) -> str:
             if found else "")
 
 
+def for_target(kwargs: dict, arch: int) -> dict:
+    """A recorded launch's keyword arguments as the code launches it on that target: the bidirectional forward's
+    register cap (maxnreg) only on the architectures it is set for (the interpreter's launches record it)."""
+    from lion_vit.ops.triton.bidirectional import REGISTER_CAP_ARCHITECTURES
+    return kwargs if arch // 10 in REGISTER_CAP_ARCHITECTURES else {k: v for k, v in kwargs.items() if k != "maxnreg"}
+
+
 def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
     """Compiles each launch (`to_compile`'s) for each target; prints a line each (with loops, its loops' code:
     `loop_code`); returns how many compiled and how many were tried."""
@@ -344,6 +351,7 @@ def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
         driver.set_active(_Target(arch))
         for launch in launches:
             module, name, args, kwargs = launch
+            kwargs = for_target(kwargs, arch)
             flags = " ".join(f"{key}={value}" for key, value in kwargs.items()
                              if key.isupper() or key in ("num_warps", "maxnreg"))
             what = f"sm_{arch} {name} {_dtype(launch)} {flags}"

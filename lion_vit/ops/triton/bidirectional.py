@@ -49,6 +49,10 @@ from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _e
 # (|a| ~ 1) from about 1,700 tokens. The attention form trains below 1,024 tokens (auto_chunk_min_tokens).
 FLOAT64_EXPONENTS_ABOVE = 1024
 
+# The compute capabilities (majors) whose registers Tuning.bidirectional_forward_blocks' cap was measured for:
+# Hopper's. Compiled for an A100 (8) the capped forward spills 384-432 B and issues two fifths more an iteration.
+REGISTER_CAP_ARCHITECTURES = (9,)
+
 
 @triton.jit
 def _scan_vectors(E, I, P, s, b, h, t, ses, seb, seh, sel, sps, IN_ORDER: tl.constexpr):
@@ -496,9 +500,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
 def _register_cap(q: Tensor, exclusive: Tensor, warps: int) -> dict:
     """The forward kernel's maxnreg: Tuning.bidirectional_forward_blocks blocks of `warps` warps in a
     multiprocessor's 64 K registers (8 a thread at a time), for 16-bit q with float32 sums; nothing for float32 tiles
-    or float64 sums, which would spill under it, or where the knob is 0."""
+    or float64 sums, which would spill under it, where the knob is 0, or on a GPU whose architecture is not one of
+    REGISTER_CAP_ARCHITECTURES (Triton's interpreter, which ignores it, records it: compile_kernels.py drops it for
+    those targets)."""
     blocks = tuning().bidirectional_forward_blocks
-    if not blocks or q.element_size() != 2 or exclusive.dtype != torch.float32:
+    elsewhere = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] not in \
+        REGISTER_CAP_ARCHITECTURES
+    if not blocks or q.element_size() != 2 or exclusive.dtype != torch.float32 or elsewhere:
         return {}
     return dict(maxnreg=min(255, 65536 // (blocks * warps * 32) // 8 * 8))
 
