@@ -42,18 +42,21 @@ class Layout(NamedTuple):
     kv_positions: Tensor  # [2S, L]: each token's key and value position in each sequence
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _exp(x):
     """exp(x) of float32 x as 2^(x log2 e): PTX ex2.approx.ftz, whose results below 2^-126 (1e-38) are 0. tl.exp
     lowers to ex2.approx without ftz, which ptxas wraps in more instructions to keep those subnormal
     (docs/benchmarks.md, "Kernels compiled without a GPU")."""
-    return tl.math.exp2(x * 1.4426950408889634)
+    return tl.math.exp2(x * LOG2E)
 
 
 @triton.jit
 def _sigmoid(x):
     """tl.sigmoid, its exponential _exp's (-log2 e one constant: a negation apart is one more instruction)."""
-    return 1.0 / (1.0 + tl.math.exp2(x * -1.4426950408889634))
+    return 1.0 / (1.0 + tl.math.exp2(x * -LOG2E))
 
 
 @triton.jit
