@@ -102,6 +102,13 @@ def _loop_span(T, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
 
 
 @triton.jit
+def _factor(exponent):
+    """exp(exponent) in float32, the exponent (in E's dtype) rounded and clamped at 0: a mask entry or factor, at
+    most 1 (padding lanes' too)."""
+    return _exp(tl.minimum(exponent.to(tl.float32), 0.0))
+
+
+@triton.jit
 def _references(e, i, ok, KEYS: tl.constexpr):
     """A program's own tile's references R of _scan_mask's factored tiles and its factors there, (R_E, R_I, below,
     above), from the E and I of its tokens ok: computed once, outside its loop. below: where keys come before
@@ -113,7 +120,7 @@ def _references(e, i, ok, KEYS: tl.constexpr):
     else:
         r_e, r_i = tl.max(tl.where(ok, e, float("-inf"))), tl.min(tl.where(ok, i, float("inf")))
         below, above = e - r_e, r_i - i
-    return r_e, r_i, _exp(tl.minimum(below.to(tl.float32), 0.0)), _exp(tl.minimum(above.to(tl.float32), 0.0))
+    return r_e, r_i, _factor(below), _factor(above)
 
 
 @triton.jit
@@ -130,16 +137,16 @@ def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k,
     if FACTORED:
         if last_k < first_q:
             if OWN_KEYS:
-                queries, keys = _exp(tl.minimum((e_q - r_e).to(tl.float32), 0.0)), own_below
+                queries, keys = _factor(e_q - r_e), own_below
             else:
-                queries, keys = own_below, _exp(tl.minimum((r_e - e_k).to(tl.float32), 0.0))
+                queries, keys = own_below, _factor(r_e - e_k)
             queries, keys = _pairs(queries, keys, KEYS_FIRST)
             mask = queries * keys
         elif first_k > last_q:
             if OWN_KEYS:
-                queries, keys = _exp(tl.minimum((r_i - i_q).to(tl.float32), 0.0)), own_above
+                queries, keys = _factor(r_i - i_q), own_above
             else:
-                queries, keys = own_above, _exp(tl.minimum((i_k - r_i).to(tl.float32), 0.0))
+                queries, keys = own_above, _factor(i_k - r_i)
             queries, keys = _pairs(queries, keys, KEYS_FIRST)
             mask = queries * keys
         else:
@@ -157,7 +164,7 @@ def _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
     i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
     exponent = tl.where(p_q > p_k, e_q - e_k, i_k - i_q)
-    return _exp(tl.minimum(exponent.to(tl.float32), 0.0))
+    return _factor(exponent)
 
 
 @triton.jit
