@@ -71,10 +71,9 @@ class Tuning:
     bidirectional_forward_blocks: the bidirectional forward kernel's registers are capped so that this many of its
         blocks fit a multiprocessor's 64 K registers at once, in launches on 16-bit q, k, v with float32 sums (below
         FLOAT64_EXPONENTS_ABOVE tokens) on Hopper (an A100's capped forward spills); 0: as many as ptxas' own
-        allotment lets fit. 3 (of 4 warps: 168 registers
-        a thread) until a GPU has timed both: uncapped, the GPU machine's Triton fits 2, and capped its bfloat16
-        launches spill nothing; float32 tiles and float64 sums, which would spill, stay uncapped (docs/benchmarks.md,
-        "Kernels compiled without a GPU").
+        allotment lets fit. 3 (of 4 warps: 168 registers a thread) until a GPU has timed both: uncapped, the GPU
+        machine's Triton fits 2, and capped its bfloat16 launches spill nothing; float32 tiles and float64 sums,
+        which would spill, stay uncapped (docs/benchmarks.md, "Kernels compiled without a GPU").
     bidirectional_keys_first: the backward's key kernel computes its tiles as [keys, queries], so that every
         product spans its own keys (on Hopper, wgmma where [queries, keys] runs its products of the loop's query
         tiles as mma.sync), rather than [queries, keys] as the other kernels do. On until a GPU has timed both:

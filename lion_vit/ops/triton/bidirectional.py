@@ -511,9 +511,9 @@ def _register_cap(q: Tensor, exclusive: Tensor, warps: int) -> dict:
     REGISTER_CAP_ARCHITECTURES (Triton's interpreter, which ignores it, records it: compile_kernels.py drops it for
     those targets)."""
     blocks = tuning().bidirectional_forward_blocks
-    elsewhere = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] not in \
-        REGISTER_CAP_ARCHITECTURES
-    if not blocks or q.element_size() != 2 or exclusive.dtype != torch.float32 or elsewhere:
+    if not blocks or q.element_size() != 2 or exclusive.dtype != torch.float32 or (
+            q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] not in
+            REGISTER_CAP_ARCHITECTURES):
         return {}
     return dict(maxnreg=min(255, 65536 // (blocks * warps * 32) // 8 * 8))
 
