@@ -124,7 +124,7 @@ def _references(e, i, ok, KEYS: tl.constexpr):
 
 
 @triton.jit
-def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+def _scan_mask(e_q, i_q, e_k, i_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                KEYS_FIRST: tl.constexpr, FACTORED: tl.constexpr, OWN_KEYS: tl.constexpr):
     """One scan's mask tile [queries, keys] (KEYS_FIRST: [keys, queries]), float32 (the entries of padding tokens
     finite). The exponents are differences in E's dtype (float64 for long sequences, cumulative), then rounded.
@@ -150,21 +150,21 @@ def _scan_mask(e_q, i_q, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k,
             queries, keys = _pairs(queries, keys, KEYS_FIRST)
             mask = queries * keys
         else:
-            mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
+            mask = _entrywise_mask(e_q, i_q, e_k, i_k, KEYS_FIRST)
     else:
-        mask = _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST)
+        mask = _entrywise_mask(e_q, i_q, e_k, i_k, KEYS_FIRST)
     return mask
 
 
 @triton.jit
-def _entrywise_mask(e_q, i_q, p_q, e_k, i_k, p_k, KEYS_FIRST: tl.constexpr):
+def _entrywise_mask(e_q, i_q, e_k, i_k, KEYS_FIRST: tl.constexpr):
     """_scan_mask's tile, an exponential per entry: exp(E_i - E_j) where the query comes after its key along the
-    scan, exp(I_j - I_i) where before (every exponent of a real pair is <= 0), 1 on the diagonal."""
+    scan, exp(I_j - I_i) where before, 1 on the diagonal, with no positions: the exponent of the pair's side is
+    <= 0 and the other's >= 0 (E and I fall along the scan, I_t = E_t + a_t), so it is the lesser of the two, 0 on
+    the diagonal. Not clamped: where rounding leaves both above 0, by a rounding, the entry is 1 to rounding."""
     e_q, e_k = _pairs(e_q, e_k, KEYS_FIRST)  # (flat targets: Triton 3.6 cannot hash a kernel with nested ones)
     i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
-    p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
-    exponent = tl.where(p_q > p_k, e_q - e_k, i_k - i_q)
-    return _factor(exponent)
+    return _exp(tl.minimum(e_q - e_k, i_k - i_q).to(tl.float32))
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
     q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q)
     e0, i0, p0 = _scan_vectors(E, I, P, 0, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     if SCANS == 2:
-        e1, i1, p1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
+        e1, i1, _ = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
     numerator = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
     normaliser = tl.zeros([BLOCK_M], dtype=tl.float32)
     first_q, last_q = _span(p0, row_ok, block * BLOCK_M, L, BLOCK_M, IN_ORDER)  # (the first scan's: the one factored)
@@ -245,13 +245,13 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
         col_ok = cols < L
         k_tile, v_tile = _keys(k, v, b, h, cols, col_ok, skb, skh, skl, svb, svh, svl, DK, DV, MAP_K, NORM_K,
                                BLOCK_K, BLOCK_V)
-        ek, ik, pk = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
+        ek, ik, _ = _scan_vectors(E, I, P, 0, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
         first_k, last_k = _loop_span(T, start, L, BLOCK_N, IN_ORDER)
-        mask = _scan_mask(e0, i0, p0, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+        mask = _scan_mask(e0, i0, ek, ik, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                           False, FACTORED, False)
         if SCANS == 2:
-            ek, ik, pk = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
-            mask += _scan_mask(e1, i1, p1, ek, ik, pk, first_q, last_q, r_e, r_i, first_k, last_k, own_below,
+            ek, ik, _ = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
+            mask += _scan_mask(e1, i1, ek, ik, first_q, last_q, r_e, r_i, first_k, last_k, own_below,
                                own_above, False, False, False)  # (never factors: _masks)
         weights = tl.dot(q_tile, tl.trans(k_tile)) * mask
         normaliser += tl.sum(weights, 1)
@@ -318,13 +318,13 @@ def _masks(E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps
     else:
         first_q, last_q = first, last
         first_k, last_k = _loop_span(T, start, L, LOOP, IN_ORDER)
-    m0 = _scan_mask(e, i, p_q, e_k, i_k, p_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+    m0 = _scan_mask(e, i, e_k, i_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                     KEYS_FIRST, FACTORED, OWN_KEYS)
     side = (last_k < first_q).to(tl.int32) - (first_k > last_q).to(tl.int32) if FACTORED else 0
     if SCANS == 2:
         e, i, p_q1 = _scan_vectors(E, I, P, 1, b, h, rows, ses, seb, seh, sel, sps, IN_ORDER)
         e_k, i_k, p_k1 = _scan_vectors(E, I, P, 1, b, h, cols, ses, seb, seh, sel, sps, IN_ORDER)
-        m1 = _scan_mask(e, i, p_q1, e_k, i_k, p_k1, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
+        m1 = _scan_mask(e, i, e_k, i_k, first_q, last_q, r_e, r_i, first_k, last_k, own_below, own_above,
                         KEYS_FIRST, False, OWN_KEYS)
         return m0 + m1, m0, p_q, p_k, m1, p_q1, p_k1, side
     return m0, m0, p_q, p_k, m0, p_q, p_k, side
