@@ -3,7 +3,8 @@ in one pass over the key tiles, with no flips, no stacking and no normaliser sca
 run FLA's causal kernels on each scan forward and mirrored, and the normaliser apart).
 
 Per scan s and token t (token order) the kernel reads p_t, the token's scan position, and the cumulative log
-decays along the scan E_t = a(scan positions < p_t) and I_t = E_t + a_t, from which (masks.py)
+decays along the scan E_t = a(scan positions < p_t) and I_t = E_t + a_t, in base 2 (times log2 e: its exponentials
+are 2^x, one instruction), from which (masks.py)
 
     M_ij = exp(E_i - E_j) if p_i > p_j,   exp(I_j - I_i) if p_i < p_j,   1 if i == j,
 
@@ -23,10 +24,11 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
     dE_t = sum_{p_j < p_t} G_tj - sum_{p_i > p_t} G_it,   dI_t = sum_{p_i < p_t} G_it - sum_{p_j > p_t} G_tj,
 
 a small kernel for each row's dn (in dY's dtype) and delta first, then one kernel per key tile (dk, dv and the
-column sums) and one per query tile (dq and the row sums): nothing L x L in memory, no atomics, the same bits
-every run. E and I come from the log decays by torch ops (O(L)), through which autograd carries their gradients
-on. E, I, the positions and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the
-per-token vectors without masks (a padding key's scores are 0, so its entries and gradients are too).
+column sums) and one per query tile (dq, and dE, dI: the row sums added, times ln 2 for the base-2 sums): nothing
+L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
+through which autograd carries their gradients on. E, I, the positions and dE, dI run past L to a multiple of
+every tile (_padded), so that the kernels read the per-token vectors without masks (a padding key's scores are 0,
+so its entries and gradients are too).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from torch import Tensor
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kept, kernel_inputs, launched_on_device_of
-from .operands import (FUSED_MAPS, IDENTITY, SCALING_CODES, _block, _divisor, _exp, _features_grad, _mapped,
+from .operands import (FUSED_MAPS, IDENTITY, LN2, LOG2E, SCALING_CODES, _block, _divisor, _features_grad, _mapped,
                        cdiv, in_rows, rows_contiguous)
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
@@ -103,9 +105,10 @@ def _loop_span(T, start, L, SIZE: tl.constexpr, IN_ORDER: tl.constexpr):
 
 @triton.jit
 def _factor(exponent):
-    """exp(exponent) in float32, the exponent (in E's dtype) rounded and clamped at 0: a mask entry or factor, at
-    most 1 (padding lanes' too)."""
-    return _exp(tl.minimum(exponent.to(tl.float32), 0.0))
+    """2^exponent in float32 (E and I come in base 2: a natural exponent times log2 e), the exponent (in E's dtype)
+    rounded and clamped at 0: a mask entry or factor, at most 1 (padding lanes' too). PTX ex2.approx.ftz, as
+    operands._exp."""
+    return tl.math.exp2(tl.minimum(exponent.to(tl.float32), 0.0))
 
 
 @triton.jit
@@ -164,7 +167,7 @@ def _entrywise_mask(e_q, i_q, e_k, i_k, KEYS_FIRST: tl.constexpr):
     the diagonal. Not clamped: where rounding leaves both above 0, by a rounding, the entry is 1 to rounding."""
     e_q, e_k = _pairs(e_q, e_k, KEYS_FIRST)  # (flat targets: Triton 3.6 cannot hash a kernel with nested ones)
     i_q, i_k = _pairs(i_q, i_k, KEYS_FIRST)
-    return _exp(tl.minimum(e_q - e_k, i_k - i_q).to(tl.float32))
+    return tl.math.exp2(tl.minimum(e_q - e_k, i_k - i_q).to(tl.float32))
 
 
 @triton.jit
@@ -367,6 +370,14 @@ def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.co
 
 
 @triton.jit
+def _finish_sums(dE, dI, at, de, di, ok):
+    """The gradients of E and I at tokens `at` (ok): the key kernel's column sums there plus a query tile's row sums
+    de, di, times ln 2, since E and I come in base 2 (_factor)."""
+    tl.store(dE + at, (tl.load(dE + at, mask=ok) + de) * LN2, mask=ok)
+    tl.store(dI + at, (tl.load(dI + at, mask=ok) + di) * LN2, mask=ok)
+
+
+@triton.jit
 def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
                           sqb, sqh, sql, skb, skh, skl, svb, svh, svl, snb, snh, snl, srb, srh, srl, sgb, sgh, sgl,
                           ses, seb, seh, sel, sps, L, LP, H, DK: tl.constexpr, DV: tl.constexpr, swb, swh, swl,
@@ -468,12 +479,9 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
     at = bh.to(tl.int64) * LP + rows
-    tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de0, mask=row_ok)
-    tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di0, mask=row_ok)
+    _finish_sums(dE, dI, at, de0, di0, row_ok)
     if SCANS == 2:
-        at += tl.num_programs(1).to(tl.int64) * LP
-        tl.store(dE + at, tl.load(dE + at, mask=row_ok) + de1, mask=row_ok)
-        tl.store(dI + at, tl.load(dI + at, mask=row_ok) + di1, mask=row_ok)
+        _finish_sums(dE, dI, at + tl.num_programs(1).to(tl.int64) * LP, de1, di1, row_ok)
 
 
 def _strides(x: Tensor) -> Tuple[int, int, int]:
@@ -640,7 +648,8 @@ class _Padded(NamedTuple):
     order: Tensor  # [S, LP]: scan position -> token
     position: Tensor  # [S, LP]: token -> scan position
     kernel_position: Tensor  # [S, LP] int32: position, as the kernels read it (half int64's registers)
-    spans: Tensor  # [2, S, 1, 1, LP] float32: p and p + 1, from which one decay per head gives E and I
+    spans: Tensor  # [2, S, 1, 1, LP] float64: p and p + 1 times log2 e, from which one decay per head gives E and I
+    spans32: Tensor  # spans rounded to float32
 
 
 def _scan_positions(order: Tensor, position: Tensor, padded: int, keep: bool = True) -> _Padded:
@@ -650,27 +659,28 @@ def _scan_positions(order: Tensor, position: Tensor, padded: int, keep: bool = T
         scans, length = position.shape
         past = torch.arange(length, padded, device=position.device).expand(scans, -1)
         order_, position_ = torch.cat([order, past], -1), torch.cat([position, past], -1)
-        return _Padded(order_, position_, position_.int(), torch.stack([position_, position_ + 1]).float()[
-            :, :, None, None, :])
+        spans = torch.stack([position_, position_ + 1]).double()[:, :, None, None, :] * LOG2E.value
+        return _Padded(order_, position_, position_.int(), spans, spans.float())
     return kept(position, ("padded", padded), make) if keep else make()
 
 
 def cumulative(log_decays: Tensor, scans: _Padded, length: int, batch: int, heads: int) -> Tuple[Tensor, Tensor]:
-    """Each scan's E and I (the module docstring) in token order, [S, B, H, LP] (broadcast views; the padding tokens
-    decay by 1, last along every scan), float32 or, above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays
-    [S, B|1, H|1, L|1] of `length` tokens in token order and the scans padded to LP (_scan_positions): one decay per
-    head takes one product, E = p a and I = (p + 1) a. Torch ops: autograd differentiates them."""
+    """Each scan's E and I (the module docstring) in token order and in base 2 (times log2 e: the kernels'
+    exponentials are 2^x), [S, B, H, LP] (broadcast views; the padding tokens decay by 1, last along every scan),
+    float32 or, above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays [S, B|1, H|1, L|1] of `length` tokens
+    in token order and the scans padded to LP (_scan_positions): one decay per head takes one product, E = p a and
+    I = (p + 1) a (log2 e kept in the spans p and p + 1). Torch ops: autograd differentiates them."""
     count, padded = scans.order.shape
     dtype = torch.float64 if length > FLOAT64_EXPONENTS_ABOVE else torch.float32
     a = log_decays if log_decays.dtype == dtype else log_decays.to(dtype)
     if a.shape[-1] == 1:  # one decay per head: E_t = p_t a, I_t = (p_t + 1) a
-        exclusive, inclusive = (a * (scans.spans if dtype == torch.float32 else scans.spans.to(dtype))).unbind(0)
+        exclusive, inclusive = (a * (scans.spans32 if dtype == torch.float32 else scans.spans)).unbind(0)
     else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
         a = F.pad(a, (0, padded - length))  # (after every real token along the scan: their sums are as unpadded)
-        wide = a.double() if length > FLOAT64_CUMSUM_ABOVE else a
+        wide = (a.double() if length > FLOAT64_CUMSUM_ABOVE else a) * LOG2E.value
         along = wide.gather(-1, scans.order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
         exclusive = (along.cumsum(-1) - along).gather(-1, scans.position[:, None, None, :].expand_as(along)).to(dtype)
-        inclusive = exclusive + a
+        inclusive = torch.add(exclusive, a, alpha=LOG2E.value)
     return exclusive.expand(count, batch, heads, padded), inclusive.expand(count, batch, heads, padded)
 
 

@@ -43,6 +43,7 @@ class Layout(NamedTuple):
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
