@@ -587,6 +587,24 @@ def test_scan_indices_are_built_once_per_orders_tensor():
 
 
 
+def test_one_scan_in_token_order_sums_its_decays_with_no_gathers():
+    """A decay per token along one scan in token order (LION-s): the bidirectional kernel's E and I are the sums
+    of the log decays as they lie, with no gathers into the scan's order and back, forward and backward; outputs
+    and gradients as the reference's, also with a class token whose decay is 1."""
+    from lion_vit.ops import Plan
+    q, k, v, lam = make_inputs(1, 2, 70, 16, "selective", torch.float32)
+    log_decays = torch.log(lam)[None].float()
+    log_decays[..., 0] = 0.0
+    attention = partial(lion_attention, form="attention", backend="triton", plan=Plan("attention", "triton",
+                                                                                     whole=True))
+    leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v, log_decays)]
+    attention(*leaves).sum().backward()  # (the first call keeps the scan's indices: _scan_indices)
+    with AtenCalls() as seen:
+        attention(*leaves).sum().backward()
+    assert not {"gather", "scatter", "scatter_add"} & seen.names, seen.names
+    _check(attention, lambda *t: lion_attention_reference(*t), [q, k, v, log_decays])
+
+
 @pytest.mark.parametrize("traced", [False, True])
 def test_the_bidirectional_kernels_read_positions_as_int32(traced, monkeypatch):
     """The kernels read each scan's positions, and the table of their tiles' spans, as int32 (half int64's

@@ -664,12 +664,14 @@ def _scan_positions(order: Tensor, position: Tensor, padded: int, keep: bool = T
     return kept(position, ("padded", padded), make) if keep else make()
 
 
-def cumulative(log_decays: Tensor, scans: _Padded, length: int, batch: int, heads: int) -> Tuple[Tensor, Tensor]:
+def cumulative(log_decays: Tensor, scans: _Padded, length: int, batch: int, heads: int, in_order: bool = False
+               ) -> Tuple[Tensor, Tensor]:
     """Each scan's E and I (the module docstring) in token order and in base 2 (times log2 e: the kernels'
     exponentials are 2^x), [S, B, H, LP] (broadcast views; the padding tokens decay by 1, last along every scan),
     float32 or, above FLOAT64_EXPONENTS_ABOVE tokens, float64, from log decays [S, B|1, H|1, L|1] of `length` tokens
     in token order and the scans padded to LP (_scan_positions): one decay per head takes one product, E = p a and
-    I = (p + 1) a (log2 e kept in the spans p and p + 1). Torch ops: autograd differentiates them."""
+    I = (p + 1) a (log2 e kept in the spans p and p + 1); one per token a sum along each scan, with no gathers for
+    one scan in token order (in_order). Torch ops: autograd differentiates them."""
     count, padded = scans.order.shape
     dtype = torch.float64 if length > FLOAT64_EXPONENTS_ABOVE else torch.float32
     a = log_decays if log_decays.dtype == dtype else log_decays.to(dtype)
@@ -678,8 +680,12 @@ def cumulative(log_decays: Tensor, scans: _Padded, length: int, batch: int, head
     else:  # the sum along the scan (in float64 where float32's rounding would reach the entries that matter)
         a = F.pad(a, (0, padded - length))  # (after every real token along the scan: their sums are as unpadded)
         wide = (a.double() if length > FLOAT64_CUMSUM_ABOVE else a) * LOG2E.value
-        along = wide.gather(-1, scans.order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
-        exclusive = (along.cumsum(-1) - along).gather(-1, scans.position[:, None, None, :].expand_as(along)).to(dtype)
+        if in_order:
+            exclusive = (wide.cumsum(-1) - wide).to(dtype)
+        else:
+            along = wide.gather(-1, scans.order[:, None, None, :].expand(-1, *wide.shape[1:3], -1))
+            exclusive = (along.cumsum(-1) - along).gather(-1, scans.position[:, None, None, :].expand_as(along)
+                                                          ).to(dtype)
         inclusive = torch.add(exclusive, a, alpha=LOG2E.value)
     return exclusive.expand(count, batch, heads, padded), inclusive.expand(count, batch, heads, padded)
 
@@ -723,7 +729,7 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor], ord
         indices = _scan_indices(orders, length, q.device)  # (kept with the orders)
         order, position = indices.order, indices.position
     scans = _scan_positions(order, position, _padded(length), keep=not traced)
-    exclusive, inclusive = cumulative(log_decays, scans, length, batch, heads)
+    exclusive, inclusive = cumulative(log_decays, scans, length, batch, heads, in_order=orders is None)
     return q, k, v, exclusive, inclusive, scans.kernel_position, feature_map
 
 
