@@ -370,6 +370,19 @@ def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.co
 
 
 @triton.jit
+def _decay_terms(dw, scores, weighted, m0, m1, SCANS: tl.constexpr):
+    """Each scan's G = dW * S * M_s (the second: the first's where there is one), from weighted = dW * M: with one
+    scan M is M_0, so that G is weighted * S, one product an entry."""
+    if SCANS == 2:
+        g = dw * scores
+        g0, g1 = g * m0, g * m1
+    else:
+        g0 = weighted * scores
+        g1 = g0
+    return g0, g1
+
+
+@triton.jit
 def _finish_sums(dE, dI, at, de, di, ok):
     """The gradients of E and I at tokens `at` (ok): the key kernel's column sums there plus a query tile's row sums
     de, di, times ln 2, since E and I come in base 2 (_factor)."""
@@ -414,16 +427,18 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
             scores = tl.dot(k_tile, tl.trans(q_tile))
             dv_acc += tl.dot((scores * mask).to(v_tile.dtype), dn_tile)
             dw = tl.dot(v_tile, tl.trans(dn_tile)) - correction[None, :]
-            dk_acc += tl.dot((dw * mask).to(q_tile.dtype), q_tile)
+            weighted = dw * mask
+            dk_acc += tl.dot(weighted.to(q_tile.dtype), q_tile)
         else:
             scores = tl.dot(q_tile, tl.trans(k_tile))
             dv_acc += tl.dot(tl.trans((scores * mask).to(v_tile.dtype)), dn_tile)
             dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
-            dk_acc += tl.dot(tl.trans((dw * mask).to(q_tile.dtype)), q_tile)
-        g = dw * scores
-        de0, di0 = _accumulate(de0, di0, g * m0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
+            weighted = dw * mask
+            dk_acc += tl.dot(tl.trans(weighted.to(q_tile.dtype)), q_tile)
+        g0, g1 = _decay_terms(dw, scores, weighted, m0, m1, SCANS)
+        de0, di0 = _accumulate(de0, di0, g0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
         if SCANS == 2:
-            de1, di1 = _accumulate(de1, di1, g * m1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
+            de1, di1 = _accumulate(de1, di1, g1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
@@ -470,11 +485,12 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
             own_below, own_above, start, L, BLOCK_N, SCANS, False, FACTORED, False, IN_ORDER)
         scores = tl.dot(q_tile, tl.trans(k_tile))
         dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
-        dq_acc += tl.dot((dw * mask).to(k_tile.dtype), k_tile)
-        g = dw * scores
-        de0, di0 = _accumulate(de0, di0, g * m0, p_q0, p_k0, side, 1.0, False, False, FACTORED)
+        weighted = dw * mask
+        dq_acc += tl.dot(weighted.to(k_tile.dtype), k_tile)
+        g0, g1 = _decay_terms(dw, scores, weighted, m0, m1, SCANS)
+        de0, di0 = _accumulate(de0, di0, g0, p_q0, p_k0, side, 1.0, False, False, FACTORED)
         if SCANS == 2:
-            de1, di1 = _accumulate(de1, di1, g * m1, p_q1, p_k1, 0, 1.0, False, False, False)
+            de1, di1 = _accumulate(de1, di1, g1, p_q1, p_k1, 0, 1.0, False, False, False)
     q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
