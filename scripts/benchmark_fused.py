@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' shared 
 
 from benchmarking import (STATUS_ERROR, HelpFormatter, error_detail, kernel_time_us, kernel_timing, launch_setting,
                           markdown_table, output_folder, positive_int, write_table)
-from lion_vit.ops.tuning import tuned, tuning
+from lion_vit.ops.tuning import Tuning, tuned, tuning
 
 Setting = Tuple[int, int, int]
 CASES = ("lion_lit", "lion_d", "lion_s", "lion_s_natural")
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     kernels += [("bidirectional", *code[:2], not code[2], *code[3:])]  # the key kernel's other orientation
     kernels += [("bidirectional", *code[:3], not code[3], *code[4:])]  # the masks factored or not
     kernels += [("bidirectional", *code[:4], not code[4], code[5])]  # the map: a pass first, or in the loops
-    kernels += [("bidirectional", *code[:5], 0 if code[5] else 3)]  # the forward's registers capped or not
+    other_cap = 0 if code[5] else Tuning().bidirectional_forward_blocks  # (the default cap where the code has none)
+    kernels += [("bidirectional", *code[:5], other_cap)]  # the forward's registers capped or not
     rows = []
     for case in args.cases:
         generator = torch.Generator(device).manual_seed(0)
