@@ -798,14 +798,16 @@ def test_triton_trains_in_half_precision(form, head_dim, decay_dtype, monkeypatc
     _check(triton, lion_reference, tensors, tol=3e-2 if interpret.ON_GPU else 3e-3)
 
 
-@pytest.mark.parametrize("form", ["chunk", "attention"])
+@pytest.mark.parametrize("name, form", [("lion_s_natural_tiny", "chunk"), ("lion_s_natural_tiny", "attention"),
+                                        ("lion_s_tiny", "attention")])
 @pytest.mark.slow
-def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(form, chunks_always, monkeypatch):
-    """A two-scan selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a
-    CPU), compiled (graph breaks around FLA's calls; the bidirectional kernel's are custom ops of the graph),
-    through the chunk kernels (with a backward of their forward pass where FLA's own fails) or the bidirectional
-    kernel, against the torch backend's form, eager, on the same weights, at 82 tokens."""
-    model = grid_model("lion_s_natural_tiny")
+def test_a_compiled_mixed_precision_training_step_matches_the_torch_backend(name, form, chunks_always, monkeypatch):
+    """A selective model's loss and gradients under autocast (a GPU's bfloat16; float16 on a CPU), compiled (graph
+    breaks around FLA's calls; the bidirectional kernel's are custom ops of the graph), through the chunk kernels
+    (with a backward of their forward pass where FLA's own fails) or the bidirectional kernel, against the torch
+    backend's form, eager, on the same weights, at 82 tokens: two scans, and one in token order (its decays summed
+    as they lie)."""
+    model = grid_model(name)
     x = grid_images(2)
     y = torch.tensor([0, 2], device=DEVICE)
     losses, grads = [], []
