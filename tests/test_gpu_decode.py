@@ -17,6 +17,7 @@ import random
 import numpy as np
 import pytest
 import torch
+import torchvision.transforms.v2.functional as TF
 from omegaconf import OmegaConf
 from PIL import Image
 from timm.data import auto_augment, create_transform
@@ -198,6 +199,48 @@ def test_every_geometric_op_of_a_step_runs_in_one_call(monkeypatch):
     assert calls == [3, 3]
     for image, draw, got in zip(images, draws, batch):
         assert torch.equal(got, augment([image], [draw])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_augmentation_never_waits_for_the_device(device):
+    """A batch's augmentation reads no value back from the device and copies its drawn parameters there without
+    waiting for the device's queue, so that the host queues the next batch while the GPU trains on this one: on a
+    CPU no operator that reads a value back (.item(), bool(), nonzero) runs; on CUDA PyTorch's sync debug mode
+    raises at any synchronising call. Every op of DeiT's RandAugment, flips, bicubic and bilinear."""
+    from naive import AtenCalls
+    draw = DrawAugmentation(deit_transform(64))
+    seed_all(0)
+    samples = [draw(read_encoded_bytes(jpeg_bytes(photo(i % 6, 80 + 7 * (i % 6), 70)))) for i in range(64)]
+    draws = [sample.draw for sample in samples]
+    for i in range(0, len(draws), 2):  # (DeiT's ops resample bicubic: half of them bilinear too)
+        draws[i].ops = [(name, args, {**kwargs, "resample": BILINEAR} if "resample" in kwargs else kwargs)
+                        for name, args, kwargs in draws[i].ops]
+    assert {name for d in draws for name, _, _ in d.ops} == {
+        auto_augment.NAME_TO_OP[name].__name__ for name in auto_augment._RAND_INCREASING_TRANSFORMS}
+    assert {d.flip for d in draws} == {True, False}
+    assert {kwargs.get("resample") for d in draws for _, _, kwargs in d.ops} >= {BICUBIC, BILINEAR}
+    images = decoded_on(device)([sample.encoded for sample in samples])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            augment(images, draws)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        with AtenCalls() as seen:
+            augment(images, draws)
+        assert not {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"} & seen.names
+
+
+def test_sharpness_smooths_as_torchvision_does():
+    """The sharpness op's degenerate image (PIL's SMOOTH filter, the border kept), made with a kernel copied
+    without waiting for the device: torchvision's adjust_sharpness(images, 0.0), bit for bit, small images too."""
+    from lion_vit.data.gpu import _smooth
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(5, 3, 40, 37), (2, 3, 3, 3), (1, 3, 2, 9)]:
+        images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+        assert torch.equal(_smooth(images), TF.adjust_sharpness(images, 0.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from timm.data.auto_augment import RandAugment
@@ -157,9 +158,18 @@ class _Record:
 
 # ---- the tensor ops: uint8 [n, 3, H, W] images, per-image parameters, PIL's arithmetic ----
 
+def host_to_device(values: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor (a batch's drawn parameters) on `device`, without waiting for the device: on CUDA through
+    pinned memory, non-blocking. A copy from pageable memory waits for its stream, so the host would wait for every
+    kernel queued before it (the training step's) and the GPU then for the host, at every copy of every batch."""
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
 def _per_image(values: Sequence[float], images: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """[n, 1, 1, 1] of one value per image, on the images' device."""
-    return torch.tensor(values, dtype=dtype, device=images.device).view(-1, 1, 1, 1)
+    return host_to_device(torch.tensor(values, dtype=dtype), images.device).view(-1, 1, 1, 1)
 
 
 def _blend(degenerate: Tensor, images: Tensor, factor: Tensor) -> Tensor:
@@ -173,23 +183,38 @@ def _grey(images: Tensor) -> Tensor:
     return ((19595 * r + 38470 * g + 7471 * b + 0x8000) >> 16).to(torch.uint8).unsqueeze(-3)
 
 
+def _smooth(images: Tensor) -> Tensor:
+    """PIL's SMOOTH filter, the border left as it is (ImageEnhance.Sharpness's degenerate image): torchvision's
+    adjust_sharpness(images, 0.0), whose kernel it makes on the device from a list, a copy that waits for the
+    device (host_to_device)."""
+    channels, height, width = images.shape[-3:]
+    if height <= 2 or width <= 2:
+        return images
+    a, b = 1.0 / 13.0, 5.0 / 13.0  # (as torchvision's, rounded once to float32)
+    kernel = host_to_device(torch.tensor([[a, a, a], [a, b, a], [a, a, a]]), images.device).expand(channels, 1, 3, 3)
+    smoothed = images.float()
+    smoothed[..., 1:-1, 1:-1] = F.conv2d(smoothed, kernel, groups=channels).round_()
+    return smoothed.clamp_(0, 255).to(torch.uint8)
+
+
 def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resamples: Sequence[Any]) -> Tensor:
     """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor) per image (matrices [n, 6] float64, fills
-    [n, 3], a resampling filter each): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f),
+    [n, 3], on the host; a resampling filter each): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f),
     x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic) and edge-clamped taps; a point outside the
     input gets the fill. Bilinear images take the cubic's 4 x 4 taps with the outer ones' weights 0 (each sum the
     same), so one call serves every filter."""
     count, channels, height, width = images.shape
     grid = dict(device=images.device, dtype=torch.float64)
     ys, xs = torch.meshgrid(torch.arange(height, **grid) + 0.5, torch.arange(width, **grid) + 0.5, indexing="ij")
-    a, b, c, d, e, f = matrices.to(**grid).view(count, 6, 1, 1).unbind(1)
+    a, b, c, d, e, f = host_to_device(matrices.double(), images.device).view(count, 6, 1, 1).unbind(1)
     x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f  # [n, H, W]
     inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
     unknown = set(resamples) - {Image.Resampling.BILINEAR, Image.Resampling.BICUBIC}
     if unknown:
         raise UserError(f"data.decode=gpu: no device version of PIL resampling filter {unknown.pop()}; use "
                         f"data.interpolation=bicubic or bilinear")
-    cubic = torch.tensor([r == Image.Resampling.BICUBIC for r in resamples], device=images.device).view(count, 1, 1)
+    cubic = [r == Image.Resampling.BICUBIC for r in resamples]
+    cubic = None if all(cubic) else host_to_device(torch.tensor(cubic), images.device).view(count, 1, 1)
     (x0, x_taps), (y0, y_taps) = _taps(x_in - 0.5, cubic), _taps(y_in - 0.5, cubic)
     flat = images.reshape(count, channels, -1).double()
     out = torch.zeros(count, channels, height * width, **grid)
@@ -199,17 +224,17 @@ def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resamples: Sequence
             index = (rows + (x0 + dx).clamp(0, width - 1)).view(count, 1, -1).expand(-1, channels, -1)
             out += (wy * wx).view(count, 1, -1) * flat.gather(-1, index)
     out = out.view(count, channels, height, width).clamp_(0, 255).to(torch.uint8)
-    fills = fills.to(device=images.device, dtype=torch.uint8).view(count, -1, 1, 1)
+    fills = host_to_device(fills.to(torch.uint8), images.device).view(count, -1, 1, 1)
     return torch.where(inside.unsqueeze(1), out, fills)
 
 
-def _taps(position: Tensor, cubic: Tensor) -> Tuple[Tensor, List[Tuple[int, Tensor]]]:
+def _taps(position: Tensor, cubic: Optional[Tensor]) -> Tuple[Tensor, List[Tuple[int, Tensor]]]:
     """First tap index and (offset, weight) pairs of PIL's bicubic filter at `position`, or where `cubic` [n, 1, 1]
-    is False its bilinear one (the weights of offsets 0 and 1; 0 at -1 and 2)."""
+    is False its bilinear one (the weights of offsets 0 and 1; 0 at -1 and 2); cubic None: every image's bicubic."""
     start = position.floor()
     t = position - start
     weights = [-t * (1 - t) ** 2, 1 - 2 * t ** 2 + t ** 3, t + t ** 2 - t ** 3, -t ** 2 * (1 - t)]
-    if not bool(cubic.all()):
+    if cubic is not None:
         zero = torch.zeros_like(t)
         weights = [torch.where(cubic, weight, linear) for weight, linear in zip(weights, (zero, 1 - t, t, zero))]
     return start.long(), list(zip((-1, 0, 1, 2), weights))
@@ -288,7 +313,7 @@ BATCH_OPS: Dict[str, Callable[[Tensor, List[tuple], List[dict]], Tensor]] = {
     "color": lambda images, args, kwargs: _blend(_grey(images).expand_as(images), images, _factors(args, images)),
     "contrast": _contrast,
     "brightness": lambda images, args, kwargs: _blend(torch.zeros_like(images), images, _factors(args, images)),
-    "sharpness": lambda images, args, kwargs: _blend(TF.adjust_sharpness(images, 0.0), images, _factors(args, images)),
+    "sharpness": lambda images, args, kwargs: _blend(_smooth(images), images, _factors(args, images)),
     **{name: lambda images, args, kwargs, name=name: _geometric(images, [(name, a, kw) for a, kw in zip(args, kwargs)])
        for name in _MATRICES},
 }
@@ -317,8 +342,8 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw], crop_kernels: Optio
         batch = torch.stack([TF.resized_crop(image, *draw.box, list(draw.size), antialias=True,
                                              interpolation=_MODES.get(draw.interpolation, draw.interpolation))
                              for image, draw in zip(images, draws)])
-    flips = torch.tensor([draw.flip for draw in draws], device=batch.device)
-    if flips.any():
+    if any(draw.flip for draw in draws):  # (decided on the host: a device value read back would wait for the device)
+        flips = host_to_device(torch.tensor([draw.flip for draw in draws]), batch.device)
         batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
     for step in range(max((len(draw.ops) for draw in draws), default=0)):
         groups: Dict[str, List[int]] = {}  # the images of each op, and of every geometric op together
@@ -327,7 +352,7 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw], crop_kernels: Optio
                 name = draw.ops[step][0]
                 groups.setdefault("affine" if name in _MATRICES else name, []).append(i)
         for name, members in groups.items():
-            index = torch.tensor(members, device=batch.device)
+            index = host_to_device(torch.tensor(members), batch.device)
             ops = [draws[i].ops[step] for i in members]
             images = batch.index_select(0, index)
             batch.index_copy_(0, index, _geometric(images, ops) if name == "affine" else
@@ -405,7 +430,7 @@ class Decoder:
             log.warning("data.decode=gpu: %s was decoded by PIL on the CPU (the device decoder: %s); such files "
                         "are counted and reported at the end of each epoch", file.path, reason)
         self.fallbacks += 1
-        return pixels.to(self.device)
+        return host_to_device(pixels, self.device)
 
 
 class DeviceDecodeLoader:

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .gpu import host_to_device
+
 _LINES = 16  # lines (rows, or columns for a vertical pass) of a program's tile
 
 
@@ -145,7 +147,7 @@ def resized_crops(images: Sequence[Tensor], boxes: Sequence[Tuple[int, int, int,
     pixels = torch.cat(flat)
     halfway = torch.empty(between, dtype=torch.uint8, device=device)
     result = torch.empty(count, 3, height, width, dtype=torch.uint8, device=device)
-    table = torch.tensor(passes, dtype=torch.int64).to(device)
+    table = host_to_device(torch.tensor(passes, dtype=torch.int64), device)
     for pass_, (source, target) in enumerate(((pixels, halfway), (halfway, result))):
         lines = max(p[4] for p in passes[pass_])
         most = max(taps(p[5], p[6], p[11] == 1) for p in passes[pass_])
