@@ -198,11 +198,11 @@ def _smooth(images: Tensor) -> Tensor:
 
 
 def _affine(images: Tensor, matrices: Tensor, fills: Tensor, resamples: Sequence[Any]) -> Tensor:
-    """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor) per image (matrices [n, 6] float64, fills
-    [n, 3], on the host; a resampling filter each): output pixel (x, y) samples the input at (a x' + b y' + c, d x' + e y' + f),
-    x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic) and edge-clamped taps; a point outside the
-    input gets the fill. Bilinear images take the cubic's 4 x 4 taps with the outer ones' weights 0 (each sum the
-    same), so one call serves every filter."""
+    """PIL's Image.transform(size, AFFINE, matrix, resample, fillcolor) per image (matrices [n, 6] float64 and fills
+    [n, 3] on the host, a resampling filter each): output pixel (x, y) samples the input at
+    (a x' + b y' + c, d x' + e y' + f), x' = x + 1/2, with PIL's kernels (its bicubic is the a = -1 cubic) and
+    edge-clamped taps; a point outside the input gets the fill. Bilinear images take the cubic's 4 x 4 taps with the
+    outer ones' weights 0 (each sum the same), so one call serves every filter."""
     count, channels, height, width = images.shape
     grid = dict(device=images.device, dtype=torch.float64)
     ys, xs = torch.meshgrid(torch.arange(height, **grid) + 0.5, torch.arange(width, **grid) + 0.5, indexing="ij")
