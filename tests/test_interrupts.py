@@ -164,6 +164,51 @@ def test_distributed_ranks_stop_before_the_same_step(tmp_path):
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
 
+def _train_until_stopped(rank: int, port: int, out: Path) -> None:
+    """One rank of a two-process gloo group training an epoch of 6 steps; only rank 1 sees a Ctrl-C, in the
+    forward of its third step. Writes its forwards and optimizer steps."""
+    import torch.distributed as dist
+    from lion_vit.engine import interrupts
+    from lion_vit.engine.loop import Precision, Training, classification_loss, train_one_epoch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    forwards, updates = [], []
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            forwards.append(len(forwards))
+            if rank == 1 and len(forwards) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().forward(x.flatten(1))
+
+    model = Counted(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *args: updates.append(1))
+    scheduler = type("Constant", (), {"step_update": lambda self, num_updates: None})()
+    loader = [(torch.randn(2, 1, 2, 2), torch.tensor([0, 1]))] * 6
+    try:
+        with interrupts.stop_between_steps(announce=False):
+            train_one_epoch(Training(model, optimizer, classification_loss(torch.nn.CrossEntropyLoss()), scheduler,
+                                     Precision(torch.device("cpu"))), loader, 0, show_progress=False)
+    except KeyboardInterrupt:
+        (out / f"rank{rank}").write_text(f"{len(forwards)} {len(updates)}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_distributed_training_agrees_to_stop_with_the_steps_loss(tmp_path):
+    """In training the ranks' agreement is read with the step's loss, after its forward (one read a step, not
+    a second one before it): one rank's Ctrl-C in its third step's forward stops both ranks after the fourth
+    step's forward, before its backward, with three optimizer steps each."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.spawn(_train_until_stopped, args=(port, tmp_path), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["4 3", "4 3"]
+
+
 def test_deferred_ctrl_c_goes_to_the_handler_it_was_meant_for():
     from lion_vit.engine import interrupts
     with interrupts.stop_between_steps(announce=False):

@@ -4,7 +4,8 @@ status 130 (143) and one line saying where the run stands.
 
 Raised wherever the main thread is, the interrupt is often lost or turned into another error (in the
 DataLoader's fork, inside torch.save); SIGTERM's default kills silently. So while training a first signal
-is only noted and the loops stop before their next step (all ranks the same one); a second raises at once.
+is only noted and the loops stop before their next step (all ranks the same one; distributed training stops
+at it, after its forward and before its backward: agreement); a second raises at once.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from .distributed import all_reduce_sum
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _requested: Optional[int] = None  # the signal that arrived in the last stop_between_steps block
@@ -95,17 +96,36 @@ def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
     enclosing stop_between_steps block.
 
     Distributed ranks must stop before the same step, or one waits in a collective for a peer that has
-    gone: with `agree_on` (the process group's device) they decide together, in one tiny all-reduce;
-    without it (eval_only's shards may differ by a batch) a distributed run goes on to the next agreed step."""
-    noted = _requested if _noting else None
+    gone: with `agree_on` (the process group's device) they decide together, in one tiny all-reduce
+    (agreement), read at once; without it (eval_only's shards may differ by a batch) a distributed run goes on
+    to the next agreed step."""
     if dist.is_available() and dist.is_initialized():
-        if agree_on is None:
-            return
-        # (one all-reduce) any rank's SIGTERM, else any rank's Ctrl-C
-        terms, ints = all_reduce_sum([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)], agree_on)
-        noted = signal.SIGTERM if terms else signal.SIGINT if ints else None
-    if noted:
-        raise_interrupt(noted)
+        if agree_on is not None:
+            raise_if_agreed(*agreement(agree_on).tolist())
+        return
+    if _noting and _requested:
+        raise_interrupt(_requested)
+
+
+def agreement(device: torch.device) -> Optional[Tensor]:
+    """In a distributed run, each rank's noted signal summed over the ranks, [SIGTERMs, Ctrl-Cs] float32 on
+    `device` (the process group's), the all-reduce queued and not awaited; None where not distributed. The
+    training loop reads it with its step's loss, after the forward, and hands it to raise_if_agreed: every rank
+    then stops before the same backward, where a read of its own would make the host wait for the device before
+    every step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from ..data.gpu import host_to_device  # (pinned and non-blocking on CUDA: a copy that does not wait)
+    noted = _requested if _noting else None
+    flags = host_to_device(torch.tensor([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)]), device)
+    dist.all_reduce(flags)
+    return flags
+
+
+def raise_if_agreed(terms: float, ints: float) -> None:
+    """Raise what agreement's sums, read, say: any rank's SIGTERM, else any rank's Ctrl-C, else nothing."""
+    if terms or ints:
+        raise_interrupt(signal.SIGTERM if terms else signal.SIGINT)
 
 
 @contextlib.contextmanager

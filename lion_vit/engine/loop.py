@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from ..data.datasets import split_unreadable
 from .distributed import all_reduce_sum
-from .interrupts import raise_if_requested
+from .interrupts import agreement, raise_if_agreed, raise_if_requested
 
 log = logging.getLogger("lion_vit")
 file_log = logging.getLogger("lion_vit.file")  # train.log only (train.py); details the console need not show
@@ -149,7 +149,9 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
     progress = Progress(loader, f"train {epoch + 1}", show_progress, log_interval)  # "epoch 1/300" in the log
     batches = WaitedFor(progress)
     for step, (images, targets) in enumerate(batches):
-        raise_if_requested(agree_on=device)  # every rank takes every step: they stop before the same one
+        agreed = agreement(device)  # distributed: the ranks agree whether to stop, read with this step's loss
+        if agreed is None:
+            raise_if_requested()
         update, micro_step = divmod(step, accum)
         group = min(accum, num_batches - update * accum)  # batches in this update
         need_update = micro_step == group - 1
@@ -160,9 +162,13 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
         with contextlib.nullcontext() if need_update or no_sync is None else no_sync():
             with t.precision.autocast():
                 loss = t.criterion(images, model(images), targets)
-            parts = getattr(t.criterion, "parts", {})  # one device-to-host copy for the loss and its parts
-            values = dict(zip(["train_loss", *(f"train_{name}" for name in parts)],
-                              torch.stack([loss.detach().float(), *(p.float() for p in parts.values())]).tolist()))
+            # one device-to-host copy a step: the loss, its parts and the ranks' agreement
+            parts = getattr(t.criterion, "parts", {})
+            read = torch.stack([loss.detach().float(), *(p.float() for p in parts.values())])
+            read = (read if agreed is None else torch.cat([read, agreed])).tolist()
+            if agreed is not None:  # every rank stops before the same backward: none waits in its all-reduce alone
+                raise_if_agreed(*read[-2:])
+            values = dict(zip(["train_loss", *(f"train_{name}" for name in parts)], read))
             if not math.isfinite(values["train_loss"]):  # counted from 1, as the log's
                 raise NonFiniteLoss(f"loss is {values['train_loss']} at epoch {epoch + 1}, step {step + 1}")
             _backward(t, loss / group if group > 1 else loss, need_update)
