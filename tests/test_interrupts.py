@@ -142,7 +142,7 @@ def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
     try:
         with interrupts.stop_between_steps(announce=False):
             for step in range(5):
-                interrupts.raise_if_requested(agree_on=torch.device("cpu"))
+                interrupts.raise_if_agreed(*interrupts.agreement(torch.device("cpu")).tolist())
                 if rank == 1 and step == 2:
                     os.kill(os.getpid(), signal.SIGINT)
                 steps += 1

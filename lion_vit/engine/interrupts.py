@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..data.gpu import host_to_device
+
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _requested: Optional[int] = None  # the signal that arrived in the last stop_between_steps block
@@ -91,19 +93,14 @@ def requested() -> Optional[int]:
     return _requested
 
 
-def raise_if_requested(agree_on: Optional[torch.device] = None) -> None:
+def raise_if_requested() -> None:
     """Between steps: raise KeyboardInterrupt (Terminated) if a Ctrl-C (SIGTERM) was noted in the
     enclosing stop_between_steps block.
 
     Distributed ranks must stop before the same step, or one waits in a collective for a peer that has
-    gone: with `agree_on` (the process group's device) they decide together, in one tiny all-reduce
-    (agreement), read at once; without it (eval_only's shards may differ by a batch) a distributed run goes on
-    to the next agreed step."""
-    if dist.is_available() and dist.is_initialized():
-        if agree_on is not None:
-            raise_if_agreed(*agreement(agree_on).tolist())
-        return
-    if _noting and _requested:
+    gone: a distributed run goes on here (eval_only's shards may differ by a batch) to the next step the ranks
+    agree on (agreement, raise_if_agreed)."""
+    if _noting and _requested and not (dist.is_available() and dist.is_initialized()):
         raise_interrupt(_requested)
 
 
@@ -115,7 +112,6 @@ def agreement(device: torch.device) -> Optional[Tensor]:
     every step."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from ..data.gpu import host_to_device  # (pinned and non-blocking on CUDA: a copy that does not wait)
     noted = _requested if _noting else None
     flags = host_to_device(torch.tensor([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)]), device)
     dist.all_reduce(flags)
