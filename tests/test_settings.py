@@ -539,3 +539,15 @@ def test_num_workers_auto_shares_the_cores_of_a_node(monkeypatch):
             monkeypatch.setenv(name, value)
         assert resolve_num_workers("auto") == workers, env
     assert resolve_num_workers(3) == 3
+
+
+def test_wandb_mode_from_the_environment_names_the_variable(monkeypatch):
+    """configs/logger/wandb.yaml reads WANDB_MODE; a value wandb's own choices lack names where it came from."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config")
+    with pytest.raises(UserError, match=r"^logger.wandb.mode=dryrun is not allowed; .*WANDB_MODE"):
+        check_settings(cfg)

@@ -237,7 +237,8 @@ class EmaConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = setting(choices=WANDB_MODES)
+    mode: str = setting(lambda v: v in WANDB_MODES, " | ".join(WANDB_MODES) + " (its default is the environment's "
+                        "WANDB_MODE, else offline)")
     project: str = MISSING
     entity: Optional[str] = MISSING
     name: Optional[str] = MISSING
