@@ -6,7 +6,9 @@ exponential, bidirectional_factored_masks off: "entrywise"; the feature map appl
 loops as they read it, with no pass mapping q and k first, bidirectional_map_pass off: "maps in loops"; the
 forward's registers as ptxas allots them, bidirectional_forward_blocks 0: "uncapped"),
 forward, and forward and backward, at one layer's shapes, as ratios to SDPA (DeiT-S's attention, the same q, k, v)
-in the same run, and the portable attention form (backend torch) beside them.
+in the same run, and the portable attention form (backend torch) beside them. Row "softmax kernel" is softmax
+attention as a Triton kernel in the code's launch settings (benchmark_issue.py's stand-in for SDPA, whose
+instructions that script counts without a GPU): its ratio to SDPA is that count's calibration.
 
     python scripts/benchmark_fused.py                              # 224 px, batch 256
     python scripts/benchmark_fused.py --img-size 448 --batch-size 64 --backward 64,32,8 32,32,4
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
     device, dtype, interpreted = timing
     import torch.nn.functional as F
 
+    from benchmark_issue import softmax_attention
     from lion_vit.ops import Plan, lion_attention, snake_orders
 
     side, heads, width, batch = args.img_size // 16, 6, 64, args.batch_size
@@ -113,9 +116,14 @@ def main(argv=None) -> int:
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
             return F.scaled_dot_product_attention(q, k, v)
 
-        expected, first = None, len(rows)
+        def softmax_kernel():
+            q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
+            return softmax_attention(q, k, v, forward=code[0], backward=code[1])
+
+        expected, softmax_expected, first = None, None, len(rows)
         unset = (None,) * 6
-        runs = [("sdpa", *unset, sdpa)] + [(*kernel, partial(attention, kernel=kernel[0])) for kernel in kernels]
+        runs = [("sdpa", *unset, sdpa), ("softmax kernel", *code[:2], *unset[2:], softmax_kernel)]
+        runs += [(*kernel, partial(attention, kernel=kernel[0])) for kernel in kernels]
         # the portable form, which for LION-lit is Q (K^T V) in torch matmuls, after LION-lit's code: its linear kernels
         runs += [("linear kernels", *unset, attention)] if case == "lion_lit" else []
         runs += [("linear" if case == "lion_lit" else "torch", *unset, partial(attention, "torch"))]
@@ -125,8 +133,8 @@ def main(argv=None) -> int:
             with launch_settings(forward, backward, keys_first, factored, map_pass, blocks):
                 try:
                     out = call()
-                    results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if name == "sdpa" else leaves,
-                                                                  upstream)]
+                    softmax = name in ("sdpa", "softmax kernel")
+                    results = [out.detach(), *torch.autograd.grad(out, leaves[:1] if softmax else leaves, upstream)]
                 except Exception as error:  # out of memory, or a kernel this GPU's compiler or driver refuses: a row
                     oom = isinstance(error, torch.cuda.OutOfMemoryError)
                     rows.append(dict(case=case, kernel=name, **settings,
@@ -139,7 +147,11 @@ def main(argv=None) -> int:
                 # (the code's settings: what the others are compared with; where it failed, no diffs)
                 if name == "bidirectional" and (forward, backward, keys_first, factored, map_pass, blocks) == code:
                     expected = results
-                elif expected is not None and name != "sdpa":
+                elif name == "sdpa":
+                    softmax_expected = results
+                elif name == "softmax kernel" and softmax_expected is not None:  # (against SDPA's)
+                    diff = f"{max(_relative(got, want) for got, want in zip(results, softmax_expected)):.1e}"
+                elif expected is not None:
                     diff = f"{max(_relative(got, want) for got, want in zip(results, expected)):.1e}"
                 times = (None, None) if interpreted else (
                     kernel_time_us(call), kernel_time_us(lambda: torch.autograd.grad(call(), leaves, upstream,

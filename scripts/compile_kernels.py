@@ -43,32 +43,37 @@ from benchmarking import launch_setting  # noqa: E402
 SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
-def calls(quick: bool):
-    """Thunks that each run one call of the triton backend (and its backward in training)."""
+def call(dtype, decay, scans, form, feature_map, training, scaling="sum", length=20, width=64) -> None:
+    """One call of the triton backend (and its backward in training): decay "lit", "fixed" (one per head) or
+    "selective" (one per token), one scan in token order or two (snakes over a 4 x 5 grid: length 20)."""
     import torch
     import torch.nn.functional as F
 
     from lion_vit.ops import Plan, lion_attention, snake_orders
 
-    def call(dtype, decay, scans, form, feature_map, training, scaling="sum", length=20, width=64):
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, 2, length, width, generator=g).to(dtype).requires_grad_(training) for _ in "qkv")
-        logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
-        log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
-        # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product); the attention
-        # form: the bidirectional kernel, LION-lit's its linear kernels
-        plan = Plan(form, "triton", whole=form == "attention", chunks=2 if form == "chunk" else 1,
-                    grouped=not training and form != "attention", linear=form == "attention" and decay == "lit")
-        with torch.set_grad_enabled(training):
-            if scans == 1:
-                y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
-                                   feature_map=feature_map, scaling=scaling)
-            else:  # two snakes over a 4 x 5 grid
-                decays = None if log_decay is None else torch.stack([log_decay, log_decay / 2])
-                y = lion_attention(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map,
-                                   scaling=scaling)
-            if training:
-                y.float().sum().backward()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, length, width, generator=g).to(dtype).requires_grad_(training) for _ in "qkv")
+    logits = torch.randn(2, 2, length if decay == "selective" else 1, generator=g) + 3
+    log_decay = None if decay == "lit" else F.logsigmoid(logits).requires_grad_(training)
+    # the kernels' plan at any length (dispatch.plan runs short sequences as one torch product); the attention
+    # form: the bidirectional kernel, LION-lit's its linear kernels
+    plan = Plan(form, "triton", whole=form == "attention", chunks=2 if form == "chunk" else 1,
+                grouped=not training and form != "attention", linear=form == "attention" and decay == "lit")
+    with torch.set_grad_enabled(training):
+        if scans == 1:
+            y = lion_attention(q, k, v, None if log_decay is None else log_decay[None], plan=plan,
+                               feature_map=feature_map, scaling=scaling)
+        else:
+            decays = None if log_decay is None else torch.stack([log_decay, log_decay / 2])
+            y = lion_attention(q, k, v, decays, snake_orders(4, 5), plan=plan, feature_map=feature_map,
+                               scaling=scaling)
+        if training:
+            y.float().sum().backward()
+
+
+def calls(quick: bool):
+    """Thunks that each run one call of the triton backend (and its backward in training)."""
+    import torch
 
     cases = [(decay, scans, form, feature_map, training)
              for decay, scans in [("lit", 1), ("fixed", 1), ("selective", 1), ("fixed", 2), ("selective", 2)]
@@ -106,10 +111,11 @@ def crops() -> None:
     resized_crops(images, [(2, 3, 30, 40), (0, 0, 30, 30)], (20, 28), [True, False])
 
 
-def recorded_launches(quick: bool, knobs: Optional[dict] = None) -> list:
-    """Runs `calls` under the interpreter (TRITON_INTERPRET=1), launching no kernel, and returns the distinct
-    launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype and alignment.
-    knobs: lion_vit.ops.Tuning settings the calls run with (the bidirectional kernel's launch settings)."""
+def recorded_launches(quick: bool, knobs: Optional[dict] = None, thunks=None) -> list:
+    """Runs `calls` (or the thunks given) under the interpreter (TRITON_INTERPRET=1), launching no kernel, and
+    returns the distinct launches of lion_vit's kernels: [module, kernel, args, kwargs], tensors described by dtype
+    and alignment. knobs: lion_vit.ops.Tuning settings the calls run with (the bidirectional kernel's launch
+    settings)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import interpret  # the interpreter's adaptations for FLA's kernels (tests/interpret.py)
     import torch
@@ -133,7 +139,7 @@ def recorded_launches(quick: bool, knobs: Optional[dict] = None) -> list:
     run, InterpretedFunction.run = InterpretedFunction.run, recording
     try:
         with tuned(**(knobs or {})):
-            for thunk in calls(quick):
+            for thunk in calls(quick) if thunks is None else thunks:
                 thunk()
     finally:
         InterpretedFunction.run = run
@@ -332,19 +338,22 @@ def for_target(kwargs: dict, arch: int) -> dict:
     return kwargs if arch // 10 in REGISTER_CAP_ARCHITECTURES else {k: v for k, v in kwargs.items() if k != "maxnreg"}
 
 
+def rebuilt(value):
+    """A recorded argument as the compiler takes it: a tensor described by dtype and alignment ({"tensor": ...,
+    "aligned": ...}) as a small tensor of that dtype, aligned to 16 bytes or not; anything else as it is."""
+    import torch
+    if isinstance(value, dict):
+        tensor = torch.empty(8, dtype=getattr(torch, value["tensor"]))
+        return tensor if value["aligned"] else tensor[1:]
+    return value
+
+
 def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
     """Compiles each launch (`to_compile`'s) for each target; prints a line each (with loops, its loops' code:
     `loop_code`); returns how many compiled and how many were tried."""
     import importlib
 
-    import torch
     from triton.runtime import driver
-
-    def rebuild(value):
-        if isinstance(value, dict):
-            tensor = torch.empty(8, dtype=getattr(torch, value["tensor"]))
-            return tensor if value["aligned"] else tensor[1:]
-        return value
 
     failures = 0
     for arch in archs:  # (the last target stays the active driver: a machine without a GPU has no other)
@@ -357,7 +366,7 @@ def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
             what = f"sm_{arch} {name} {_dtype(launch)} {flags}"
             kernel = getattr(importlib.import_module(module), name)
             try:
-                compiled = kernel.warmup(*map(rebuild, args), grid=(1,), **{k: rebuild(v) for k, v in kwargs.items()})
+                compiled = kernel.warmup(*map(rebuilt, args), grid=(1,), **{k: rebuilt(v) for k, v in kwargs.items()})
                 shared, limit = compiled.metadata.shared, SHARED_MEMORY.get(arch, float("inf"))
                 if shared > limit:  # (a launch would raise OutOfResources)
                     raise RuntimeError(f"needs {shared} B of shared memory, sm_{arch} has {limit} B per block")

@@ -952,7 +952,8 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
     factored the other way, with its feature map the other way (Tuning.bidirectional_map_pass), with its forward's
     registers capped the other way (Tuning.bidirectional_forward_blocks), and the portable form, match the kernel
     in the code's settings within float16's rounding, outputs and gradients, and the code's settings are left as
-    they were."""
+    they were; softmax attention as a Triton kernel in the code's settings (the "softmax kernel" row) matches
+    SDPA's."""
     import runpy
     before = tuning()
     main = runpy.run_path(str(interpret.ROOT / "scripts" / "benchmark_fused.py"))["main"]
@@ -981,7 +982,10 @@ def test_the_fused_kernels_benchmark_compares_each_setting_with_the_codes(capsys
             [forward + entrywise + in_loops + other_cap, code[1]]]
         compared = ours[1:] + [row for row in rows if row[:2] == [case, "torch"]]
         assert ours[0][-1] == "" and len(compared) == 7 and all(float(row[-1]) < 3e-3 for row in compared)
-        assert [row[1] for row in rows if row[0] == case] == ["sdpa"] + ["bidirectional"] * 7 + ["torch"]
+        assert [row[1] for row in rows if row[0] == case] == ["sdpa", "softmax kernel"] + ["bidirectional"] * 7 + [
+            "torch"]
+        softmax = next(row for row in rows if row[:2] == [case, "softmax kernel"])
+        assert softmax[2:4] == [forward, backward] and float(softmax[-1]) < 3e-3
     assert tuning() is before
 
 
@@ -997,8 +1001,8 @@ def test_the_fused_kernels_benchmark_times_lion_lits_three_routes(capsys):
                  "--cases", "lion_lit"]) == 0
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| lion_lit")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 5 + ["linear kernels", "linear"]
-    assert all(float(row[-1]) < 3e-3 for row in rows[5:])
+    assert [row[1] for row in rows] == ["sdpa", "softmax kernel"] + ["bidirectional"] * 5 + ["linear kernels", "linear"]
+    assert all(float(row[-1]) < 3e-3 for row in rows[6:])
 
 
 @pytest.mark.skipif(interpret.ON_GPU, reason="on a GPU the script times every setting: the fused part runs it")
@@ -1025,8 +1029,8 @@ def test_the_fused_kernels_benchmark_goes_on_past_a_kernel_that_fails(capsys, mo
         in out.splitlines()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| lion_d")]
-    assert [row[1] for row in rows] == ["sdpa"] + ["bidirectional"] * 7 + ["torch"]
-    assert [row[4] for row in rows] == ["ok", "ok", "error", "ok", "ok", "ok", "ok", "ok", "ok"]
+    assert [row[1] for row in rows] == ["sdpa", "softmax kernel"] + ["bidirectional"] * 7 + ["torch"]
+    assert [row[4] for row in rows] == ["ok", "ok", "ok", "error", "ok", "ok", "ok", "ok", "ok", "ok"]
 
 
 def test_kernels_unpack_into_flat_names_only():
@@ -1162,6 +1166,56 @@ def test_compile_kernels_records_the_bidirectional_kernels_in_a_launch_setting_g
             compile_kernels.main(["--bidirectional-forward", bad])
         said = capsys.readouterr().err
         assert stopped.value.code == 2 and f"'{bad}' must be (own tile, loop tile, warps)" in said, said
+
+
+def test_softmax_baseline_is_softmax_attention():
+    """scripts/benchmark_issue.py's baseline computes softmax attention: its output and the gradients of q, k, v
+    against the float64 reference, at a length past a multiple of its tiles."""
+    from benchmark_issue import softmax_attention
+    g = torch.Generator().manual_seed(0)
+    projection = torch.randn(2, 37, 3, 3, 16, generator=g)  # q, k, v [B, H, L, D]: views of it, as benchmark_fused's
+    upstream = torch.randn(2, 3, 37, 16, generator=g)
+    leaf = projection.to(DEVICE).requires_grad_()
+    out = softmax_attention(*leaf.permute(2, 0, 3, 1, 4).unbind(0), forward=(16, 16, 1), backward=(32, 16, 1))
+    (grad,) = torch.autograd.grad(out, leaf, upstream.to(DEVICE))
+    reference = projection.double().requires_grad_()
+    q, k, v = reference.permute(2, 0, 3, 1, 4).unbind(0)
+    expected = torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
+    (expected_grad,) = torch.autograd.grad(expected, reference, upstream.double())
+    assert rel_err(out.cpu(), expected) < TOL
+    for name, at in zip("qkv", range(3)):
+        assert rel_err(grad[:, :, at].cpu(), expected_grad[:, :, at]) < TOL, f"grad of {name}"
+
+
+@pytest.mark.skipif(interpret.ON_GPU, reason="a compile check for machines without a GPU")
+@pytest.mark.slow
+def test_benchmark_issue_sets_each_kernel_against_softmax_in_its_setting(tmp_path):
+    """scripts/benchmark_issue.py: each of the three bidirectional kernels of a training step, one scan and two, in
+    the launch settings given (else the code's), beside softmax's kernel of the same role with the same tiles and
+    warps; an iteration's instructions per pair of tokens, the fewest no more than the most, and the ratios printed
+    from them."""
+    if compile_kernels.nvidia_tool("cuobjdump") is None:
+        pytest.skip("no cuobjdump to read the SASS with (Triton's Linux x86-64 wheels bring one)")
+    out = tmp_path / "issue.json"
+    script = str(interpret.ROOT / "scripts" / "benchmark_issue.py")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, script, "--bidirectional-backward", "32,32,4", "--out", str(out)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())
+    own, loop, warps = tuning().bidirectional_forward
+    assert [(row["scans"], row["kernel"], tuple(row["tiles"]), row["warps"]) for row in rows] == [
+        (scans, kernel, tiles, warp_count) for scans in (1, 2) for kernel, tiles, warp_count in
+        (("forward", (own, loop), warps), ("keys", (32, 32), 4), ("queries", (32, 32), 4))]
+    for row in rows:
+        for side in ("ours", "softmax"):
+            fewest, most = row[side]["per_pair"]
+            assert 0 < fewest <= most and row[side]["registers"] > 0 and row[side]["blocks"] >= 1
+            assert fewest == row[side]["iteration"][0] * row["warps"] / (row["tiles"][0] * row["tiles"][1])
+    forward = rows[0]
+    ratio = forward["ours"]["per_pair"][0] / forward["softmax"]["per_pair"][0]
+    assert f"| forward | {own}x{loop}, {warps} |" in result.stdout and f"x{ratio:.2f}-" in result.stdout
 
 
 def test_quick_compiles_each_kernels_code_once_and_each_kernel_in_every_dtype():
