@@ -223,7 +223,7 @@ def setting_lines(folder: Path) -> List[str]:
         missing = [names[fallback] for fallback in names if fallback not in found]
         lines.append(f"| chunk_backward_fallback ({model}, 896 px b32) | {measured} of DeiT-S | \"{pick}\""
                      + (f" (not measured: {', '.join(missing)})" if missing else "") + " |")
-    return lines + launch_lines(folder) + lit_lines(folder) + graph_lines(folder) + \
+    return lines + launch_lines(folder) + lit_lines(folder) + softmax_lines(folder) + graph_lines(folder) + \
         group_lines(folder) + decode_lines(folder)
 
 
@@ -257,6 +257,27 @@ def lit_lines(folder: Path) -> List[str]:
         base = next(iter(times))
         ratios = ", ".join(f"{name} x{time / times[base]:.2f}" for name, time in times.items() if name != base)
         lines.append(f"| {label} | {ratios} of {base} | {min(times, key=times.get)} |")
+    return lines
+
+
+def softmax_lines(folder: Path) -> List[str]:
+    """benchmark_issue.py's proxy on the GPU: benchmark_fused.py's softmax attention as a Triton kernel ("softmax
+    kernel") against SDPA, and the bidirectional kernel in the code's settings against that softmax kernel, forward
+    and backward, case by case (LION-lit's, every decay 1): the ratios that script counts in instructions per pair
+    of tokens without a GPU."""
+    lines = []
+    for run, what in FUSED_KERNEL_RUNS:
+        rows = read(folder / run / "fused.csv")
+        cases = list(dict.fromkeys(row["case"] for row in rows))
+        ratios = []
+        for case in cases:
+            sdpa, softmax, ours = (first_train_us(rows, case, kernel)
+                                   for kernel in ("sdpa", "softmax kernel", "bidirectional"))
+            if softmax and sdpa and ours:
+                ratios.append(f"{case}: softmax kernel x{softmax / sdpa:.2f} of SDPA, bidirectional "
+                              f"x{ours / softmax:.2f} of it")
+        label = f"benchmark_issue.py's softmax kernel ({what})"
+        lines.append(f"| {label} | {'; '.join(ratios) if ratios else 'not measured'} | - |")
     return lines
 
 

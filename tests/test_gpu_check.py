@@ -234,6 +234,7 @@ def test_settings_table_picks_from_the_timings(tmp_path):
     assert row["recurrent_group_programs (lion_d_small rnn, b16)"] == ["not measured", "-"]
     assert row["bidirectional_forward / _backward (224 px b256)"] == ["not measured", "-"]
     assert row["LION-lit's attention form (224 px b256)"] == ["not measured", "-"]
+    assert row["benchmark_issue.py's softmax kernel (224 px b256)"] == ["not measured", "-"]
     # data.decode on CUDA: "gpu" only where it trained faster end to end in every run measured both ways
     assert row["data.decode on CUDA (images/s, gpu over cpu)"] == ["not measured", "-"]
     columns = "model,compile,decode,status,imgs_per_s"
@@ -290,7 +291,13 @@ def test_launch_settings_and_lits_form_pick_the_least_time(tmp_path):
                           ["lion_lit", "linear", "", "", "ok", 125]])
     with open(tmp_path / "fused_kernels" / "fused.csv", "a", newline="") as f:
         csv.writer(f).writerow(["lion_lit", "linear kernels", "", "", "ok", 50])
+    with open(tmp_path / "fused_kernels" / "fused.csv", "a", newline="") as f:  # the proxy's softmax kernel
+        csv.writer(f).writerows([["lion_d", "softmax kernel", "64,64,4", "64,32,4", "ok", 99],
+                                 ["lion_s", "softmax kernel", "64,64,4", "64,32,4", "error", ""]])
     targets = runpy.run_path(str(ROOT / "scripts" / "gpu_targets.py"))
+    assert targets["softmax_lines"](tmp_path) == [
+        "| benchmark_issue.py's softmax kernel (224 px b256) | lion_d: softmax kernel x1.10 of SDPA, bidirectional "
+        "x1.01 of it | - |", "| benchmark_issue.py's softmax kernel (448 px b64) | not measured | - |"]
     assert targets["launch_lines"](tmp_path) == [
         "| bidirectional_forward / _backward (224 px b256) | 64,64,4 / 64,32,8 x1.00, 128,64,8 / 64,32,8 x0.85 of the "
         "code's | 128,64,8 / 64,32,8 |",
