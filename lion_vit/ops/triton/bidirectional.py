@@ -26,9 +26,9 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
 a small kernel for each row's dn (in dY's dtype) and delta first, then one kernel per key tile (dk, dv and the
 column sums) and one per query tile (dq, and dE, dI: the row sums added, times ln 2 for the base-2 sums): nothing
 L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
-through which autograd carries their gradients on. E, I, the positions and dE, dI run past L to a multiple of
-every tile (_padded), so that the kernels read the per-token vectors without masks (a padding key's scores are 0,
-so its entries and gradients are too).
+through which autograd carries their gradients on. E, I, the positions, delta and dE, dI run past L to a multiple
+of every tile (_padded), so that the kernels read the per-token vectors without masks (a padding key's scores are
+0, so its entries and gradients are too; a padding query's dn and delta are 0).
 """
 from __future__ import annotations
 
@@ -266,35 +266,35 @@ def _forward_kernel(q, k, v, E, I, P, T, y, z, sqb, sqh, sql, skb, skh, skl, svb
 
 
 @triton.jit
-def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh, snl, L, H, DV: tl.constexpr,
+def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh, snl, L, LP, H, DV: tl.constexpr,
                     SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     """Each row's dn = dY r (r the scaling's factor on dY; in dY's dtype) and delta (dY . Y / z where the divisor
-    depends on z; float32 [B, H, L]), from dY, Y and the normaliser z: what both backward kernels read per query.
-    Made once here, dn is read as it is by the key kernel's every iteration, which would otherwise scale dY again
-    in its products' operand layout, each warp a copy."""
+    depends on z; float32 [B, H, LP], 0 past L), from dY, Y and the normaliser z: what both backward kernels read per
+    query. Made once here, dn is read as it is by the key kernel's every iteration, which would otherwise scale dY
+    again in its products' operand layout, each warp a copy; delta, padded as E and I are, without a mask, where a
+    mask makes the loads of a loop's tile one per element (_padded)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < L
     grad = _tile(dy, b, h, rows, ok, sdb, sdh, sdl, DV, BLOCK_V).to(tl.float32)
     outer = tl.sum(grad * _tile(y, b, h, rows, ok, syb, syh, syl, DV, BLOCK_V).to(tl.float32), 1)
-    at = bh.to(tl.int64) * L + rows
-    normaliser = tl.load(z + at, mask=ok, other=1.0)
+    normaliser = tl.load(z + bh.to(tl.int64) * L + rows, mask=ok, other=1.0)
     factor = 1.0 / _divisor(normaliser, SCALING)
     correction = outer / normaliser
     if SCALING == 2:  # max(|z|, 1): z's gradient only where |z| > 1
         correction = tl.where(tl.abs(normaliser) > 1.0, correction, 0.0)
     _store_tile(dn, grad * factor[:, None], b, h, rows, ok, snb, snh, snl, DV, BLOCK_V)
-    tl.store(delta + at, correction, mask=ok)
+    tl.store(delta + bh.to(tl.int64) * LP + rows, tl.where(ok, correction, 0.0), mask=rows < LP)
 
 
 @triton.jit
-def _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl, L, DK, DV,
+def _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl, LP, DK, DV,
              NORMALISED: tl.constexpr, MAP_Q: tl.constexpr, NORM_Q: tl.constexpr, BLOCK_K: tl.constexpr,
              BLOCK_V: tl.constexpr):
     """A query tile's features, dn (dY itself where the scaling reads no normaliser: r 1) and delta (0 there)."""
     if NORMALISED:
-        correction = tl.load(delta + bh.to(tl.int64) * L + rows, mask=row_ok, other=0.0)
+        correction = tl.load(delta + bh.to(tl.int64) * LP + rows)  # (padded: _factors_kernel)
     else:
         correction = tl.zeros_like(rows).to(tl.float32)
     return _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q, NORM_Q), \
@@ -419,7 +419,7 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl,
-                                               L, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+                                               LP, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
         mask, m0, p_q0, p_k0, m1, p_q1, p_k1, side = _masks(
             E, I, P, T, b, h, rows, row_ok, cols, col_ok, ses, seb, seh, sel, sps, first_k, last_k, r_e, r_i,
             own_below, own_above, start, L, BLOCK_M, SCANS, KEYS_FIRST, FACTORED, True, IN_ORDER)
@@ -467,8 +467,8 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
-    q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl, L,
-                                           DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
+    q_tile, dn_tile, correction = _queries(q, dn, delta, b, h, bh, rows, row_ok, sqb, sqh, sql, snb, snh, snl,
+                                           LP, DK, DV, NORMALISED, MAP_Q, NORM_Q, BLOCK_K, BLOCK_V)
     de0, di0 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     de1, di1 = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -551,15 +551,15 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     batch, heads, length, key_dim = q.shape
     value_dim = v.shape[-1]
     normalised = scaling != "none"
+    scans, padded = positions.shape
     dn, correction = dy, None  # (dY itself where the scaling reads no normaliser)
     if normalised:
-        dn, correction = torch.empty_like(dy), torch.empty_like(z)
-        _factors_kernel[(cdiv(length, 32), batch * heads)](
-            dy, y, z, dn, correction, *_strides(dy), *_strides(y), *_strides(dn), length, heads, value_dim,
+        dn, correction = torch.empty_like(dy), z.new_empty(batch, heads, padded)
+        _factors_kernel[(cdiv(padded, 32), batch * heads)](
+            dy, y, z, dn, correction, *_strides(dy), *_strides(y), *_strides(dn), length, padded, heads, value_dim,
             SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
     dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
-    scans, padded = positions.shape
     dE = q.new_empty((scans, batch, heads, padded), dtype=torch.float32)
     dI = torch.empty_like(dE)
     own, loop, warps = _tiles("backward", padded)
