@@ -51,8 +51,9 @@ KERNELS = {"_forward_kernel": ("forward", "softmax_forward_kernel"),
 # backward of a program per key tile for dk, dv and one per query tile for dq, no atomics, as the bidirectional
 # kernels' backward), without its causal mask, for any length L (keys past L masked in the forward's last tile,
 # rows past L zero). q, k, v (strides si*: views of one projection, as a ViT's) and o, dO and the gradients (so*)
-# are [B, H, L, D] with the last dimension contiguous, M (the rows' log2-sum-exp) and delta (rowsum(dO * O))
-# contiguous [B * H, L].
+# are [B, H, L, D] with the last dimension contiguous; M (the rows' log2-sum-exp) and delta (rowsum(dO * O)) are
+# contiguous [B * H, LP], LP a multiple of every tile past L, zero there, read without masks (as FlashAttention-2
+# rounds its rows' sums up, and the bidirectional kernels pad their per-token vectors).
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _store_rows(x, value, b, h, t, ok, sb, sh, sl, D: tl.constexpr):
 
 
 @triton.jit
-def softmax_forward_kernel(q, k, v, o, M, sib, sih, sil, sob, soh, sol, L, H, scale, D: tl.constexpr,
+def softmax_forward_kernel(q, k, v, o, M, sib, sih, sil, sob, soh, sol, L, LP, H, scale, D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program per query tile over every key tile: the online softmax's running max and sum in registers."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -93,11 +94,12 @@ def softmax_forward_kernel(q, k, v, o, M, sib, sih, sil, sob, soh, sol, L, H, sc
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
         top = new_top
     _store_rows(o, acc / total[:, None], b, h, rows, row_ok, sob, soh, sol, D)
-    tl.store(M + bh.to(tl.int64) * L + rows, top + tl.math.log2(total), mask=row_ok)
+    tl.store(M + bh.to(tl.int64) * LP + rows, top + tl.math.log2(total), mask=row_ok)
 
 
 @triton.jit
-def softmax_keys_kernel(q, k, v, do, M, delta, dk, dv, sib, sih, sil, sob, soh, sol, L, H, scale, D: tl.constexpr,
+def softmax_keys_kernel(q, k, v, do, M, delta, dk, dv, sib, sih, sil, sob, soh, sol, L, LP, H, scale,
+                        D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program per key tile (BLOCK_N keys) over every query tile (BLOCK_M): dk, dv; tiles [keys, queries]."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -113,8 +115,8 @@ def softmax_keys_kernel(q, k, v, do, M, delta, dk, dv, sib, sih, sil, sob, soh, 
         row_ok = rows < L
         q_tile = _rows(q, b, h, rows, row_ok, sib, sih, sil, D)
         do_tile = _rows(do, b, h, rows, row_ok, sob, soh, sol, D)
-        at = bh.to(tl.int64) * L + rows
-        m, d = tl.load(M + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
+        at = bh.to(tl.int64) * LP + rows
+        m, d = tl.load(M + at), tl.load(delta + at)
         p = tl.math.exp2(tl.dot(k_tile, tl.trans(q_tile)) * scale2 - m[None, :])
         dv_acc += tl.dot(p.to(do_tile.dtype), do_tile)
         ds = p * (tl.dot(v_tile, tl.trans(do_tile)) - d[None, :])
@@ -124,7 +126,8 @@ def softmax_keys_kernel(q, k, v, do, M, delta, dk, dv, sib, sih, sil, sob, soh, 
 
 
 @triton.jit
-def softmax_queries_kernel(q, k, v, do, M, delta, dq, sib, sih, sil, sob, soh, sol, L, H, scale, D: tl.constexpr,
+def softmax_queries_kernel(q, k, v, do, M, delta, dq, sib, sih, sil, sob, soh, sol, L, LP, H, scale,
+                           D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program per query tile (BLOCK_M queries) over every key tile (BLOCK_N): dq."""
     block, bh = tl.program_id(0), tl.program_id(1)
@@ -132,8 +135,8 @@ def softmax_queries_kernel(q, k, v, do, M, delta, dq, sib, sih, sil, sob, soh, s
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < L
     q_tile, do_tile = _rows(q, b, h, rows, row_ok, sib, sih, sil, D), _rows(do, b, h, rows, row_ok, sob, soh, sol, D)
-    at = bh.to(tl.int64) * L + rows
-    m, d = tl.load(M + at, mask=row_ok, other=0.0), tl.load(delta + at, mask=row_ok, other=0.0)
+    at = bh.to(tl.int64) * LP + rows
+    m, d = tl.load(M + at), tl.load(delta + at)
     dq_acc = tl.zeros([BLOCK_M, D], tl.float32)
     scale2 = scale * 1.4426950408889634
     for start in range(0, L, BLOCK_N):
@@ -152,15 +155,18 @@ def softmax_attention(q, k, v, forward=(16, 16, 1), backward=(16, 16, 1)):
     kernels': what it stands for checked under the interpreter (tests/test_triton.py), timed on a GPU
     (benchmark_fused.py)."""
 
+    tile = max(*forward[:2], *backward[:2])
+
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
             batch, heads, length, width = q.shape
+            padded = triton.cdiv(length, tile) * tile
             o = q.new_empty(batch, heads, length, width)
-            M = q.new_empty(batch * heads, length, dtype=torch.float32)
+            M = q.new_zeros(batch * heads, padded, dtype=torch.float32)
             own, loop, warps = forward
             softmax_forward_kernel[(triton.cdiv(length, own), batch * heads)](
-                q, k, v, o, M, *q.stride()[:3], *o.stride()[:3], length, heads, width ** -0.5, D=width,
+                q, k, v, o, M, *q.stride()[:3], *o.stride()[:3], length, padded, heads, width ** -0.5, D=width,
                 BLOCK_M=own, BLOCK_N=loop, num_warps=warps)
             ctx.save_for_backward(q, k, v, o, M)
             return o
@@ -169,11 +175,13 @@ def softmax_attention(q, k, v, forward=(16, 16, 1), backward=(16, 16, 1)):
         def backward(ctx, do):
             q, k, v, o, M = ctx.saved_tensors
             batch, heads, length, width = q.shape
+            padded = M.shape[1]
             do = do.contiguous()
-            delta = (do.float() * o.float()).sum(-1).reshape(batch * heads, length)
+            delta = torch.zeros_like(M)
+            delta[:, :length] = (do.float() * o.float()).sum(-1).reshape(batch * heads, length)
             dq, dk, dv = (torch.empty_like(o) for _ in "qkv")
             own, loop, warps = backward
-            shared = (*q.stride()[:3], *o.stride()[:3], length, heads, width ** -0.5)
+            shared = (*q.stride()[:3], *o.stride()[:3], length, padded, heads, width ** -0.5)
             softmax_keys_kernel[(triton.cdiv(length, own), batch * heads)](
                 q, k, v, do, M, delta, dk, dv, *shared, D=width, BLOCK_M=loop, BLOCK_N=own, num_warps=warps)
             softmax_queries_kernel[(triton.cdiv(length, own), batch * heads)](
@@ -228,7 +236,7 @@ def measure(launches: dict, arch: int) -> list:
             operands = dict(forward=[pointer] * 4 + [sums], keys=[pointer] * 4 + [sums] * 2 + [pointer] * 2,
                             queries=[pointer] * 4 + [sums] * 2 + [pointer])[role]
             theirs = globals()[baseline].warmup(
-                *operands, *strides, 197, 6, 0.125, grid=(1,), D=width, BLOCK_M=tiles[0], BLOCK_N=tiles[1],
+                *operands, *strides, 197, 256, 6, 0.125, grid=(1,), D=width, BLOCK_M=tiles[0], BLOCK_N=tiles[1],
                 num_warps=warps)
             pairs = tiles[0] * tiles[1]
             rows.append(dict(model=model, kernel=role, tiles=tiles, warps=warps, scans=kwargs["SCANS"],
