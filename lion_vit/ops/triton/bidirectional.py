@@ -271,8 +271,8 @@ def _factors_kernel(dy, y, z, dn, delta, sdb, sdh, sdl, syb, syh, syl, snb, snh,
     """Each row's dn = dY r (r the scaling's factor on dY; in dY's dtype) and delta (dY . Y / z where the divisor
     depends on z; float32 [B, H, LP], 0 past L), from dY, Y and the normaliser z: what both backward kernels read per
     query. Made once here, dn is read as it is by the key kernel's every iteration, which would otherwise scale dY
-    again in its products' operand layout, each warp a copy; delta, padded as E and I are, without a mask, where a
-    mask makes the loads of a loop's tile one per element (_padded)."""
+    again in its products' operand layout, each warp a copy. delta runs past L with zeros, as E and I do, so that
+    the key kernel's loop reads it without a mask (with one, Triton 3.6 copies it element by element)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // H).to(tl.int64), bh % H
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
