@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from functools import partial
@@ -276,11 +274,10 @@ def main(argv=None) -> int:
                             help=f"the bidirectional {which} launch setting (own,loop,warps), not the code's")
     parser.add_argument("--out", help="also write the rows as JSON to this file")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
-    parser.add_argument("--knobs", type=json.loads, default={}, help=argparse.SUPPRESS)
+    parser.add_argument("--knobs", type=compile_kernels.child_knobs, default={}, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.record_to:
-        knobs = {name: tuple(value) for name, value in args.knobs.items()}
-        Path(args.record_to).write_text(json.dumps(record(knobs)))
+        Path(args.record_to).write_text(json.dumps(record(args.knobs)))
         return 0
     if compile_kernels.nvidia_tool("cuobjdump") is None:
         print("benchmark_issue: no cuobjdump to read the kernels' SASS with (Triton's Linux x86-64 wheels bring "
@@ -290,8 +287,7 @@ def main(argv=None) -> int:
              if getattr(args, f"bidirectional_{which}") is not None}
     with tempfile.TemporaryDirectory() as folder:  # recorded in a child: the interpreter is on there, off here
         path = Path(folder) / "launches.json"
-        child = [sys.executable, __file__, "--record-to", str(path), "--knobs", json.dumps(knobs)]
-        if subprocess.run(child, env=dict(os.environ, TRITON_INTERPRET="1")).returncode:
+        if not compile_kernels.recorded_in_child(__file__, str(path), knobs):
             print("benchmark_issue: recording the launches under Triton's interpreter failed (above)")
             return 1
         launches = json.loads(path.read_text())
@@ -303,7 +299,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if not os.environ.get("TRITON_INTERPRET") or "--record-to" in sys.argv:
-        sys.exit(main())
-    sys.exit(subprocess.run([sys.executable, __file__, *sys.argv[1:]],  # the compiler, not the interpreter
-                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}).returncode)
+    sys.exit(compile_kernels.outside_the_interpreter(main, __file__))

@@ -382,6 +382,28 @@ def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
     return total - failures, total
 
 
+def recorded_in_child(script: str, path: str, knobs: dict, *options: str) -> bool:
+    """Runs `script` again as its recording child (--record-to path --knobs ..., and the options given) under
+    Triton's interpreter, which is on there and off here, where the compiler runs; False where it failed."""
+    child = [sys.executable, script, "--record-to", path, "--knobs", json.dumps(knobs), *options]
+    return subprocess.run(child, env=dict(os.environ, TRITON_INTERPRET="1")).returncode == 0
+
+
+def child_knobs(text: str) -> dict:
+    """The recording child's --knobs: the parent's Tuning settings as JSON, which has lists where the launch
+    settings are tuples."""
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in json.loads(text).items()}
+
+
+def outside_the_interpreter(main, script: str) -> int:
+    """A script's exit status from main(): run here, or, where TRITON_INTERPRET is set and this is not the
+    recording child, in a copy of the process without it (the compiler, not the interpreter)."""
+    if not os.environ.get("TRITON_INTERPRET") or "--record-to" in sys.argv:
+        return main()
+    return subprocess.run([sys.executable, script, *sys.argv[1:]],
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}).returncode
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80],
@@ -416,11 +438,10 @@ def main(argv=None) -> int:
                              "s a launch), special-function ones and barriers apart: what an iteration costs to "
                              "issue")
     parser.add_argument("--record-to", help=argparse.SUPPRESS)  # the recording child process
-    parser.add_argument("--knobs", type=json.loads, default={}, help=argparse.SUPPRESS)  # and its parent's knobs
+    parser.add_argument("--knobs", type=child_knobs, default={}, help=argparse.SUPPRESS)  # and its parent's knobs
     args = parser.parse_args(argv)
-    if args.record_to:  # (JSON has lists where the launch settings are tuples)
-        knobs = {name: tuple(value) if isinstance(value, list) else value for name, value in args.knobs.items()}
-        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, knobs)))
+    if args.record_to:
+        Path(args.record_to).write_text(json.dumps(recorded_launches(args.quick, args.knobs)))
         return 0
     knobs = {f"bidirectional_{which}": getattr(args, f"bidirectional_{which}") for which in ("forward", "backward")
              if getattr(args, f"bidirectional_{which}") is not None}
@@ -435,10 +456,7 @@ def main(argv=None) -> int:
     if args.records is None:  # recorded in a child process: the interpreter is on there, off here
         with tempfile.TemporaryDirectory() as folder:
             path = args.save_records or str(Path(folder) / "launches.json")
-            env = dict(os.environ, TRITON_INTERPRET="1")
-            child = [sys.executable, __file__, "--record-to", path, "--knobs", json.dumps(knobs)] + (
-                ["--quick"] if args.quick else [])
-            if subprocess.run(child, env=env).returncode:
+            if not recorded_in_child(__file__, path, knobs, *(["--quick"] if args.quick else [])):
                 print("compile_kernels: recording the launches under Triton's interpreter failed (above)")
                 return 1
             launches = json.loads(Path(path).read_text())
@@ -458,7 +476,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if not os.environ.get("TRITON_INTERPRET") or "--record-to" in sys.argv:
-        sys.exit(main())
-    sys.exit(subprocess.run([sys.executable, __file__, *sys.argv[1:]],  # the compiler, not the interpreter
-                            env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}).returncode)
+    sys.exit(outside_the_interpreter(main, __file__))
