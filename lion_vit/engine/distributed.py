@@ -4,11 +4,14 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from timm.utils.distributed import init_distributed_device_so, is_distributed_env
+from torch import Tensor
+
+from ..data.gpu import host_to_device
 
 
 @dataclass
@@ -39,13 +42,20 @@ def init_distributed(device: torch.device) -> Tuple[DistInfo, torch.device]:
     return DistInfo(info["global_rank"], info["world_size"], info["local_rank"]), torch.device(info["device"])
 
 
+def queued_sum(values: List[float], device: torch.device) -> Optional[Tensor]:
+    """A list of numbers summed over all ranks, float64 on `device` (the process group's), the all-reduce queued
+    and not awaited: the host waits only where the sums are read; None when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    tensor = host_to_device(torch.tensor(values, dtype=torch.float64), device)
+    dist.all_reduce(tensor)
+    return tensor
+
+
 def all_reduce_sum(values: List[float], device: torch.device) -> List[float]:
     """Sum a list of numbers over all ranks (identity when not distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    summed = queued_sum(values, device)
+    return list(values) if summed is None else summed.tolist()
 
 
 def broadcast_object(obj: Any) -> Any:

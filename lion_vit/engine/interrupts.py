@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..data.gpu import host_to_device
-
+from .distributed import queued_sum
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _requested: Optional[int] = None  # the signal that arrived in the last stop_between_steps block
@@ -105,17 +104,13 @@ def raise_if_requested() -> None:
 
 
 def agreement(device: torch.device) -> Optional[Tensor]:
-    """In a distributed run, each rank's noted signal summed over the ranks, [SIGTERMs, Ctrl-Cs] float32 on
-    `device` (the process group's), the all-reduce queued and not awaited; None where not distributed. The
+    """In a distributed run, each rank's noted signal summed over the ranks, [SIGTERMs, Ctrl-Cs] on `device` (the
+    process group's), the all-reduce queued and not awaited (queued_sum); None where not distributed. The
     training loop reads it with its step's loss, after the forward, and hands it to raise_if_agreed: every rank
     then stops before the same backward, where a read of its own would make the host wait for the device before
     every step."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
     noted = _requested if _noting else None
-    flags = host_to_device(torch.tensor([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)]), device)
-    dist.all_reduce(flags)
-    return flags
+    return queued_sum([float(noted == signal.SIGTERM), float(noted == signal.SIGINT)], device)
 
 
 def raise_if_agreed(terms: float, ints: float) -> None:
