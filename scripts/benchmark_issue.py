@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 import sys
 import tempfile
 from functools import partial
@@ -204,13 +203,12 @@ def record(knobs: dict) -> dict:
 
 def issue(compiled, arch: int, warps: int, pairs: int) -> dict:
     """Registers, blocks a multiprocessor and an iteration's instructions (fewest, most), per pair of tokens too."""
-    registers = compile_kernels._registers(compiled)
-    blocks = re.search(r"(\d+) blocks", compile_kernels._blocks_per_multiprocessor(compiled, registers, arch))
+    usage = compile_kernels.resources(compiled)
     paths = compile_kernels.loop_paths(compile_kernels._cuobjdump(compiled, "-sass") or "")
-    if paths is None:
+    if usage is None or paths is None:
         raise RuntimeError("no loop in the SASS (or no cuobjdump: Triton's Linux x86-64 wheels bring one)")
-    return dict(registers=int(re.search(r"registers (\d+)", registers)[1]), blocks=int(blocks[1]), iteration=paths,
-                per_pair=tuple(count * warps / pairs for count in paths))
+    return dict(registers=usage[0], blocks=compile_kernels.blocks_per_multiprocessor(compiled, usage[0], arch),
+                iteration=paths, per_pair=tuple(count * warps / pairs for count in paths))
 
 
 def measure(launches: dict, arch: int) -> list:

@@ -234,11 +234,12 @@ def _cuobjdump(compiled, option: str) -> Optional[str]:
         return subprocess.run([tool, option, cubin.name], capture_output=True, text=True).stdout
 
 
-def _registers(compiled) -> str:
-    """", registers R, stack S B, local L B" from the cubin's resource usage (cuobjdump): S or L > 0 means that
-    the kernel spills registers to memory (ptxas puts spills in the stack frame); "" where the tool is missing."""
+def resources(compiled) -> Optional[Tuple[int, int, int]]:
+    """(registers a thread, stack B, local B) from the cubin's resource usage (cuobjdump): stack or local > 0 means
+    that the kernel spills registers to memory (ptxas puts spills in the stack frame); None where the tool is
+    missing."""
     found = re.search(r"REG:(\d+) STACK:(\d+).*LOCAL:(\d+)", _cuobjdump(compiled, "--dump-resource-usage") or "")
-    return f", registers {found[1]}, stack {found[2]} B, local {found[3]} B" if found else ""
+    return (int(found[1]), int(found[2]), int(found[3])) if found else None
 
 
 def _tensor_cores(compiled) -> str:
@@ -248,17 +249,24 @@ def _tensor_cores(compiled) -> str:
     return f", wgmma {len(re.findall(r'wgmma.mma_async', ptx))}, mma.sync {len(re.findall(r'mma.sync', ptx))}"
 
 
-def _blocks_per_multiprocessor(compiled, registers: str, arch: int) -> str:
-    """", N blocks a multiprocessor": how many of the launch's blocks its registers (64 K a multiprocessor, allotted
-    8 a thread at a time) and shared memory leave room for at once, the occupancy that hides memory latency."""
-    found = re.search(r"registers (\d+)", registers)
-    if not found:
-        return ""
+def blocks_per_multiprocessor(compiled, registers: int, arch: int) -> int:
+    """How many of the launch's blocks its registers (a thread's `registers`; 64 K a multiprocessor, allotted 8 a
+    thread at a time) and shared memory leave room for at once, the occupancy that hides memory latency."""
     threads = 32 * compiled.metadata.num_warps
-    by_registers = 65536 // (-(-int(found[1]) // 8) * 8 * threads)
+    by_registers = 65536 // (-(-registers // 8) * 8 * threads)
     shared = compiled.metadata.shared
     by_shared = SHARED_MEMORY.get(arch, 0) // shared if shared else by_registers
-    return f", {min(by_registers, by_shared)} blocks a multiprocessor"
+    return min(by_registers, by_shared)
+
+
+def _usage(compiled, arch: int) -> str:
+    """", registers R, stack S B, local L B, wgmma W, mma.sync M, N blocks a multiprocessor" (resources,
+    _tensor_cores, blocks_per_multiprocessor); the tensor cores' part alone where cuobjdump is missing."""
+    found = resources(compiled)
+    if found is None:
+        return _tensor_cores(compiled)
+    return (f", registers {found[0]}, stack {found[1]} B, local {found[2]} B{_tensor_cores(compiled)}, "
+            f"{blocks_per_multiprocessor(compiled, found[0], arch)} blocks a multiprocessor")
 
 
 def _loop(sass: str) -> Optional[list]:
@@ -374,9 +382,7 @@ def compile_all(launches, archs, loops: bool = False) -> Tuple[int, int]:
                 failures += 1
                 print(f"FAIL {what}\n  {type(error).__name__}: {str(error).strip()}", flush=True)
             else:
-                registers = _registers(compiled)
-                print(f"ok   {what}  shared {shared} B{registers}{_tensor_cores(compiled)}"
-                      f"{_blocks_per_multiprocessor(compiled, registers, arch)}"
+                print(f"ok   {what}  shared {shared} B{_usage(compiled, arch)}"
                       f"{_loop_issue(compiled) if loops else ''}", flush=True)
     total = len(launches) * len(archs)
     return total - failures, total
