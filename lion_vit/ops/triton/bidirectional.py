@@ -25,10 +25,13 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
 
 a small kernel for each row's dn (in dY's dtype) and delta first, then one kernel per key tile (dk, dv and the
 column sums) and one per query tile (dq, and dE, dI: the row sums added, times ln 2 for the base-2 sums): nothing
-L x L in memory, no atomics, the same bits every run. E and I come from the log decays by torch ops (O(L)),
-through which autograd carries their gradients on. E, I, the positions, delta and dE, dI run past L to a multiple
-of every tile (_padded), so that the kernels read the per-token vectors without masks (a padding key's scores are
-0, so its entries and gradients are too; a padding query's dn and delta are 0).
+L x L in memory, no atomics, the same bits every run. The key kernel sums only dE's columns (and, of two scans,
+the first's dI too): k_t . dk_t is the sum of G's column t over every scan, so dI's columns follow from it and
+the other sums at the end (_key_rest), the diagonal counted with dI's side as the query kernel's rows count it.
+E and I come from the log decays by torch ops (O(L)), through which autograd carries their gradients on. E, I,
+the positions, delta and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the
+per-token vectors without masks (a padding key's scores are 0, so its entries and gradients are too; a padding
+query's dn and delta are 0).
 """
 from __future__ import annotations
 
@@ -346,10 +349,10 @@ def _sums(tile, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
 @triton.jit
 def _split_sums(de, di, g, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
     """de + SIGN (the _sums of g [queries, keys], KEYS_FIRST: [keys, queries], where the query comes after its key
-    along the scan) and di - SIGN (where before; the diagonal in neither): the parts that reach E and I."""
+    along the scan) and di - SIGN (the rest, the diagonal with I's side: _key_rest): the parts that reach E and I."""
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
     return (de + SIGN * _sums(tl.where(p_q > p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES),
-            di - SIGN * _sums(tl.where(p_q < p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES))
+            di - SIGN * _sums(tl.where(p_q <= p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES))
 
 
 @triton.jit
@@ -367,6 +370,43 @@ def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.co
     else:
         de, di = _split_sums(de, di, g, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
     return de, di
+
+
+@triton.jit
+def _after_sums(de, x, y, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
+    """de + SIGN (the _sums of g = x * y where the query comes after its key): _split_sums's de alone."""
+    after_q, after_k = _pairs(p_q, p_k, KEYS_FIRST)
+    return de + SIGN * _sums(tl.where(after_q > after_k, x * y, 0.0), KEYS_FIRST, OVER_QUERIES)
+
+
+@triton.jit
+def _accumulate_after(de, x, y, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                      OVER_QUERIES: tl.constexpr, SIDED: tl.constexpr):
+    """_accumulate's de alone, of g = x * y, made only where a sum reads it: where SIDED, on no tile whose keys all
+    come after its queries (side -1), and with no test per entry on one whose keys all come before them (1)."""
+    if SIDED:
+        if side > 0:
+            de += SIGN * _sums(x * y, KEYS_FIRST, OVER_QUERIES)
+        elif side == 0:
+            de = _after_sums(de, x, y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+    else:
+        de = _after_sums(de, x, y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+    return de
+
+
+@triton.jit
+def _key_rest(features, dk_acc, de0, di0, de1, SCANS: tl.constexpr):
+    """(di0, di1): the key kernel's column sums of dI's side, diagonal included as _split_sums counts it, which its
+    loop does not make (of two scans, the second's), from whole columns: a key's features times its gradient's
+    accumulator, k_t . dk_t, is the sum of column t of G over every scan, diagonals included. With one scan that is
+    k.dk less E's side (de0, negated); with two, k.dk less the first scan's both sides and the second's E side."""
+    whole = tl.sum(features.to(tl.float32) * dk_acc, 1)
+    if SCANS == 2:
+        di1 = whole + de0 - di0 + de1
+    else:
+        di0 = whole + de0
+        di1 = di0
+    return di0, di1
 
 
 @triton.jit
@@ -435,14 +475,18 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
             dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
             weighted = dw * mask
             dk_acc += tl.dot(tl.trans(weighted.to(q_tile.dtype)), q_tile)
-        g0, g1 = _decay_terms(dw, scores, weighted, m0, m1, SCANS)
-        de0, di0 = _accumulate(de0, di0, g0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
-        if SCANS == 2:
-            de1, di1 = _accumulate(de1, di1, g1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
+        if SCANS == 2:  # (E's side of each scan, I's of the first: _key_rest)
+            ds = dw * scores
+            de0, di0 = _accumulate(de0, di0, ds * m0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
+            de1 = _accumulate_after(de1, ds, m1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
+        else:
+            de0 = _accumulate_after(de0, weighted, scores, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
+    _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
-    _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
+    k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K, NORM_K)
+    di0, di1 = _key_rest(k_tile, dk_acc, de0, di0, de1, SCANS)  # (k_tile read again: two scans issue less so)
     at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP]; padding tokens' 0)
     tl.store(dE + at, de0)
     tl.store(dI + at, di0)
