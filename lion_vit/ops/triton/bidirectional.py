@@ -25,9 +25,9 @@ Backward, with dn = dY * r (r the scaling's factor) and delta_i = dY_i . Y_i / z
 
 a small kernel for each row's dn (in dY's dtype) and delta first, then one kernel per key tile (dk, dv and the
 column sums) and one per query tile (dq, and dE, dI: the row sums added, times ln 2 for the base-2 sums): nothing
-L x L in memory, no atomics, the same bits every run. The key kernel sums only dE's columns (and, of two scans,
-the first's dI too): k_t . dk_t is the sum of G's column t over every scan, so dI's columns follow from it and
-the other sums at the end (_key_rest), the diagonal counted with dI's side as the query kernel's rows count it.
+L x L in memory, no atomics, the same bits every run. The key kernel sums only dE's columns, and of two scans the
+first scan's dI too, as does the query kernel with its rows: k_t . dk_t (q_t . dq_t) is the sum of G's column
+(row) t over every scan, so the rest follows from it after the loop (_rest), the diagonal counted with dI's side.
 E and I come from the log decays by torch ops (O(L)), through which autograd carries their gradients on. E, I,
 the positions, delta and dE, dI run past L to a multiple of every tile (_padded), so that the kernels read the
 per-token vectors without masks (a padding key's scores are 0, so its entries and gradients are too; a padding
@@ -349,7 +349,7 @@ def _sums(tile, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
 @triton.jit
 def _split_sums(de, di, g, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
     """de + SIGN (the _sums of g [queries, keys], KEYS_FIRST: [keys, queries], where the query comes after its key
-    along the scan) and di - SIGN (the rest, the diagonal with I's side: _key_rest): the parts that reach E and I."""
+    along the scan) and di - SIGN (the rest, the diagonal with I's side: _rest): the parts that reach E and I."""
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
     return (de + SIGN * _sums(tl.where(p_q > p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES),
             di - SIGN * _sums(tl.where(p_q <= p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES))
@@ -395,31 +395,37 @@ def _accumulate_after(de, x, y, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: 
 
 
 @triton.jit
-def _key_rest(features, dk_acc, de0, di0, de1, SCANS: tl.constexpr):
-    """(di0, di1): the key kernel's column sums of dI's side, diagonal included as _split_sums counts it, which its
-    loop does not make (of two scans, the second's), from whole columns: a key's features times its gradient's
-    accumulator, k_t . dk_t, is the sum of column t of G over every scan, diagonals included. With one scan that is
-    k.dk less E's side (de0, negated); with two, k.dk less the first scan's both sides and the second's E side."""
-    whole = tl.sum(features.to(tl.float32) * dk_acc, 1)
+def _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, SIGN: tl.constexpr,
+                KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr, FACTORED: tl.constexpr, SCANS: tl.constexpr,
+                BOTH: tl.constexpr):
+    """An iteration's sums of each scan's G = dW * S * M_s (weighted = dW * M; one scan: M = M_0, G = weighted * S)
+    into E's and I's parts: of two scans both sides of the first and E's of the second, of one E's side alone
+    (BOTH: both sides); _rest makes the others from the whole rows' (columns') sums after the loop."""
     if SCANS == 2:
-        di1 = whole + de0 - di0 + de1
+        ds = dw * scores
+        de0, di0 = _accumulate(de0, di0, ds * m0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
+        de1 = _accumulate_after(de1, ds, m1, p_q1, p_k1, 0, SIGN, KEYS_FIRST, OVER_QUERIES, False)
+    elif BOTH:
+        de0, di0 = _accumulate(de0, di0, weighted * scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
+                               FACTORED)
     else:
-        di0 = whole + de0
-        di1 = di0
-    return di0, di1
+        de0 = _accumulate_after(de0, weighted, scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
+    return de0, di0, de1
 
 
 @triton.jit
-def _decay_terms(dw, scores, weighted, m0, m1, SCANS: tl.constexpr):
-    """Each scan's G = dW * S * M_s (the second: the first's where there is one), from weighted = dW * M: with one
-    scan M is M_0, so that G is weighted * S, one product an entry."""
+def _rest(features, acc, de0, di0, de1, SIGN: tl.constexpr, SCANS: tl.constexpr):
+    """(di0, di1): the sums of I's side (diagonal included, as _split_sums counts it) that _decay_sums left out, from
+    whole rows (columns): a token's features times its gradient's accumulator (q_t . dq_t in the query kernel,
+    SIGN 1; k_t . dk_t in the key kernel, SIGN -1) is the sum of its row (column) of G over every scan, diagonals
+    included. With one scan that less E's side; with two, less the first scan's both sides and the second's E."""
+    whole = tl.sum(features.to(tl.float32) * acc, 1)
     if SCANS == 2:
-        g = dw * scores
-        g0, g1 = g * m0, g * m1
+        di1 = de1 + de0 - di0 - SIGN * whole
     else:
-        g0 = weighted * scores
-        g1 = g0
-    return g0, g1
+        di0 = de0 - SIGN * whole
+        di1 = di0
+    return di0, di1
 
 
 @triton.jit
@@ -475,18 +481,14 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
             dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
             weighted = dw * mask
             dk_acc += tl.dot(tl.trans(weighted.to(q_tile.dtype)), q_tile)
-        if SCANS == 2:  # (E's side of each scan, I's of the first: _key_rest)
-            ds = dw * scores
-            de0, di0 = _accumulate(de0, di0, ds * m0, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
-            de1 = _accumulate_after(de1, ds, m1, p_q1, p_k1, 0, -1.0, KEYS_FIRST, True, False)
-        else:
-            de0 = _accumulate_after(de0, weighted, scores, p_q0, p_k0, side, -1.0, KEYS_FIRST, True, FACTORED)
+        de0, di0, de1 = _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, -1.0,
+                                    KEYS_FIRST, True, FACTORED, SCANS, False)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
     k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K, NORM_K)
-    di0, di1 = _key_rest(k_tile, dk_acc, de0, di0, de1, SCANS)  # (k_tile read again: two scans issue less so)
+    di0, di1 = _rest(k_tile, dk_acc, de0, di0, de1, -1.0, SCANS)  # (k_tile read again: two scans issue less so)
     at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP]; padding tokens' 0)
     tl.store(dE + at, de0)
     tl.store(dI + at, di0)
@@ -531,13 +533,15 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
         dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
         weighted = dw * mask
         dq_acc += tl.dot(weighted.to(k_tile.dtype), k_tile)
-        g0, g1 = _decay_terms(dw, scores, weighted, m0, m1, SCANS)
-        de0, di0 = _accumulate(de0, di0, g0, p_q0, p_k0, side, 1.0, False, False, FACTORED)
-        if SCANS == 2:
-            de1, di1 = _accumulate(de1, di1, g1, p_q1, p_k1, 0, 1.0, False, False, False)
+        de0, di0, de1 = _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, 1.0,
+                                    False, False, FACTORED, SCANS, True)
     q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
+    if SCANS == 2:  # (one scan sums both sides: q . dq would cost the kernel a block a multiprocessor on Hopper)
+        q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
+                           NORM_Q)
+        di0, di1 = _rest(q_tile, dq_acc, de0, di0, de1, 1.0, SCANS)
     at = bh.to(tl.int64) * LP + rows
     _finish_sums(dE, dI, at, de0, di0, row_ok)
     if SCANS == 2:
