@@ -182,6 +182,15 @@ def _tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _tile_again(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
+    """_tile, read again after a loop by a load of its own: merged with the one before the loop (the same address,
+    no store between), the tile would stay in registers through the loop (a Hopper backward kernel's third block)."""
+    c = tl.arange(0, BLOCK_D)
+    return tl.load(x + b * sb + h * sh + t[:, None] * sl + c[None, :], mask=ok[:, None] & (c < D)[None, :],
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _features(raw, ok, D, BLOCK_D: tl.constexpr, MAP: tl.constexpr, NORM: tl.constexpr):
     """Raw rows [T, BLOCK_D] through a fused feature map (operands.py's MAP, NORM), in their dtype."""
     if MAP == 0 and not NORM:
@@ -397,17 +406,19 @@ def _accumulate_after(de, x, y, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: 
 @triton.jit
 def _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, SIGN: tl.constexpr,
                 KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr, FACTORED: tl.constexpr, SCANS: tl.constexpr,
-                BOTH: tl.constexpr):
+                G_FIRST: tl.constexpr):
     """An iteration's sums of each scan's G = dW * S * M_s (weighted = dW * M; one scan: M = M_0, G = weighted * S)
-    into E's and I's parts: of two scans both sides of the first and E's of the second, of one E's side alone
-    (BOTH: both sides); _rest makes the others from the whole rows' (columns') sums after the loop."""
+    into E's and I's parts: of two scans both sides of the first and E's of the second, of one E's side; _rest
+    makes the others from the whole rows' (columns') sums after the loop. G_FIRST: one scan's G made before the
+    branches that sum it, not in them (Triton 3.6's pipeliner fails on a product read only in a loop's branches,
+    as the query kernel's scores would be)."""
     if SCANS == 2:
         ds = dw * scores
         de0, di0 = _accumulate(de0, di0, ds * m0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
         de1 = _accumulate_after(de1, ds, m1, p_q1, p_k1, 0, SIGN, KEYS_FIRST, OVER_QUERIES, False)
-    elif BOTH:
-        de0, di0 = _accumulate(de0, di0, weighted * scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
-                               FACTORED)
+    elif G_FIRST:
+        de0 = _accumulate_after(de0, weighted * scores, 1.0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
+                                FACTORED)
     else:
         de0 = _accumulate_after(de0, weighted, scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
     return de0, di0, de1
@@ -487,8 +498,9 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
-    k_tile = _features(_tile(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K, NORM_K)
-    di0, di1 = _rest(k_tile, dk_acc, de0, di0, de1, -1.0, SCANS)  # (k_tile read again: two scans issue less so)
+    k_tile = _features(_tile_again(k, b, h, cols, col_ok, skb, skh, skl, DK, BLOCK_K), col_ok, DK, BLOCK_K, MAP_K,
+                       NORM_K)
+    di0, di1 = _rest(k_tile, dk_acc, de0, di0, de1, -1.0, SCANS)
     at = bh.to(tl.int64) * LP + cols  # (dE, dI: contiguous [S, B * H, LP]; padding tokens' 0)
     tl.store(dE + at, de0)
     tl.store(dI + at, di0)
@@ -535,13 +547,12 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
         dq_acc += tl.dot(weighted.to(k_tile.dtype), k_tile)
         de0, di0, de1 = _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, 1.0,
                                     False, False, FACTORED, SCANS, True)
+    q_tile = _features(_tile_again(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
+                       NORM_Q)
+    di0, di1 = _rest(q_tile, dq_acc, de0, di0, de1, 1.0, SCANS)
     q_raw = _tile(raw, b, h, rows, row_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dq, _raw_grad(q_raw, dq_acc, row_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, rows, row_ok, sgb, sgh,
                 sgl, DK, BLOCK_K)
-    if SCANS == 2:  # (one scan sums both sides: q . dq would cost the kernel a block a multiprocessor on Hopper)
-        q_tile = _features(_tile(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
-                           NORM_Q)
-        di0, di1 = _rest(q_tile, dq_acc, de0, di0, de1, 1.0, SCANS)
     at = bh.to(tl.int64) * LP + rows
     _finish_sums(dE, dI, at, de0, di0, row_ok)
     if SCANS == 2:
