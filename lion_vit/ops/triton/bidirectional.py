@@ -174,20 +174,24 @@ def _entrywise_mask(e_q, i_q, e_k, i_k, KEYS_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
-    """Rows t of one image and head of x [B, H, L, D] (last dimension contiguous), zero past L and D."""
+def _load_tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr, EVICTION: tl.constexpr):
     c = tl.arange(0, BLOCK_D)
     return tl.load(x + b * sb + h * sh + t[:, None] * sl + c[None, :], mask=ok[:, None] & (c < D)[None, :],
-                   other=0.0)
+                   other=0.0, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
+    """Rows t of one image and head of x [B, H, L, D] (last dimension contiguous), zero past L and D."""
+    return _load_tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D, "")
 
 
 @triton.jit
 def _tile_again(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D: tl.constexpr):
-    """_tile, read again after a loop by a load of its own: merged with the one before the loop (the same address,
-    no store between), the tile would stay in registers through the loop (a Hopper backward kernel's third block)."""
-    c = tl.arange(0, BLOCK_D)
-    return tl.load(x + b * sb + h * sh + t[:, None] * sl + c[None, :], mask=ok[:, None] & (c < D)[None, :],
-                   other=0.0, eviction_policy="evict_first")
+    """_tile, read again after a loop by a load of its own (another eviction policy): merged with the one before the
+    loop (the same address, no store between), the tile would stay in registers through the loop (a Hopper backward
+    kernel's third block)."""
+    return _load_tile(x, b, h, t, ok, sb, sh, sl, D, BLOCK_D, "evict_first")
 
 
 @triton.jit
@@ -356,57 +360,40 @@ def _sums(tile, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
 
 
 @triton.jit
-def _split_sums(de, di, g, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
+def _split_sums(de, di, g, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr,
+                BOTH: tl.constexpr):
     """de + SIGN (the _sums of g [queries, keys], KEYS_FIRST: [keys, queries], where the query comes after its key
-    along the scan) and di - SIGN (the rest, the diagonal with I's side: _rest): the parts that reach E and I."""
+    along the scan) and, where BOTH, di - SIGN (the rest, the diagonal with I's side: _rest): the parts that reach
+    E and I."""
     p_q, p_k = _pairs(p_q, p_k, KEYS_FIRST)
-    return (de + SIGN * _sums(tl.where(p_q > p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES),
-            di - SIGN * _sums(tl.where(p_q <= p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES))
-
-
-@triton.jit
-def _accumulate(de, di, g, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr,
-                OVER_QUERIES: tl.constexpr, SIDED: tl.constexpr):
-    """_split_sums, where SIDED with no test per entry for a tile on one side (_masks's side): 1, every entry
-    after, -1, every entry before."""
-    if SIDED:
-        if side > 0:
-            de += SIGN * _sums(g, KEYS_FIRST, OVER_QUERIES)
-        elif side < 0:
-            di -= SIGN * _sums(g, KEYS_FIRST, OVER_QUERIES)
-        else:
-            de, di = _split_sums(de, di, g, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
-    else:
-        de, di = _split_sums(de, di, g, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+    de += SIGN * _sums(tl.where(p_q > p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES)
+    if BOTH:
+        di -= SIGN * _sums(tl.where(p_q <= p_k, g, 0.0), KEYS_FIRST, OVER_QUERIES)
     return de, di
 
 
 @triton.jit
-def _after_sums(de, x, y, p_q, p_k, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr):
-    """de + SIGN (the _sums of g = x * y where the query comes after its key): _split_sums's de alone."""
-    after_q, after_k = _pairs(p_q, p_k, KEYS_FIRST)
-    return de + SIGN * _sums(tl.where(after_q > after_k, x * y, 0.0), KEYS_FIRST, OVER_QUERIES)
-
-
-@triton.jit
-def _accumulate_after(de, x, y, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr,
-                      OVER_QUERIES: tl.constexpr, SIDED: tl.constexpr):
-    """_accumulate's de alone, of g = x * y, made only where a sum reads it: where SIDED, on no tile whose keys all
-    come after its queries (side -1), and with no test per entry on one whose keys all come before them (1)."""
+def _accumulate(de, di, x, y, p_q, p_k, side, SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr,
+                OVER_QUERIES: tl.constexpr, SIDED: tl.constexpr, BOTH: tl.constexpr):
+    """_split_sums of g = x * y, made only where a sum reads it: where SIDED with no test per entry for a tile on
+    one side (_masks's side): 1, every entry after, -1, every entry before (no sum there where not BOTH)."""
     if SIDED:
         if side > 0:
             de += SIGN * _sums(x * y, KEYS_FIRST, OVER_QUERIES)
-        elif side == 0:
-            de = _after_sums(de, x, y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
+        elif side < 0:
+            if BOTH:
+                di -= SIGN * _sums(x * y, KEYS_FIRST, OVER_QUERIES)
+        else:
+            de, di = _split_sums(de, di, x * y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES, BOTH)
     else:
-        de = _after_sums(de, x, y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES)
-    return de
+        de, di = _split_sums(de, di, x * y, p_q, p_k, SIGN, KEYS_FIRST, OVER_QUERIES, BOTH)
+    return de, di
 
 
 @triton.jit
-def _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, SIGN: tl.constexpr,
-                KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr, FACTORED: tl.constexpr, SCANS: tl.constexpr,
-                G_FIRST: tl.constexpr):
+def _decay_sums(de0, di0, de1, di1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side,
+                SIGN: tl.constexpr, KEYS_FIRST: tl.constexpr, OVER_QUERIES: tl.constexpr, FACTORED: tl.constexpr,
+                SCANS: tl.constexpr, G_FIRST: tl.constexpr):
     """An iteration's sums of each scan's G = dW * S * M_s (weighted = dW * M; one scan: M = M_0, G = weighted * S)
     into E's and I's parts: of two scans both sides of the first and E's of the second, of one E's side; _rest
     makes the others from the whole rows' (columns') sums after the loop. G_FIRST: one scan's G made before the
@@ -414,14 +401,15 @@ def _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p
     as the query kernel's scores would be)."""
     if SCANS == 2:
         ds = dw * scores
-        de0, di0 = _accumulate(de0, di0, ds * m0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
-        de1 = _accumulate_after(de1, ds, m1, p_q1, p_k1, 0, SIGN, KEYS_FIRST, OVER_QUERIES, False)
+        de0, di0 = _accumulate(de0, di0, ds, m0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED, True)
+        de1, di1 = _accumulate(de1, di1, ds, m1, p_q1, p_k1, 0, SIGN, KEYS_FIRST, OVER_QUERIES, False, False)
     elif G_FIRST:
-        de0 = _accumulate_after(de0, weighted * scores, 1.0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
-                                FACTORED)
+        de0, di0 = _accumulate(de0, di0, weighted * scores, 1.0, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
+                               FACTORED, False)
     else:
-        de0 = _accumulate_after(de0, weighted, scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES, FACTORED)
-    return de0, di0, de1
+        de0, di0 = _accumulate(de0, di0, weighted, scores, p_q0, p_k0, side, SIGN, KEYS_FIRST, OVER_QUERIES,
+                               FACTORED, False)
+    return de0, di0, de1, di1
 
 
 @triton.jit
@@ -492,8 +480,8 @@ def _backward_keys_kernel(q, k, v, dn, delta, E, I, P, T, raw, dk, dv, dE, dI,
             dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
             weighted = dw * mask
             dk_acc += tl.dot(tl.trans(weighted.to(q_tile.dtype)), q_tile)
-        de0, di0, de1 = _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, -1.0,
-                                    KEYS_FIRST, True, FACTORED, SCANS, False)
+        de0, di0, de1, di1 = _decay_sums(de0, di0, de1, di1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1,
+                                         side, -1.0, KEYS_FIRST, True, FACTORED, SCANS, False)
     _store_tile(dv, dv_acc, b, h, cols, col_ok, swb, swh, swl, DV, BLOCK_V)
     k_raw = _tile(raw, b, h, cols, col_ok, srb, srh, srl, DK, BLOCK_K)
     _store_tile(dk, _raw_grad(k_raw, dk_acc, col_ok, DK, BLOCK_K, RAW_MAP, RAW_NORM), b, h, cols, col_ok, sgb, sgh,
@@ -545,8 +533,8 @@ def _backward_queries_kernel(q, k, v, dn, delta, E, I, P, T, raw, dq, dE, dI,
         dw = tl.dot(dn_tile, tl.trans(v_tile)) - correction[:, None]
         weighted = dw * mask
         dq_acc += tl.dot(weighted.to(k_tile.dtype), k_tile)
-        de0, di0, de1 = _decay_sums(de0, di0, de1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1, side, 1.0,
-                                    False, False, FACTORED, SCANS, True)
+        de0, di0, de1, di1 = _decay_sums(de0, di0, de1, di1, dw, scores, weighted, m0, m1, p_q0, p_k0, p_q1, p_k1,
+                                         side, 1.0, False, False, FACTORED, SCANS, True)
     q_tile = _features(_tile_again(q, b, h, rows, row_ok, sqb, sqh, sql, DK, BLOCK_K), row_ok, DK, BLOCK_K, MAP_Q,
                        NORM_Q)
     di0, di1 = _rest(q_tile, dq_acc, de0, di0, de1, 1.0, SCANS)
