@@ -7,6 +7,11 @@
 Both directions advance together, stacked on a new leading axis: one loop over the tokens, O(d^2)
 state and O(L d) memory without autograd, no L x L matrix; the stacked inputs are gathered, and the
 outputs added to their places in one [L, Dv + 1] sum, a block of STEP_BLOCK steps at a time.
+
+The decays, the states and the sums are in the masks' precision (masks.mask_dtype: float32 for 16-bit
+inputs, a block of them converted at a time), as the other forms' masks and their products' accumulators are:
+a state rounded to 16 bits at every step drifts, by half of the output at 785 tokens and decays near 1 in
+bfloat16 (docs/design.md section 1).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .masks import mask_dtype
 from .scalings import with_ones
 from .scans import over_scans
 
@@ -40,20 +46,21 @@ STEP_BLOCK = 64
 def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Optional[Tensor],
               normalised: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     length = q.shape[-2]
+    dtype = mask_dtype(q.dtype)  # (the module docstring)
     decays = None  # [2, B|1, H|1, L|1]: step t scales the state by lam_{t-1}, and by lam_{L-t} in the mirror
     if log_decay is not None:
-        lam = torch.exp(log_decay).to(q.dtype)
+        lam = torch.exp(log_decay.to(dtype))
         decays = torch.stack([lam, lam.flip(-1)])
         decays = F.pad(decays[..., :-1], (1, 0)) if lam.shape[-1] > 1 else decays
     width = v.shape[-1] + normalised  # [v, 1]: the normaliser's column
-    state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], width)  # [2, B, H, Dk, Dv+1]
-    total = q.new_zeros(*q.shape[:-2], length, width)  # both directions' outputs summed, in token order
+    state = q.new_zeros(2, *q.shape[:-2], k.shape[-1], width, dtype=dtype)  # [2, B, H, Dk, Dv+1]
+    total = q.new_zeros(*q.shape[:-2], length, width, dtype=dtype)  # both directions' outputs, in token order
     for start in range(0, length, STEP_BLOCK):
         stop = min(start + STEP_BLOCK, length)
 
         def steps(t: Tensor) -> Tensor:
             """Steps start..stop-1 of the sequence and of its mirror: [2, B, H, stop - start, D]."""
-            return torch.stack([t[..., start:stop, :], t[..., length - stop:length - start, :].flip(-2)])
+            return torch.stack([t[..., start:stop, :], t[..., length - stop:length - start, :].flip(-2)]).to(dtype)
 
         values = with_ones(steps(v), normalised)
         block = zip(steps(q).unsqueeze(-2).unbind(-3), steps(k).unsqueeze(-1).unbind(-3), values.unsqueeze(-2).unbind(-3))
