@@ -117,12 +117,15 @@ def _carried_states(contributions: Tensor, log_chunk_decay: Optional[Tensor], re
     if reverse:
         flipped = None if log_chunk_decay is None else log_chunk_decay.flip(-1)
         return _carried_states(contributions.flip(2), flipped, reverse=False).flip(2)
-    states = [torch.zeros_like(contributions[:, :, 0])]
+    # chunk after chunk in the masks' precision (float32 for 16-bit contributions), rounded once at the end: states
+    # rounded to 16 bits at every chunk drift over hundreds of them, as the rnn form's did (recurrent.py)
+    dtype = mask_dtype(contributions.dtype)
+    states = [contributions.new_zeros(contributions[:, :, 0].shape, dtype=dtype)]
     for n in range(1, num_chunks):
         state = states[-1] if log_chunk_decay is None else \
-            states[-1] * torch.exp(log_chunk_decay[:, :, n - 1, None, None]).to(contributions.dtype)
+            states[-1] * torch.exp(log_chunk_decay[:, :, n - 1, None, None]).to(dtype)
         states.append(state + contributions[:, :, n - 1])
-    return torch.stack(states, dim=2)
+    return torch.stack(states, dim=2).to(contributions.dtype)
 
 
 def chunk_count(length: int, chunk_size: Optional[int]) -> int:
