@@ -112,6 +112,9 @@ class LionViT(VisionTransformer):
                              "input, so every size the patch size divides works; leave dynamic_img_size unset")
         if patch_drop_rate:
             raise ValueError("patch_drop_rate is not supported: LION decays need the full patch grid")
+        for size in ("depth", "embed_dim"):  # (timm's defaults: 12, 768)
+            if kwargs.get(size, 1) < 1:
+                raise ValueError(f"{size} must be a positive integer, got {kwargs[size]}")
         self.pool_all_tokens = global_pool == "avg_all"  # the official LION code's pooling, norm first
         if self.pool_all_tokens:
             global_pool, kwargs["fc_norm"] = "avg", False

@@ -232,6 +232,17 @@ def test_bad_img_size_form_and_chunk_raise():
         model.set_attn_form("chunk", -1)
 
 
+@pytest.mark.parametrize("sizes, message", [(dict(depth=0), "depth must be a positive integer, got 0"),
+                                            (dict(embed_dim=0), "embed_dim must be a positive integer, got 0"),
+                                            (dict(num_heads=0), "num_heads must be a positive integer, got 0"),
+                                            (dict(num_heads=5), "dim 192 is not divisible by num_heads 5")])
+def test_sizes_that_build_no_lion_layer_raise(sizes, message):
+    """Sizes that leave no LION layer, or none that works, are one ValueError at construction (train.py's
+    "cannot build model" line), not a StopIteration or ZeroDivisionError later."""
+    with pytest.raises(ValueError, match=message):
+        timm.create_model("lion_d_tiny", **sizes)
+
+
 def test_timm_api():
     model = timm.create_model("lion_lit_tiny", num_classes=7, img_size=96, drop_path_rate=0.1,
                               attn_form="chunk", chunk_size=8)
