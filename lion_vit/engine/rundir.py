@@ -25,7 +25,8 @@ _held: List[Tuple[Path, int]] = []  # the locks this process holds: (path, descr
 
 def lock(output_dir: Path) -> None:
     """Take output_dir's lock for the rest of this process's run, or raise UserError naming the run that
-    holds it. An fcntl lock dies with its process (kill -9 too), so a stale lock never blocks a resume."""
+    holds it. An fcntl lock dies with its process (kill -9 too; forked children close their copies:
+    _closed_in_forked_child), so a stale lock never blocks a resume."""
     path = output_dir / LOCK
     while True:
         try:
@@ -51,6 +52,17 @@ def lock(output_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held.append((path, fd))
+
+
+def _closed_in_forked_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of this process's lock descriptors, and forgets
+    them. An flock lock lasts while any process holds its file open, so a worker outliving a killed run (up to
+    the DataLoader's 5 s watchdog) kept the folder locked against the run's resume; only the run holds it now."""
+    while _held:
+        os.close(_held.pop()[1])
+
+
+os.register_at_fork(after_in_child=_closed_in_forked_child)
 
 
 def release_all() -> None:
