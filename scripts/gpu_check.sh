@@ -26,13 +26,13 @@ all_parts="tests equivalence inference graphs fused fused_tests fallback normali
 all_parts+=" compile_natural input input_gpu"
 # minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
 # compiles each model once): tests, inference and fallback as measured on a cold H100, equivalence
-# on a cold H200 (docs/benchmarks.md), compile from four models compiled and timed in 169 s on the H100,
+# on a cold H200 (docs/benchmarks.md; 3 min, and as much again for its bfloat16 run), compile from four models compiled and timed in 169 s on the H100,
 # the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
 # 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
 # fused: the kernel op by op, then seven short eager runs, one of which took 33 s on a cold H200; fused_tests: 47
 # tests, FLA's route's since deleted among them, ran past 517 s on a cold H200; input_gpu: the device decoding's
 # tests, then input's runs with data.decode=gpu)
-declare -A minutes=([tests]=2 [equivalence]=3 [inference]=4 [graphs]=4 [fused]=7 [fused_tests]=9 [fallback]=2
+declare -A minutes=([tests]=2 [equivalence]=6 [inference]=4 [graphs]=4 [fused]=7 [fused_tests]=9 [fallback]=2
                     [normaliser]=3 [forms]=6 [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" deadline="" dry="" parts=()
 while (($#)); do
@@ -116,8 +116,11 @@ for part in "${parts[@]}"; do
             # workers compile and autotune side by side
             run tests env TRITON_F32_DEFAULT=ieee python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_triton.py \
                 tests/test_dispatch.py ;;
-        equivalence)
-            run equivalence python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json" ;;
+        equivalence)  # float32 (IEEE dots), then every form under bfloat16 autocast, as training runs them,
+            # against the attention form's own rounding (x_attention)
+            run equivalence python3 scripts/check_equivalence.py --device cuda --json "$out/equivalence.json"
+            run equivalence_bf16 python3 scripts/check_equivalence.py --device cuda --dtype bfloat16 \
+                --json "$out/equivalence_bf16.json" ;;
         inference)  # time and peak memory against DeiT-S (flash attention) up to 1792 px
             for batch in 1 16; do
                 run "resolution_b$batch" python3 scripts/benchmark_resolution.py --device cuda --dtype bfloat16 \

@@ -553,6 +553,20 @@ def test_check_equivalence_script(tmp_path):
     assert "1 chunk " in out and "58 chunks" in out and out.splitlines()[-1].startswith("worst: ")
 
 
+def test_check_equivalence_under_autocast_measures_each_form_against_the_attention_forms_rounding(tmp_path):
+    """--dtype bfloat16: float32 weights and reference, every form under autocast, the attention form's error
+    the yardstick (x_attention). LION-lit at 600 tokens: its rnn form's states once summed in bfloat16 came to
+    x3.05 of the attention form's error; now the forms agree as 16 bits allow."""
+    out = run_script("check_equivalence.py", "--models", "lion_lit_tiny", "--sizes", "320x480", "--chunks", "5",
+                     "--dtype", "bfloat16", "--json", str(tmp_path / "eq.json"))
+    rows = json.loads((tmp_path / "eq.json").read_text())
+    assert [(r["form"], r["dtype"]) for r in rows] == [(f, "bfloat16") for f in ("attention", "rnn", "chunk")]
+    assert rows[0]["x_attention"] == 1 and 1e-4 < rows[0]["rel_err"] < 3e-2, rows[0]
+    for r in rows[1:]:
+        assert r["x_attention"] == pytest.approx(r["rel_err"] / rows[0]["rel_err"]) and r["x_attention"] < 2, r
+    assert out.splitlines()[-1].startswith("worst against the attention form under autocast: x")
+
+
 def test_check_equivalence_takes_the_table_1_families(tmp_path):
     """docs/models.md's families' agreement figures come from the same script, by the families' names."""
     run_script("check_equivalence.py", "--models", "lion_gla_natural_tiny", "--sizes", "32x48", "--chunks", "5",

@@ -98,7 +98,7 @@ def test_every_command_of_the_gpu_check_is_accepted(tmp_path, monkeypatch):
     assert graphs == [(1248, 1, True, [deit, ("lion_d_small", "chunk"), ("lion_d_natural_small", "chunk")]),
                       (224, 16, False, [deit, ("lion_d_small", "attention"), ("lion_d_natural_small", "attention")])]
 
-    assert len(by_script["scripts/check_equivalence.py"]) == 1
+    assert [a.dtype for a in by_script["scripts/check_equivalence.py"]] == ["float32", "bfloat16"]
     resolution = [a for a in by_script["scripts/benchmark_resolution.py"] if a.group_share is None
                   and a.out.name.startswith("resolution")]  # the inference targets: 1248 and 1792 px
     assert sorted(a.batch_size for a in resolution) == [1, 16]
