@@ -208,6 +208,14 @@ def _final_norm_where_pooled(weights: Dict[str, Tensor], target: Dict[str, Tenso
     return weights, moved
 
 
+def _prefix_entries(cls_token: Optional[Tensor], dist_token: Optional[Tensor], reg_token: Optional[Tensor]
+                    ) -> List[str]:
+    """The names of a ViT's prefix tokens in the order its positional embeddings hold their entries (timm's and
+    LionViT's _pos_embed): the class token, the distillation token, then each register token."""
+    return [name for name, token in (("cls_token", cls_token), ("dist_token", dist_token)) if token is not None] + \
+        [f"reg_token {j}" for j in range(0 if reg_token is None else reg_token.shape[1])]
+
+
 def _adapt_pos_embed(model: nn.Module, weights: Dict[str, Tensor], report: InitReport) -> Optional[Tensor]:
     """The source's positional embeddings on the model's grid; prefix-token entries (class, distillation)
     copied where both have them, dropped or left fresh otherwise."""
@@ -216,7 +224,7 @@ def _adapt_pos_embed(model: nn.Module, weights: Dict[str, Tensor], report: InitR
         return None
     source = weights["pos_embed"]
     length = source.shape[1]
-    source_tokens = [t for t in ("cls_token", "dist_token") if t in weights]
+    source_tokens = _prefix_entries(weights.get("cls_token"), weights.get("dist_token"), weights.get("reg_token"))
     source_prefix = 0 if math.isqrt(length) ** 2 == length else len(source_tokens)  # deit3: no prefix entries
     side = math.isqrt(length - source_prefix)
     if side * side != length - source_prefix:
@@ -224,7 +232,7 @@ def _adapt_pos_embed(model: nn.Module, weights: Dict[str, Tensor], report: InitR
     grid = resample_abs_pos_embed(source[:, source_prefix:], new_size=list(model.patch_embed.grid_size),
                                   old_size=(side, side), num_prefix_tokens=0)
     current = model.pos_embed.detach()
-    model_tokens = [t for t in ("cls_token", "dist_token") if getattr(model, t, None) is not None]
+    model_tokens = _prefix_entries(*(getattr(model, t, None) for t in ("cls_token", "dist_token", "reg_token")))
     model_prefix = 0 if model.no_embed_class else current.shape[1] - grid.shape[1]
     entries, notes = [], []
     for i in range(model_prefix):

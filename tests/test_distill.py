@@ -134,6 +134,17 @@ def test_init_from_adapts_positional_embeddings_and_prefix_tokens(tmp_path):
     assert torch.equal(token.pos_embed, deit.pos_embed) and torch.equal(token.dist_token, deit.dist_token)
     assert torch.equal(token.head_dist.weight, deit.head_dist.weight) and torch.equal(token.norm.weight, deit.norm.weight)
 
+    # register tokens: a ViT whose positional embeddings hold entries for its class token and two registers
+    registers = small_vit("vit_tiny_patch16_224", reg_tokens=2)
+    report = lion_vit.init_from_vit(lit, registers.state_dict())
+    expected = resample_abs_pos_embed(registers.pos_embed[:, 3:], new_size=[6, 6], old_size=(4, 4), num_prefix_tokens=0)
+    torch.testing.assert_close(lit.pos_embed, expected)
+    assert dict(report.adapted)["pos_embed"] == ("4x4 -> 6x6 grid, cls_token entry dropped, reg_token 0 entry dropped, "
+                                                 "reg_token 1 entry dropped")
+    same = small_vit("lion_lit_tiny", global_pool="token", reg_tokens=2)
+    lion_vit.init_from_vit(same, registers.state_dict())
+    assert torch.equal(same.pos_embed, registers.pos_embed) and torch.equal(same.reg_token, registers.reg_token)
+
     other_classes = small_vit("lion_s_tiny", num_classes=7)
     report = lion_vit.init_from_vit(other_classes, str(path))
     assert "head.weight" in report.fresh and "blocks.0.attn.decay.proj.weight" in report.fresh
