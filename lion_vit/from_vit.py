@@ -217,8 +217,8 @@ def _prefix_entries(cls_token: Optional[Tensor], dist_token: Optional[Tensor], r
 
 
 def _adapt_pos_embed(model: nn.Module, weights: Dict[str, Tensor], report: InitReport) -> Optional[Tensor]:
-    """The source's positional embeddings on the model's grid; prefix-token entries (class, distillation)
-    copied where both have them, dropped or left fresh otherwise."""
+    """The source's positional embeddings on the model's grid; prefix-token entries (class, distillation,
+    registers) copied where both have them, dropped or left fresh otherwise."""
     if "pos_embed" not in weights:
         report.fresh.append("pos_embed")
         return None

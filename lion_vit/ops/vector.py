@@ -98,12 +98,12 @@ def _at_once(q: Tensor, k: Tensor, v: Tensor, a: Tensor, chunk: int, leaf_size: 
 
 
 def _states(totals: Tensor, own: Tensor, reverse: bool = False) -> Tensor:
-    """The states [..., chunks, Dk, Dv + 1] entering each chunk along a sweep, from each chunk's whole log decay
-    [..., chunks, 1, Dk] and own keys' sum [..., chunks, Dk, Dv + 1]: none before the first, then `_carried` chunk
-    by chunk, from the first chunk on (reverse: from the last, the states entering from the chunks after). Without
-    autograd each is written into one tensor as it comes, in one fused multiply-add: a list of small states, alive
-    until stacked, fragments the heap (the peak RSS of a 1248 px forward then varies by several MB from run to
-    run)."""
+    """The states [..., chunks, Dk, Dv + 1] (in the decays' dtype: _carried) entering each chunk along a sweep, from
+    each chunk's whole log decay [..., chunks, 1, Dk] and own keys' sum [..., chunks, Dk, Dv + 1]: none before the
+    first, then `_carried` chunk by chunk, from the first chunk on (reverse: from the last, the states entering from
+    the chunks after). Without autograd each is written into one tensor as it comes, in one fused multiply-add: a
+    list of small states, alive until stacked, fragments the heap (the peak RSS of a 1248 px forward then varies by
+    several MB from run to run)."""
     count = own.shape[-3]
     order = list(range(count - 1, -1, -1) if reverse else range(count))
     if not (torch.is_grad_enabled() and (totals.requires_grad or own.requires_grad)):
