@@ -97,9 +97,10 @@ class LionAttention(nn.Module):
             **_: object,  # other timm Attention arguments (scale_norm, ...) are not used
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}" if num_heads >= 1 else
-                             f"num_heads must be a positive integer, got {num_heads}")
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be a positive integer, got {num_heads}")
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         if decay not in DECAYS:
             raise ValueError(f"unknown decay {decay!r}; choose one of {sorted(DECAYS)} (lion_vit.decays.register_decay "
                              "adds one)")
