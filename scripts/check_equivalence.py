@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--json", type=output_file, help="also write the results to this file")
     args = parser.parse_args()
     autocast = args.dtype in ("bfloat16", "float16")
-    dtype = torch.float32 if autocast else getattr(torch, args.dtype)
+    dtype = torch.float32 if autocast else getattr(torch, args.dtype)  # (the weights')
+    autocast_dtype = getattr(torch, args.dtype) if autocast else None
     forms = [("attention", None)] * autocast + [("rnn", None)] + [("chunk", c) for c in args.chunks]
     rows = []
     for name in args.models:
@@ -82,7 +83,7 @@ def main() -> None:
                 except ValueError as error:  # a size the patch does not divide
                     parser.error(f"argument --sizes: {error}")
                 for form, chunk in forms:
-                    with torch.autocast(x.device.type, dtype=getattr(torch, args.dtype), enabled=autocast):
+                    with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast):
                         out = model.set_attn_form(form, chunk)(x).float()
                     err = ((out - reference).abs().max() / reference.abs().max()).item()
                     chunks = model.chunks_per_sequence(size)

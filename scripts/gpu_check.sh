@@ -24,14 +24,14 @@ set -euo pipefail
 usage() { echo "gpu_check.sh: $1; see the usage at the top of scripts/gpu_check.sh" >&2; exit 2; }
 all_parts="tests equivalence inference graphs fused fused_tests fallback normaliser forms compile"
 all_parts+=" compile_natural input input_gpu"
-# minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor
-# compiles each model once): tests, inference and fallback as measured on a cold H100, equivalence
-# on a cold H200 (docs/benchmarks.md; 3 min, and as much again for its bfloat16 run), compile from four models compiled and timed in 169 s on the H100,
-# the others estimates until the durations printed after each part replace them (input: 12,000 JPEGs made on
-# 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them compiled;
-# fused: the kernel op by op, then seven short eager runs, one of which took 33 s on a cold H200; fused_tests: 47
-# tests, FLA's route's since deleted among them, ran past 517 s on a cold H200; input_gpu: the device decoding's
-# tests, then input's runs with data.decode=gpu)
+# minutes on a cold H100 (Triton compiles and FLA autotunes each kernel once per shape key; Inductor compiles each
+# model once): tests, inference and fallback as measured on a cold H100, equivalence on a cold H200
+# (docs/benchmarks.md; 3 min, and as much again for its bfloat16 run), compile from four models compiled and timed
+# in 169 s on the H100, the others estimates until the durations printed after each part replace them (input: 12,000
+# JPEGs made on 16 cores, then four train.py runs of two epochs and four model-only measurements, two of them
+# compiled; fused: the kernel op by op, then seven short eager runs, one of which took 33 s on a cold H200;
+# fused_tests: 47 tests, FLA's route's since deleted among them, ran past 517 s on a cold H200; input_gpu: the
+# device decoding's tests, then input's runs with data.decode=gpu)
 declare -A minutes=([tests]=2 [equivalence]=6 [inference]=4 [graphs]=4 [fused]=7 [fused_tests]=9 [fallback]=2
                     [normaliser]=3 [forms]=6 [compile]=4 [compile_natural]=4 [input]=9 [input_gpu]=9)
 out="" bundle="" commit="" deadline="" dry="" parts=()
