@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .masks import mask_dtype
 from .recurrent import STEP_BLOCK  # (the scalar rnn form's block: here, tokens written into the sum at once)
 from .scalings import with_ones
 from .scans import over_scans
@@ -57,7 +58,7 @@ def _one_scan(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, chunk_size: Op
     reads_itself = callable(chunks_at_once) and chunk > 1
     if order is not None and not reads_itself:  # (the decays before they are expanded: [B|1, H|1, L, Dk])
         q, k, v, log_decay = (t.index_select(-2, order) for t in (q, k, v, log_decay))
-    a = log_decay.to(q.dtype if q.dtype == torch.float64 else torch.float32).expand(*q.shape[:2], length, q.shape[-1])
+    a = log_decay.to(mask_dtype(q.dtype)).expand(*q.shape[:2], length, q.shape[-1])
     if reads_itself:
         both = chunks_at_once(q, k, v, a, chunk, leaf_size, order, normalised)
     else:
