@@ -12,7 +12,8 @@ from runs import SMALL_LION, assert_clean_error, assert_ok, kill_after_first_epo
 
 def test_step_schedules_decay_at_the_epochs_set(tmp_path):
     """optim.decay_epochs and optim.decay_rate reach timm's step schedule (the lr logged is after each epoch);
-    its default, a decay every 90 epochs, leaves a short run at one lr, which a warning says."""
+    its default, a decay every 90 epochs, leaves a short run at one lr, which a warning says. So does a min_lr
+    above the lr, which timm's cosine schedule rises to (step schedules never read it)."""
     quiet = ["progress=false", "optim.warmup_epochs=0", "epochs=2"]
     proc = run_train(*quiet, "optim.sched=step", "optim.decay_epochs=1", "optim.decay_rate=0.5",
                      f"output_dir={tmp_path / 'step'}")
@@ -24,6 +25,11 @@ def test_step_schedules_decay_at_the_epochs_set(tmp_path):
     assert [line["lr"] for line in read_metrics(tmp_path / "multistep")] == pytest.approx([2e-3, 2e-3])
     assert "optim.sched=multistep first decays the learning rate at epoch 90, not before epochs=2: it stays " \
            "2.00e-03; set optim.decay_milestones for this run's length" in proc.stdout
+    proc = run_train(*quiet, "optim.min_lr=4e-3", f"output_dir={tmp_path / 'cosine'}")
+    assert_ok(proc)
+    assert [line["lr"] for line in read_metrics(tmp_path / "cosine")] == pytest.approx([3e-3, 4e-3])
+    assert "optim.min_lr=0.004 is above this run's lr 2.00e-03: the cosine schedule raises the learning rate to " \
+           "it instead of lowering it; set optim.min_lr below the lr" in proc.stdout
 
 
 def test_one_epoch_lion_with_deit_recipe(folder, tmp_path):

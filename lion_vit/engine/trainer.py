@@ -138,7 +138,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                         cfg.optim.clip_grad, cfg.grad_accum_steps)
     _describe_run(cfg, model, train_set, val_set, num_classes, lr, global_batch, dist_info, device, is_main)
     if is_main:
-        _warn_of_a_short_schedule(cfg, scheduler, updates, lr)
+        _warn_of_schedule_slips(cfg, scheduler, updates, lr)
 
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
     metrics: Dict[str, Any] = {}
@@ -304,12 +304,24 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, updates: 
     return scheduler
 
 
-def _warn_of_a_short_schedule(cfg: DictConfig, scheduler, updates: int, lr: float) -> None:
-    """Settings timm's scheduler takes that leave the learning rate where it starts: a smoke test, or a mistake."""
+# timm's schedules that end at optim.min_lr (step, multistep and constant never read it)
+MIN_LR_SCHEDULES = ("cosine", "tanh", "poly", "wsd", "rsqrt")
+
+
+def _warn_of_schedule_slips(cfg: DictConfig, scheduler, updates: int, lr: float) -> None:
+    """Settings timm's scheduler takes that leave the learning rate where it starts (a smoke test, or a mistake),
+    or raise it where it should fall: a min_lr above the run's lr (DeiT's scaling by a small batch, or a lower
+    lr for fine-tuning without a lower min_lr)."""
     if cfg.optim.warmup_epochs >= cfg.epochs:
         log.warning("optim.warmup_epochs=%s is not below epochs=%d: the learning rate never leaves warm-up "
                     "(it ends below %.2e and the %s schedule never starts); lower optim.warmup_epochs for a "
                     "full schedule", cfg.optim.warmup_epochs, cfg.epochs, lr, cfg.optim.sched)
+    elif cfg.optim.min_lr > lr and cfg.optim.sched in MIN_LR_SCHEDULES:
+        base = cfg.optim.lr_base_batch
+        scaled = f" (optim.lr {cfg.optim.lr:.2e} per {base} images)" if base else ""
+        log.warning("optim.min_lr=%s is above this run's lr %.2e%s: the %s schedule raises the learning rate to "
+                    "it instead of lowering it; set optim.min_lr below the lr", cfg.optim.min_lr, lr, scaled,
+                    cfg.optim.sched)
     elif cfg.optim.sched in ("step", "multistep"):
         first = min(scheduler.decay_t) if cfg.optim.sched == "multistep" else scheduler.decay_t
         if first >= cfg.epochs * updates:
