@@ -526,18 +526,27 @@ def test_slurm_launcher_without_srun_is_one_line(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
-def test_num_workers_auto_shares_the_cores_of_a_node(monkeypatch):
-    """num_workers=auto: the cores this process may run on, over the processes of its node."""
+@pytest.mark.parametrize("affinity, env, workers", [
+    (16, {}, 16),
+    (16, {"LOCAL_WORLD_SIZE": "8"}, 2),  # torchrun's processes share the launcher's cores
+    (16, {"LOCAL_WORLD_SIZE": "32"}, 1),
+    (16, {"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4),  # SLURM tasks without cpus_per_task share the node's
+    (10, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "10"}, 10),  # srun bound each task to its 10
+    (80, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "10"}, 10),  # unbound: still its 10
+    (4, {"SLURM_CPUS_PER_TASK": "10"}, 4),  # never more than it may run on
+    (80, {"SLURM_CPUS_PER_TASK": "80", "LOCAL_WORLD_SIZE": "8"}, 10),  # torchrun in one SLURM task a node
+])
+def test_num_workers_auto_is_the_cores_of_this_process(monkeypatch, affinity, env, workers):
+    """num_workers=auto: the cores this process may run on, shared with its node's other processes where they
+    share them (configs/hydra/launcher/slurm.yaml's 8 tasks of 10 cores: 10 workers each, not 10 // 8)."""
     import os
     from lion_vit.data import resolve_num_workers
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    for env, workers in (({}, 16), ({"LOCAL_WORLD_SIZE": "8"}, 2), ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 4),
-                         ({"LOCAL_WORLD_SIZE": "32"}, 1)):
-        for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        assert resolve_num_workers("auto") == workers, env
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert resolve_num_workers("auto") == workers
     assert resolve_num_workers(3) == 3
 
 

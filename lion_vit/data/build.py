@@ -63,11 +63,14 @@ def on_device(loader: DataLoader, data: DictConfig, aug: Optional[DictConfig], d
 
 
 def resolve_num_workers(num_workers: Union[int, str]) -> int:
-    """num_workers=auto: the cores this process may run on, shared with the other processes of its node
-    (torchrun's LOCAL_WORLD_SIZE, or SLURM's tasks per node)."""
+    """num_workers=auto: the cores this process may run on. torchrun's LOCAL_WORLD_SIZE processes share the cores
+    of the launcher's; a SLURM task has its own SLURM_CPUS_PER_TASK, which srun's binding often makes its whole
+    affinity (dividing those by the node's tasks would leave one worker a GPU); without it, the node's tasks share."""
     if num_workers != "auto":
         return int(num_workers)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not os.environ.get("LOCAL_WORLD_SIZE") and os.environ.get("SLURM_CPUS_PER_TASK"):
+        return max(1, min(cores, int(os.environ["SLURM_CPUS_PER_TASK"])))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
     return max(1, cores // max(1, int(local)))
 
