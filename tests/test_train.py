@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -92,6 +93,56 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
     assert state["epoch"] == 1  # epochs finished, as the console counts them
     # 24 training images, 2 processes x batch 4, drop_last: 3 steps x 8 images seen per epoch
     assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
+
+
+@pytest.mark.slow
+def test_two_slurm_tasks_train_as_one_group(folder, tmp_path):
+    """One process a SLURM task (as submitit starts them, no torchrun): SLURM's ranks make the group."""
+    import socket
+    import subprocess
+    from runs import ENV, ROOT
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    argv = [sys.executable, str(ROOT / "train.py"), *SMALL_LION, "data=imagefolder", f"data.root={folder}",
+            "epochs=1", "batch_size=4", "aug=none", f"output_dir={tmp_path / 'run'}"]
+    tasks = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(
+        ENV, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_JOB_ID="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for rank in (0, 1)]
+    outputs = [task.communicate(timeout=300)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert "global batch 8, 2 process(es)" in outputs[0]
+    assert len(read_metrics(tmp_path / "run")) == 1
+
+
+def test_a_process_takes_its_local_ranks_gpu_or_the_one_it_sees(monkeypatch):
+    """cuda:<local rank> where the process sees every GPU of its node (torchrun, submitit's --gpus-per-node);
+    cuda:0 where SLURM gave the task one GPU of its own (--gpus-per-task, --gpu-bind); one clear error where
+    more processes than GPUs would share them."""
+    import torch.distributed as dist
+    from lion_vit.engine.distributed import init_distributed
+    from lion_vit.errors import UserError
+    joined, chosen = [], []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.append((backend, kwargs)))
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):  # (set, so that the ones init_distributed sets are undone)
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_PROCID", "11")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    for visible, device in ((8, "cuda:3"), (1, "cuda:0")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        info, got = init_distributed(torch.device("cuda"))
+        assert (str(got), info.rank, info.world_size, info.local_rank) == (device, 11, 16, 3)
+        assert str(chosen[-1]) == device and joined[-1] == ("nccl", dict(init_method="env://", world_size=16, rank=11))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError, match="process of local rank 3 sees 2 GPUs: launch at most 2 processes a node"):
+        init_distributed(torch.device("cuda"))
+    assert len(joined) == 2
+    monkeypatch.undo()
+    assert "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
 
 
 def test_sweep_jobs_get_their_own_output_dirs(folder, tmp_path):

@@ -1,4 +1,4 @@
-"""torch.distributed from torchrun's or SLURM's environment (timm's init_distributed_device_so)."""
+"""torch.distributed from torchrun's or SLURM's environment (timm's init_distributed_device_so, DeiT's GPU choice)."""
 from __future__ import annotations
 
 import os
@@ -8,10 +8,11 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from timm.utils.distributed import init_distributed_device_so, is_distributed_env
+from timm.utils.distributed import is_distributed_env, world_info_from_env
 from torch import Tensor
 
 from ..data.gpu import host_to_device
+from ..errors import UserError
 
 
 @dataclass
@@ -31,15 +32,36 @@ class DistInfo:
 
 def init_distributed(device: torch.device) -> Tuple[DistInfo, torch.device]:
     """Join the process group when launched by torchrun or SLURM (NCCL on CUDA, gloo on CPU); returns this
-    process's place in it and its device (the GPU of its local rank)."""
-    if is_distributed_env() and "SLURM_PROCID" in os.environ and "MASTER_ADDR" not in os.environ:
-        # one SLURM task per GPU (e.g. submitit): timm reads the ranks, but env:// also needs the first node
-        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                               capture_output=True, text=True, check=True).stdout.split()
-        os.environ["MASTER_ADDR"] = hosts[0]
-        os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
-    info = init_distributed_device_so(device.type)
-    return DistInfo(info["global_rank"], info["world_size"], info["local_rank"]), torch.device(info["device"])
+    process's place in it and its device: the GPU of its local rank, or the one GPU a SLURM task bound to its
+    own sees. (timm's init_distributed_device_so, which this follows, takes cuda:<local rank> even there.)"""
+    if not is_distributed_env():
+        return DistInfo(), torch.device(device.type)
+    local_rank, rank, world_size = world_info_from_env()
+    if "SLURM_PROCID" in os.environ:  # one SLURM task a GPU (e.g. submitit), as torchrun's variables
+        os.environ.update(LOCAL_RANK=str(local_rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+        if "MASTER_ADDR" not in os.environ:  # env:// also needs the first node
+            hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                                   capture_output=True, text=True, check=True).stdout.split()
+            os.environ["MASTER_ADDR"] = hosts[0]
+            os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
+    if device.type == "cuda":
+        device = torch.device("cuda", _gpu_index(local_rank))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://",
+                            world_size=world_size, rank=rank)
+    return DistInfo(rank, world_size, local_rank), device
+
+
+def _gpu_index(local_rank: int) -> int:
+    """The GPU of this process: its local rank's, or the only one it sees (SLURM's --gpus-per-task or
+    --gpu-bind give each task its own, as cuda:0)."""
+    visible = torch.cuda.device_count()
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise UserError(f"process of local rank {local_rank} sees {visible} GPUs: launch at most {visible} processes a "
+                    f"node (torchrun --nproc_per_node, the SLURM launcher's tasks_per_node), one a GPU")
 
 
 def queued_sum(values: List[float], device: torch.device) -> Optional[Tensor]:
