@@ -80,6 +80,24 @@ def test_a_lock_dies_with_its_process(tmp_path):
         os.kill(int(worker), signal.SIGKILL)
 
 
+@pytest.mark.parametrize("error", ["ENOSYS", "ENOLCK"])
+def test_a_filesystem_without_locks_trains_unguarded_with_a_warning(tmp_path, error):
+    """flock fails with ENOSYS on Lustre mounted noflock and with ENOLCK on NFS without its lock daemon: the run
+    trains all the same and says once that nothing guards its folder; no lock file is left, nor a folder by a
+    run that fails before its first epoch."""
+    patch = (f"import errno, fcntl\ndef flock(fd, operation): raise OSError(errno.{error}, 'no locks here')\n"
+             "fcntl.flock = flock")
+    proc = _run_patched(patch, *SMALL_LION, "epochs=1", f"output_dir={tmp_path / 'run'}")
+    assert_ok(proc)
+    assert proc.stdout.count(f"output_dir {tmp_path / 'run'} is on a filesystem without file locks: nothing stops "
+                             "another run from writing to it while this one runs") == 1
+    assert (tmp_path / "run" / "checkpoint-last.pt").exists() and not (tmp_path / "run" / rundir.LOCK).exists()
+    proc = _run_patched(patch, *SMALL_LION, "data=imagefolder", f"data.root={tmp_path / 'no_data'}",
+                        f"output_dir={tmp_path / 'failed'}")
+    assert_clean_error(proc, "no_data")
+    assert not (tmp_path / "failed").exists()
+
+
 def test_default_output_dirs_differ_between_runs_started_in_the_same_second():
     """The default output_dir ends in the process id, which rank 0 broadcasts to every torchrun rank."""
     from omegaconf import OmegaConf

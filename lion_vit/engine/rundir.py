@@ -17,18 +17,22 @@ from omegaconf import DictConfig
 from ..errors import UserError
 
 LOCK = ".lock"
+# flock's errors on a filesystem without file locks (Lustre mounted noflock, NFS without its lock daemon, FUSE)
+NO_LOCKS = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
 # files a run leaves behind: a folder holding any of them holds a run
 RUN_FILES = ("metrics.jsonl", "checkpoint-last.pt", "checkpoint-prev.pt", "checkpoint-best.pt")
 SWEEP_RECORD = "multirun.yaml"  # Hydra's, in a sweep's folder (output_dir with -m)
 _held: List[Tuple[Path, int]] = []  # the locks this process holds: (path, descriptor)
 
 
-def lock(output_dir: Path) -> None:
+def lock(output_dir: Path) -> bool:
     """Take output_dir's lock for the rest of this process's run, or raise UserError naming the run that
     holds it. An fcntl lock dies with its process (kill -9 too; forked children close their copies:
-    _closed_in_forked_child), so a stale lock never blocks a resume."""
+    _closed_in_forked_child), so a stale lock never blocks a resume. False, and no lock file, where the
+    filesystem has no locks: the run goes on unguarded rather than not at all."""
     path = output_dir / LOCK
     while True:
+        existed = path.exists()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
@@ -42,6 +46,10 @@ def lock(output_dir: Path) -> None:
             if error.errno in (errno.EAGAIN, errno.EACCES):
                 raise UserError(f"output_dir {output_dir} is in use by another run ({holder}); wait for it to "
                                 f"end, or choose another output_dir") from None
+            if error.errno in NO_LOCKS:
+                if not existed:
+                    path.unlink(missing_ok=True)
+                return False
             raise
         try:  # the file locked must still be the one at the path: a run ending meanwhile removes it
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -52,6 +60,12 @@ def lock(output_dir: Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held.append((path, fd))
+    return True
+
+
+def holds(output_dir: Path) -> bool:
+    """Whether this process holds output_dir's lock."""
+    return any(path == output_dir / LOCK for path, _ in _held)
 
 
 def _closed_in_forked_child() -> None:

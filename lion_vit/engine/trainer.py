@@ -68,6 +68,9 @@ def _run(cfg: DictConfig) -> Dict[str, Any]:
         if dist_info.is_main:
             created = rundir.claim(output_dir)
         setup_logging(output_dir, dist_info.is_main)
+        if dist_info.is_main and not rundir.holds(output_dir):
+            log.warning("output_dir %s is on a filesystem without file locks: nothing stops another run from "
+                        "writing to it while this one runs", output_dir)
         random_seed(epoch_seed(cfg.seed, 0, dist_info.rank))
         if cfg.eval_only:
             return run_eval_only(cfg, dist_info, device, output_dir)
