@@ -141,6 +141,21 @@ def test_the_triton_backend_without_a_gpu_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+def test_compile_on_a_machine_that_cannot_build_kernels_is_one_line(tmp_path):
+    """compile=true without a working C++ compiler (inductor's on a CPU; Triton's on CUDA wants one too): one line
+    before any folder is made, not inductor's traceback at the first step, and a run with one compiles and trains."""
+    short = ["epochs=1", "model.kwargs.depth=1", "compile=true", "progress=false"]
+    proc = run_train(*short, f"output_dir={tmp_path / 'none'}", launcher=[
+        "env", "CXX=/nonexistent/g++", sys.executable, str(ROOT / "train.py")])
+    assert_clean_error(proc, "compile=true, but torch.compile cannot build kernels on this machine (",
+                       "/nonexistent/g++", "or set compile=false")
+    assert proc.returncode == 2 and not (tmp_path / "none").exists()
+    proc = run_train(*short, f"output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "run" / "checkpoint-last.pt").exists()
+
+
 def test_a_data_root_that_the_digits_do_not_read_is_refused():
     """data.root without data=imagefolder (or another tree) would train on the digits, which read no folder."""
     from hydra import compose, initialize_config_dir

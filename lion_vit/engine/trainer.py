@@ -64,6 +64,8 @@ def _run(cfg: DictConfig) -> Dict[str, Any]:
     dist_info, device = init_distributed(device)
     output_dir, created = None, None
     try:
+        if cfg.compile and not cfg.eval_only:
+            _check_compiler(device)
         output_dir = Path(broadcast_object(str(cfg.output_dir)))  # rank 0's timestamp for everyone
         if dist_info.is_main:
             created = rundir.claim(output_dir)
@@ -89,6 +91,17 @@ def _run(cfg: DictConfig) -> Dict[str, Any]:
     finally:
         rundir.release_all()
         cleanup()
+
+
+def _check_compiler(device: torch.device) -> None:
+    """compile=true: torch.compile builds one small kernel first (C++ on a CPU, Triton on CUDA), so that a machine
+    that cannot is one line before any folder is made, not a traceback at the first step."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
+    except Exception as error:  # inductor's InductorError, dynamo's BackendCompilerFailed, a compiler's own error
+        raise UserError(f"compile=true, but torch.compile cannot build kernels on this machine ({first_line(error)}); "
+                        f"install what it names (a C++ compiler; on CUDA also Python's headers), or set "
+                        f"compile=false") from None
 
 
 def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
