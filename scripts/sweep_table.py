@@ -65,7 +65,7 @@ def results(folder: Path) -> Tuple[List[str], Dict[Tuple[str, ...], List[Tuple[f
         if not (config.is_file() and metrics.is_file()):
             continue
         settings = yaml.safe_load(config.read_text())
-        lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        lines = logged_epochs(metrics.read_text())
         if len(lines) < settings["epochs"]:
             continue
         finished.append((_flat(settings), (lines[-1]["val_acc1"], max(line["val_acc1"] for line in lines))))
@@ -77,6 +77,20 @@ def results(folder: Path) -> Tuple[List[str], Dict[Tuple[str, ...], List[Tuple[f
     for flat, accuracies in finished:
         found.setdefault(tuple(flat.get(name, "") for name in columns), []).append(accuracies)
     return differing, found
+
+
+def logged_epochs(text: str) -> List[Dict[str, Any]]:
+    """metrics.jsonl's epoch lines; a line cut short (a job killed while writing it, or one being written now) is
+    left out, as train.py's resume drops it."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            logged = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(logged, dict) and "val_acc1" in logged:
+            lines.append(logged)
+    return lines
 
 
 def evaluations(folder: Path) -> List[Dict[str, Any]]:

@@ -765,8 +765,9 @@ def test_input_script_end_to_end_goes_on_past_a_run_that_fails(tmp_path, monkeyp
 
 def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     """scripts/sweep_table.py: last and best top-1 by model (and any other setting the jobs differ in) over the jobs
-    of a train.py sweep, mean and standard deviation; a job that stopped before its epochs is left out. The same for the runs of a folder such as
-    outputs/ (by name) and for one run; a folder without runs, or no folder, is one line."""
+    of a train.py sweep, mean and standard deviation; a job that stopped before its epochs is left out, and so is a
+    line that a kill cut short. The same for the runs of a folder such as outputs/ (by name) and for one run; a
+    folder without runs, or no folder, is one line."""
     jobs = [("lion_gla_tiny", [50.0, 70.0]), ("lion_gla_tiny", [60.0, 50.0]), ("deit_tiny", [40.0, 45.0]),
             ("deit_tiny", [90.0])]  # the last job stopped after one of its two epochs
     for index, (name, accuracies) in enumerate(jobs):
@@ -774,6 +775,9 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
             job.mkdir(parents=True)
             (job / "config.yaml").write_text(f"epochs: 2\nmodel:\n  name: {name}\n")
             (job / "metrics.jsonl").write_text("".join(json.dumps({"val_acc1": a}) + "\n" for a in accuracies))
+            if index in (0, 3):  # a job killed while it wrote a line (job 3 in its second epoch)
+                with open(job / "metrics.jsonl", "a") as metrics:
+                    metrics.write('{"epoch": 3, "val_ac')
     (tmp_path / "outputs" / "notes").mkdir()  # not a run
     table = ["| lion_gla_tiny | 2 | 60.0 ± 14.1 | 65.0 ± 7.1 |", "| deit_tiny | 1 | 45.0 | 45.0 |"]
     assert run_script("sweep_table.py", str(tmp_path / "sweep")).splitlines()[2:] == table
