@@ -118,7 +118,7 @@ def test_two_slurm_tasks_train_as_one_group(folder, tmp_path):
 def test_a_process_takes_its_local_ranks_gpu_or_the_one_it_sees(monkeypatch):
     """cuda:<local rank> where the process sees every GPU of its node (torchrun, submitit's --gpus-per-node);
     cuda:0 where SLURM gave the task one GPU of its own (--gpus-per-task, --gpu-bind); one clear error where
-    more processes than GPUs would share them."""
+    more processes than GPUs would share them (torchrun's processes see the same GPUs)."""
     import torch.distributed as dist
     from lion_vit.engine.distributed import init_distributed
     from lion_vit.errors import UserError
@@ -138,7 +138,13 @@ def test_a_process_takes_its_local_ranks_gpu_or_the_one_it_sees(monkeypatch):
         assert (str(got), info.rank, info.world_size, info.local_rank) == (device, 11, 16, 3)
         assert str(chosen[-1]) == device and joined[-1] == ("nccl", dict(init_method="env://", world_size=16, rank=11))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(UserError, match="process of local rank 3 sees 2 GPUs: launch at most 2 processes a node"):
+    with pytest.raises(UserError, match=r"the process of local rank 3 sees 2 GPU\(s\): launch at most 2 "
+                                        r"process\(es\) a node"):
+        init_distributed(torch.device("cuda"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node=4 where one GPU is visible
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"the process of local rank 3 sees 1 GPU\(s\): launch at most 1 "
+                                        r"process\(es\) a node"):
         init_distributed(torch.device("cuda"))
     assert len(joined) == 2
     monkeypatch.undo()

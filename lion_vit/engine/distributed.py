@@ -53,15 +53,15 @@ def init_distributed(device: torch.device) -> Tuple[DistInfo, torch.device]:
 
 
 def _gpu_index(local_rank: int) -> int:
-    """The GPU of this process: its local rank's, or the only one it sees (SLURM's --gpus-per-task or
-    --gpu-bind give each task its own, as cuda:0)."""
+    """The GPU of this process: its local rank's, or the only one a SLURM task sees (--gpus-per-task or --gpu-bind
+    give each its own, as cuda:0). torchrun's processes all see the GPUs torchrun sees."""
     visible = torch.cuda.device_count()
     if local_rank < visible:
         return local_rank
-    if visible == 1:
+    if visible == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
         return 0
-    raise UserError(f"process of local rank {local_rank} sees {visible} GPUs: launch at most {visible} processes a "
-                    f"node (torchrun --nproc_per_node, the SLURM launcher's tasks_per_node), one a GPU")
+    raise UserError(f"the process of local rank {local_rank} sees {visible} GPU(s): launch at most {visible} "
+                    f"process(es) a node (torchrun --nproc_per_node, the SLURM launcher's tasks_per_node), one a GPU")
 
 
 def queued_sum(values: List[float], device: torch.device) -> Optional[Tensor]:
