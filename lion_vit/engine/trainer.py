@@ -99,9 +99,10 @@ def _check_compiler(device: torch.device) -> None:
     try:
         torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
     except Exception as error:  # inductor's InductorError, dynamo's BackendCompilerFailed, a compiler's own error
-        raise UserError(f"compile=true, but torch.compile cannot build kernels on this machine ({first_line(error)}); "
-                        f"install what it names (a C++ compiler; on CUDA also Python's headers), or set "
-                        f"compile=false") from None
+        inner = getattr(error, "inner_exception", None)  # what the backend raised, under dynamo's wrapper
+        reason = f"{type(inner).__name__}: {first_line(inner)}" if inner is not None else first_line(error)
+        raise UserError(f"compile=true, but torch.compile cannot build kernels on this machine ({reason}); install "
+                        f"what it names (a C++ compiler; on CUDA also Python's headers), or set compile=false") from None
 
 
 def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
