@@ -77,17 +77,17 @@ def _run(cfg: DictConfig) -> Dict[str, Any]:
         if cfg.eval_only:
             return run_eval_only(cfg, dist_info, device, output_dir)
         return _fit(cfg, dist_info, device, output_dir)
-    except (RuntimeError, OSError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
-        short = _out_of_resources(error, cfg)
+    except (UserError, RuntimeError, OSError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        short = error if isinstance(error, UserError) else _out_of_resources(error, cfg)
         if short is None:
             raise
-        raise short from None
-    except UserError:
         if created is not None:  # a run that failed before its first epoch's files leaves no folder behind
             setup_logging(None, dist_info.is_main)  # closes train.log
             rundir.release_all()
             rundir.remove_if_unused(output_dir, up_to=created)
-        raise
+        if short is error:
+            raise
+        raise short from None
     finally:
         rundir.release_all()
         cleanup()
