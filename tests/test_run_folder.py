@@ -98,6 +98,22 @@ def test_a_filesystem_without_locks_trains_unguarded_with_a_warning(tmp_path, er
     assert not (tmp_path / "failed").exists()
 
 
+def test_a_worker_out_of_shared_memory_is_one_line_and_leaves_no_run_files(folder, tmp_path):
+    """A worker dies of SIGBUS where /dev/shm is too small for the batches in flight (Docker's 64 MB): one line
+    naming it and the fix, exit 2, and a run that had not finished an epoch leaves no folder behind."""
+    patch = ("import os, signal, PIL.Image\nmain, real_open = os.getpid(), PIL.Image.open\n"
+             "def open_in_worker(*args, **kwargs):\n"
+             "    if os.getpid() != main:\n        os.kill(os.getpid(), signal.SIGBUS)\n"
+             "    return real_open(*args, **kwargs)\nPIL.Image.open = open_in_worker")
+    proc = _run_patched(patch, *SMALL_LION, "data=imagefolder", f"data.root={folder}", "num_workers=1",
+                        "batch_size=4", "epochs=1", f"output_dir={tmp_path / 'run'}")
+    proc.stderr = proc.stderr.replace("\0", "")  # (the dying worker's own message ends in a NUL)
+    assert proc.returncode == 2
+    assert_clean_error(proc, "a DataLoader worker ran out of shared memory: batches pass through /dev/shm",
+                       "(num_workers=1, batch_size 4, img_size 32); lower num_workers or batch_size")
+    assert not (tmp_path / "run").exists()  # (with wandb on, its offline run would keep the folder)
+
+
 def test_default_output_dirs_differ_between_runs_started_in_the_same_second():
     """The default output_dir ends in the process id, which rank 0 broadcasts to every torchrun rank."""
     from omegaconf import OmegaConf

@@ -407,6 +407,27 @@ def test_out_of_memory_becomes_one_line():
     assert _out_of_resources(RuntimeError("shape mismatch"), cfg) is None
 
 
+def test_a_dataloader_worker_killed_for_memory_becomes_one_line():
+    """DataLoader's "exited unexpectedly", caused by a worker killed by SIGBUS (out of shared memory: Docker's 64 MB
+    /dev/shm) or SIGKILL (the out-of-memory killer): what ran out and what to lower; any other death is left as is."""
+    from omegaconf import OmegaConf
+    from lion_vit.engine.trainer import _out_of_resources
+    cfg = OmegaConf.create({"img_size": 224, "batch_size": 256, "num_workers": 8, "eval_only": False,
+                            "grad_checkpointing": False})
+
+    def died(signal_name: str) -> RuntimeError:
+        error = RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
+        error.__cause__ = RuntimeError(f"DataLoader worker (pid 123) is killed by signal: {signal_name}. ")
+        return error
+    shm = str(_out_of_resources(died("Bus error"), cfg))
+    assert shm.startswith("a DataLoader worker ran out of shared memory: batches pass through /dev/shm")
+    assert "give it more (docker run --shm-size=16g or --ipc=host) (num_workers=8, batch_size 256, img_size 224); " \
+           "lower num_workers or batch_size" in shm
+    assert str(_out_of_resources(died("Killed"), cfg)).startswith(
+        "a DataLoader worker was killed, most likely by the kernel's out-of-memory killer (num_workers=8,")
+    assert _out_of_resources(died("Segmentation fault"), cfg) is None
+
+
 def test_nonfinite_loss_stops_training():
     from lion_vit.engine.loop import NonFiniteLoss, Precision, Training, classification_loss, train_one_epoch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -103,6 +104,20 @@ def _check_compiler(device: torch.device) -> None:
         reason = f"{type(inner).__name__}: {first_line(inner)}" if inner is not None else first_line(error)
         raise UserError(f"compile=true, but torch.compile cannot build kernels on this machine ({reason}); install "
                         f"what it names (a C++ compiler; on CUDA also Python's headers), or set compile=false") from None
+
+
+def _worker_death(error: BaseException) -> str:
+    """Why the DataLoader says a worker died, where it was out of shared or main memory ("" for anything else):
+    its error names the signal, under "exited unexpectedly" (torch's wording, in the exception or its cause)."""
+    text = f"{error} {error.__cause__ or ''}"
+    if "killed by signal: Bus error" in text:
+        shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+        size = f" ({shm.f_blocks * shm.f_frsize / 2**20:.0f} MB here)" if shm else ""
+        return (f"a DataLoader worker ran out of shared memory: batches pass through /dev/shm{size}; give it more "
+                f"(docker run --shm-size=16g or --ipc=host)")
+    if "killed by signal: Killed" in text:
+        return "a DataLoader worker was killed, most likely by the kernel's out-of-memory killer"
+    return ""
 
 
 def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
@@ -505,8 +520,13 @@ _REQUESTED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?([A-Za-z]+)")
 
 
 def _out_of_resources(error: BaseException, cfg: DictConfig) -> Optional[UserError]:
-    """One line for a full disk or an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
-    RuntimeError) saying what to do; None for any other error."""
+    """One line for a full disk, an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
+    RuntimeError) or a DataLoader worker killed for want of memory, saying what to do; None for any other error."""
+    worker = _worker_death(error)
+    if worker:
+        return UserError(f"{worker} (num_workers={cfg.num_workers}, batch_size {cfg.batch_size}, img_size "
+                         f"{cfg.img_size}); lower num_workers or batch_size (resume=auto continues from the last "
+                         f"checkpoint)")
     if isinstance(error, OSError):
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             return None
