@@ -25,11 +25,11 @@ SWEEP_RECORD = "multirun.yaml"  # Hydra's, in a sweep's folder (output_dir with 
 _held: List[Tuple[Path, int]] = []  # the locks this process holds: (path, descriptor)
 
 
-def lock(output_dir: Path) -> bool:
+def lock(output_dir: Path) -> None:
     """Take output_dir's lock for the rest of this process's run, or raise UserError naming the run that
     holds it. An fcntl lock dies with its process (kill -9 too; forked children close their copies:
-    _closed_in_forked_child), so a stale lock never blocks a resume. False, and no lock file, where the
-    filesystem has no locks: the run goes on unguarded rather than not at all."""
+    _closed_in_forked_child), so a stale lock never blocks a resume. Where the filesystem has no locks, none is
+    taken and no lock file left (`holds` says so): the run goes on unguarded rather than not at all."""
     path = output_dir / LOCK
     while True:
         existed = path.exists()
@@ -49,7 +49,7 @@ def lock(output_dir: Path) -> bool:
             if error.errno in NO_LOCKS:
                 if not existed:
                     path.unlink(missing_ok=True)
-                return False
+                return
             raise
         try:  # the file locked must still be the one at the path: a run ending meanwhile removes it
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
@@ -60,7 +60,6 @@ def lock(output_dir: Path) -> bool:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _held.append((path, fd))
-    return True
 
 
 def holds(output_dir: Path) -> bool:
