@@ -13,6 +13,10 @@ from __future__ import annotations
 import io
 import logging
 import random
+import sys
+import tempfile
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,12 +28,24 @@ from timm.data import auto_augment, create_transform
 
 import lion_vit.data.build  # noqa: F401  (timm's posterize as the CPU path runs it: compat.py)
 from lion_vit.data import build_dataset, build_loader, on_device
-from lion_vit.data.gpu import BATCH_OPS, Decoder, DrawAugmentation, augment, device_op, read_encoded
+from lion_vit.data.gpu import (BATCH_OPS, JPEG_DECODERS, Decoder, DrawAugmentation, Encoded, JpegDecoder, augment,
+                               device_op, jpeg_decoder, read_encoded)
 from lion_vit.errors import UserError
 from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
 
 # on a GPU machine (gpu-check part input_gpu) every test runs on CUDA too: nvJPEG and the ops on CUDA tensors
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _loads(name: str) -> bool:
+    try:
+        jpeg_decoder([name])
+    except UserError:
+        return False
+    return True
+
+
+DECODERS = [name for name in JPEG_DECODERS if _loads(name)]  # the JPEG decoders installed here (TorchCodec's: not CI's)
 FILL = (124, 116, 104)  # timm's img_mean fill for ImageNet's mean
 BICUBIC, BILINEAR = Image.Resampling.BICUBIC, Image.Resampling.BILINEAR
 
@@ -44,8 +60,13 @@ def photo(seed: int, width: int = 300, height: int = 260) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def jpeg_bytes(image: Image.Image, **kwargs) -> bytes:
+def jpeg_bytes(image: Image.Image, orientation: int = 0, **kwargs) -> bytes:
+    """A JPEG of image; orientation: an EXIF orientation tag (1-8) to store with it, which PIL's decoding ignores."""
     out = io.BytesIO()
+    if orientation:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        kwargs["exif"] = exif.tobytes()
     image.save(out, "JPEG", quality=90, **kwargs)
     return out.getvalue()
 
@@ -85,14 +106,55 @@ def test_device_op_equals_timms_pil_op(name, args, resample, device):
     assert apart.max() <= 1, (name, apart.max())
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_decoding_equals_pils(device):
-    """On a CPU torchvision's libjpeg-turbo decodes as PIL's; nvJPEG's IDCT and chroma upsampling differ: at most
-    one level on average."""
-    data = jpeg_bytes(photo(2))
-    (decoded,) = Decoder(torch.device(device))([read_encoded_bytes(data)])
-    apart = levels_apart(Image.open(io.BytesIO(data)).convert("RGB"), decoded.cpu())
-    assert apart.max() == 0 if device == "cpu" else apart.float().mean() <= 1.0
+def test_decoding_equals_pils(device, decoder):
+    """On a CPU TorchCodec's and torchvision's libjpeg-turbo decode as PIL's; nvJPEG's IDCT and chroma upsampling
+    differ: at most one level on average. Each image as stored, whatever its EXIF orientation, as PIL decodes it
+    (and timm's transform crops it): TorchCodec turns images by it, the Decoder turns them back."""
+    decode = Decoder(torch.device(device), jpeg_decoder([decoder]))
+    for orientation in range(9):  # (0: no EXIF)
+        data = jpeg_bytes(photo(2, 300, 260), orientation)
+        (decoded,) = decode([read_encoded_bytes(data)])
+        expected = Image.open(io.BytesIO(data)).convert("RGB")
+        assert decoded.shape == (3, 260, 300), orientation
+        apart = levels_apart(expected, decoded.cpu())
+        assert apart.max() == 0 if device == "cpu" else apart.float().mean() <= 1.0, orientation
+    assert decode.fallbacks == 0
+
+
+def test_jpeg_decoder_is_torchcodecs_else_torchvisions_else_a_line_saying_what_to_install(monkeypatch, caplog):
+    import torchvision.io
+    assert jpeg_decoder(["torchvision"]) == JpegDecoder("torchvision", torchvision.io.decode_jpeg, turns=False)
+    for module in ("torchcodec", "torchcodec.decoders"):  # not installed: importing it raises ModuleNotFoundError
+        monkeypatch.setitem(sys.modules, module, None)
+    assert jpeg_decoder().name == "torchvision"
+    monkeypatch.setitem(sys.modules, "torchcodec", types.ModuleType("torchcodec"))  # installed, but does not load
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", types.ModuleType("torchcodec.decoders"))
+    with caplog.at_level(logging.WARNING, logger="lion_vit.data.gpu"):
+        assert jpeg_decoder().name == "torchvision"
+    assert "torchcodec's does not load" in caplog.text
+    monkeypatch.delattr(torchvision.io, "decode_jpeg")  # a torchvision past its decoders' deprecation
+    with pytest.raises(UserError, match=r"needs a JPEG decoder .*torchvision's does not load .*: pip install "
+                                        r"torchcodec, or set data.decode=cpu"):
+        jpeg_decoder()
+    sys.modules.update({"torchcodec": None, "torchcodec.decoders": None})
+    with pytest.raises(UserError, match=r"\(torchcodec is not installed; torchvision's does not load"):
+        jpeg_decoder()
+
+
+def test_an_image_decoded_to_another_size_than_its_headers_is_decoded_by_pil(caplog):
+    """The workers drew its crop for the header's size: EXIF that PIL and a decoder read differently must not
+    hand the crops a turned image."""
+    data = jpeg_bytes(photo(4, 90, 60))
+    turning = JpegDecoder("turning", lambda data, mode, device: [image.transpose(1, 2) for image in
+                                                                 jpeg_decoder().decode(data, mode=mode, device=device)],
+                          turns=False)
+    decoder = Decoder(torch.device("cpu"), turning)
+    with caplog.at_level(logging.WARNING, logger="lion_vit.data.gpu"):
+        (decoded,) = decoder([read_encoded_bytes(data)])
+    assert levels_apart(Image.open(io.BytesIO(data)).convert("RGB"), decoded).max() == 0
+    assert decoder.fallbacks == 1 and "decoded 60x90 of a 90x60 header" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nvJPEG's decoding needs a GPU")
@@ -117,11 +179,12 @@ def test_device_decoding_leaves_alone_memory_that_queued_kernels_still_read():
     assert wrong == 0
 
 
-def read_encoded_bytes(data: bytes, name: str = "x.JPEG"):
-    from lion_vit.data.gpu import Encoded
-    with Image.open(io.BytesIO(data)) as image:
-        size = image.size
-    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, name)
+def read_encoded_bytes(data: bytes, name: str = "x.JPEG") -> Encoded:
+    """read_encoded of a file of these bytes."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / name
+        path.write_bytes(data)
+        return read_encoded(str(path))._replace(path=name)
 
 
 def deit_transform(img_size: int = 224, **kwargs):
@@ -156,8 +219,8 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, de
     drawn_ops, flips = set(), set()
     for seed in range(150):
         path = tmp_path / f"{seed % 6}.JPEG"
-        if not path.exists():
-            path.write_bytes(jpeg_bytes(photo(seed % 6, 300 + 37 * (seed % 6), 260)))
+        if not path.exists():  # (EXIF orientations among them, which PIL and so timm's transform ignore)
+            path.write_bytes(jpeg_bytes(photo(seed % 6, 300 + 37 * (seed % 6), 260), orientation=3 + seed % 6))
         seed_all(seed)
         expected = transform(Image.open(path).convert("RGB"))
         after_pil = rng_states()

@@ -2,8 +2,8 @@
 
 The workers only read each file's bytes and draw the augmentation's random parameters, with timm's own
 code in the order timm's PIL transform draws them (the same seed gives the same crops, flips and
-RandAugment ops). The main process decodes the batch with torchvision's nvJPEG decoder
-(`decode_jpeg(..., device="cuda")`, batched), then crops and resizes, flips and applies each image's
+RandAugment ops). The main process decodes the batch with nvJPEG (`decode_jpeg(..., device="cuda")`,
+batched: TorchCodec's, or torchvision's, jpeg_decoder), then crops and resizes, flips and applies each image's
 RandAugment ops as tensor ops, normalises and draws timm's random erasing, all on the device. A file the
 device decoder rejects (CMYK, a PNG named .JPEG, ...) is decoded by PIL instead; those are counted.
 
@@ -32,10 +32,9 @@ from timm.data.random_erasing import RandomErasing
 from timm.data.transforms import MaybePILToTensor, RandomResizedCropAndInterpolation, ToNumpy
 from torch import Tensor
 from torch.utils.data import DataLoader
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import ColorJitter, InterpolationMode, RandomHorizontalFlip
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +44,34 @@ _MODES = {Image.Resampling.NEAREST: InterpolationMode.NEAREST, Image.Resampling.
 
 
 class Encoded(NamedTuple):
-    """A file's bytes (uint8 [N]), its size from the header (width, height) and its path."""
+    """A file's bytes (uint8 [N]), its size from the header (width, height), its path and its EXIF orientation
+    (1: as stored; PIL's decoding, and so timm's, ignores it)."""
     data: Tensor
     size: Tuple[int, int]
     path: str
+    orientation: int = 1
+
+
+_ORIENTATION = 0x0112  # the EXIF tag
 
 
 def read_encoded(path: str) -> Encoded:
-    """An ImageFolder loader for the workers: the bytes, and the size PIL reads from the header (PIL raises
-    for a file it cannot identify, as it does when it decodes one)."""
+    """An ImageFolder loader for the workers: the bytes, and the size and EXIF orientation PIL reads from the
+    header (PIL raises for a file it cannot identify, as it does when it decodes one)."""
     with open(path, "rb") as f:
         data = f.read()
     with Image.open(io.BytesIO(data)) as image:
-        size = image.size
-    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, path)
+        size, orientation = image.size, _orientation(image)
+    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, path, orientation)
+
+
+def _orientation(image: Image.Image) -> int:
+    """The image's EXIF orientation, 1 where it has none or none that parses (its pixels decode all the same)."""
+    try:
+        value = image.getexif().get(_ORIENTATION, 1)
+    except Exception:  # (PIL's EXIF parser raises what its input makes it: struct, value, syntax errors)
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 @dataclass
@@ -384,18 +397,73 @@ def collate_samples(batch: List[Tuple[Sample, int]]) -> Tuple[List[Sample], Tens
     return [sample for sample, _ in batch], torch.tensor([target for _, target in batch])
 
 
+class JpegDecoder(NamedTuple):
+    """A library's JPEG decoder: decode(data or a list of data, mode="RGB", device=...) -> uint8 [3, H, W] (or their
+    list); turns: whether it turns each image by its EXIF orientation (TorchCodec's always does)."""
+    name: str
+    decode: Callable[..., Any]
+    turns: bool
+
+
+JPEG_DECODERS = ("torchcodec", "torchvision")  # jpeg_decoder's order: the first that loads decodes
+
+
+def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS) -> JpegDecoder:
+    """The first of `names` whose decoder loads: TorchCodec's (the one torchvision 0.29 deprecated its own for: the
+    same libjpeg-turbo and nvJPEG, but it turns images by their EXIF orientation), torchvision's (while it has one).
+    An installed one that does not load is said once; none is a UserError saying what to install."""
+    failed = []
+    for name in names:
+        try:
+            if name == "torchcodec":
+                from torchcodec.decoders import decode_jpeg
+            else:
+                from torchvision.io import decode_jpeg
+        except ModuleNotFoundError:
+            failed.append(f"{name} is not installed")
+            continue
+        except (ImportError, OSError, RuntimeError) as error:  # a torchvision without it; a build for another torch
+            failed.append(f"{name}'s does not load ({first_line(error)})")
+            continue
+        if any("does not load" in reason for reason in failed):
+            _warn_once(f"data.decode=gpu decodes with {name}'s JPEG decoder: {'; '.join(failed)}")
+        return JpegDecoder(name, decode_jpeg, turns=name == "torchcodec")
+    raise UserError(f"data.decode=gpu needs a JPEG decoder that runs on the device ({'; '.join(failed)}): pip install "
+                    f"torchcodec, or set data.decode=cpu")
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+# an EXIF orientation's turn undone: [3, H, W] as decoded -> as stored (2-4 and 5, 7: their own inverses)
+_UNTURN: Dict[int, Callable[[Tensor], Tensor]] = {
+    2: lambda x: x.flip(2), 3: lambda x: x.flip(1, 2), 4: lambda x: x.flip(1), 5: lambda x: x.transpose(1, 2),
+    6: lambda x: x.rot90(1, (1, 2)), 7: lambda x: x.transpose(1, 2).flip(1, 2), 8: lambda x: x.rot90(-1, (1, 2))}
+
+
 class Decoder:
-    """Batched JPEG decoding on `device`, PIL's decoding for the files it rejects (counted in `fallbacks`;
-    the first is reported with its reason).
+    """Batched JPEG decoding on `device` (jpeg_decoder's, or `jpeg`), each image as stored, as PIL decodes it (a
+    decoder that turns images by their EXIF orientation has the turn undone), and PIL's decoding for the files
+    the decoder rejects or decodes to another size than their header's (counted in `fallbacks`; the first is
+    reported with its reason).
 
     On CUDA it decodes with a stream of its own current: nvJPEG's hardware decoder (A100, H100) writes its
     outputs before the work already queued on the stream they were allocated on has run, so on the training
     stream it would be handed, and overwrite, memory freed by the last step that queued kernels still read
     (pytorch/vision#9606: NaNs or wrong numbers in code that never touched the decoder). Blocks freed on the
-    training stream are not handed out on another; the training stream then waits for the decoding."""
+    training stream are not handed out on another; the training stream then waits for the decoding. (TorchCodec
+    guards against the same bug by waiting on the host for the current stream before and after it decodes: on
+    the training stream the host would wait for the last step's queued kernels; on this one, for nothing else.)"""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, jpeg: Optional[JpegDecoder] = None) -> None:
         self.device = device
+        self.jpeg = jpeg or jpeg_decoder()
         self.fallbacks = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -412,15 +480,29 @@ class Decoder:
 
     def _decode(self, files: Sequence[Encoded]) -> List[Tensor]:
         try:
-            return list(decode_jpeg([f.data for f in files], mode=ImageReadMode.RGB, device=self.device))
+            images = self.jpeg.decode([f.data for f in files], mode="RGB", device=self.device)
         except RuntimeError:  # one file the decoder rejects fails the batch: one at a time, to find it
             return [self.one(f) for f in files]
+        return [self._as_stored(image, f) for image, f in zip(images, files)]
 
     def one(self, file: Encoded) -> Tensor:
         try:
-            return decode_jpeg(file.data, mode=ImageReadMode.RGB, device=self.device)
+            image = self.jpeg.decode(file.data, mode="RGB", device=self.device)
         except RuntimeError as error:
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            return self._by_pil(file, first_line(error))
+        return self._as_stored(image, file)
+
+    def _as_stored(self, image: Tensor, file: Encoded) -> Tensor:
+        """image with its EXIF turn undone where the decoder made it; PIL's decoding where it is not of the size the
+        header gave (the workers drew its crop for that size): EXIF that PIL and the decoder read differently."""
+        if self.jpeg.turns and file.orientation in _UNTURN:
+            image = _UNTURN[file.orientation](image)
+        if image.shape[1:] != (file.size[1], file.size[0]):
+            return self._by_pil(file, f"decoded {image.shape[2]}x{image.shape[1]} of a {file.size[0]}x{file.size[1]} "
+                                      f"header")
+        return image
+
+    def _by_pil(self, file: Encoded, reason: str) -> Tensor:
         try:
             with Image.open(io.BytesIO(file.data.numpy().tobytes())) as image:
                 pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
@@ -442,6 +524,7 @@ class DeviceDecodeLoader:
                  re_prob: float = 0.0, re_mode: str = "const", re_count: int = 1) -> None:
         self.loader, self.device = loader, device
         self.decoder = Decoder(device)
+        log.info("data.decode=gpu: the training JPEGs are decoded on %s by %s's decoder", device, self.decoder.jpeg.name)
         self.mean = torch.tensor([255 * m for m in mean], device=device).view(1, -1, 1, 1)
         self.std = torch.tensor([255 * s for s in std], device=device).view(1, -1, 1, 1)
         self.random_erasing = RandomErasing(probability=re_prob, mode=re_mode, max_count=re_count, device=device) \
