@@ -21,8 +21,11 @@ bench: install  ## the three benchmarks with their default small CPU settings (a
 	$(PYTHON) scripts/benchmark_resolution.py
 	$(PYTHON) scripts/benchmark_chunk.py
 
-gpu-wheels:  ## where pip reaches PyPI: the kernel wheels that gpu-check installs on a GPU machine without network, into .whl/
+# TorchCodec's JPEG decoder (data.decode=gpu) is built for the lent GPU machines' Python 3.12 and torch 2.11 (0.16)
+gpu-wheels:  ## where pip reaches PyPI: the wheels that gpu-check installs on a GPU machine without network, into .whl/
 	$(PYTHON) -m pip download -q --no-deps -d .whl "fla-core>=0.6,<0.7"
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 -d .whl "torchcodec>=0.16,<0.17"
 
 GPU_OUT ?= docs/benchmarks/gpu
 gpu-check:  ## on a CUDA machine: Triton tests, equivalence, benchmarks, in parts of <10 min each -> $(GPU_OUT)/

@@ -210,13 +210,21 @@ def end_to_end(args, model: str, compile: bool, decode: str, model_only: Optiona
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for checkpoint in run.glob("*.pt"):  # (only the metrics are read; a model's checkpoints take hundreds of MB)
         checkpoint.unlink()
-    row.update(imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
+    row.update(jpeg_decoder=jpeg_decoder_name(run), imgs_per_s=last["imgs_per_s"], model_only_imgs_per_s=model_only,
                x_model_only=last["imgs_per_s"] / model_only if model_only else None,
                data_wait_share=last["data_wait_share"])
     against = f"{model_only:.0f} model only (x{row['x_model_only']:.2f})" if model_only else "no model-only rate"
     print(f"{what}: {row['imgs_per_s']:.0f} images/s end to end, {against}, {100 * row['data_wait_share']:.0f} % "
           f"waiting for data", flush=True)
     return row
+
+
+def jpeg_decoder_name(run: Path) -> Optional[str]:
+    """The library whose JPEG decoder the train.py run in folder `run` decoded with (data.decode=gpu, its log says;
+    None for data.decode=cpu)."""
+    log = run / "train.log"
+    said = re.search(r"decoded on \S+ by (\w+)'s decoder", log.read_text() if log.exists() else "")
+    return said.group(1) if said else None
 
 
 def model_only_rate(args, model: str, compile: bool, out: Path) -> Optional[float]:
@@ -287,7 +295,7 @@ def main() -> None:
     if args.train:
         args.data = args.data.resolve()
         rows = end_to_end_rows(args)
-        print(markdown_table(rows, ["model", "compile", "decode", "workers", "status", "imgs_per_s",
+        print(markdown_table(rows, ["model", "compile", "decode", "jpeg_decoder", "workers", "status", "imgs_per_s",
                                     "model_only_imgs_per_s", "x_model_only", "data_wait_share"]))
         if any(row["status"] != STATUS_OK or row["model_only_imgs_per_s"] is None for row in rows):
             sys.exit("benchmark_input.py: some runs failed (above); the table holds what was measured")

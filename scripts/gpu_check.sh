@@ -99,6 +99,12 @@ print(f"float32 dots: PyTorch matmul precision {torch.get_float32_matmul_precisi
 fails = triton.available() and triton.chunk_backward_fails(torch.device("cuda"))
 print(f"flash-linear-attention's chunk backward: {'FAILS here' if fails else 'runs'} (where it fails, training in "
       "the chunk form runs Tuning.chunk_backward_fallback)")
+from lion_vit.data.gpu import jpeg_decoder
+from lion_vit.errors import UserError
+try:
+    print(f"data.decode=gpu decodes with {jpeg_decoder().name}'s JPEG decoder")
+except UserError as error:
+    print(f"data.decode=gpu: {error}")
 PY
 ) || exit 2
     mkdir -p "$out"

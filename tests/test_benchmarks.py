@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # the scripts' shared helpers (script
 
 from benchmarking import device_name, measure, measure_inference, model_name, positive_int, run_spec, status_line  # noqa: E402
 from runs import run_python  # noqa: E402
+from lion_vit.data.gpu import JPEG_DECODERS  # noqa: E402
 
 
 def run_script(name: str, *args: str) -> str:
@@ -711,6 +712,7 @@ def test_input_script_end_to_end_sets_train_py_against_the_model_only_step(tmp_p
     assert len(list((tmp_path / "images").glob("val/*/*.JPEG"))) == 32  # 4 for each of the 8 classes
     rows = read_rows(tmp_path / "input_train.csv")
     assert [row["decode"] for row in rows] == ["cpu", "gpu"]
+    assert rows[0]["jpeg_decoder"] == "" and rows[1]["jpeg_decoder"] in JPEG_DECODERS  # (the CSV's None: empty)
     assert rows[0]["model_only_imgs_per_s"] == rows[1]["model_only_imgs_per_s"]  # measured once for both
     for row in rows:
         assert row["model"] == "lion_d_tiny" and row["compile"] == "False" and int(row["workers"]) >= 1
