@@ -124,23 +124,36 @@ def test_decoding_equals_pils(device, decoder):
 
 
 def test_jpeg_decoder_is_torchcodecs_else_torchvisions_else_a_line_saying_what_to_install(monkeypatch, caplog):
+    """TorchCodec's where it loads and decodes on the device, else torchvision's (a TorchCodec that does not work
+    said once), else one line: here with TorchCodec missing, broken and without nvJPEG, and a torchvision past its
+    decoders' deprecation."""
     import torchvision.io
     assert jpeg_decoder(["torchvision"]) == JpegDecoder("torchvision", torchvision.io.decode_jpeg, turns=False)
-    for module in ("torchcodec", "torchcodec.decoders"):  # not installed: importing it raises ModuleNotFoundError
-        monkeypatch.setitem(sys.modules, module, None)
-    assert jpeg_decoder().name == "torchvision"
-    monkeypatch.setitem(sys.modules, "torchcodec", types.ModuleType("torchcodec"))  # installed, but does not load
-    monkeypatch.setitem(sys.modules, "torchcodec.decoders", types.ModuleType("torchcodec.decoders"))
-    with caplog.at_level(logging.WARNING, logger="lion_vit.data.gpu"):
-        assert jpeg_decoder().name == "torchvision"
-    assert "torchcodec's does not load" in caplog.text
-    monkeypatch.delattr(torchvision.io, "decode_jpeg")  # a torchvision past its decoders' deprecation
-    with pytest.raises(UserError, match=r"needs a JPEG decoder .*torchvision's does not load .*: pip install "
-                                        r"torchcodec, or set data.decode=cpu"):
-        jpeg_decoder()
-    sys.modules.update({"torchcodec": None, "torchcodec.decoders": None})
+    cpu = torch.device("cpu")
+
+    def torchcodec(decoders):  # importing it: None raises ModuleNotFoundError, a module without decode_jpeg ImportError
+        monkeypatch.setitem(sys.modules, "torchcodec", types.ModuleType("torchcodec") if decoders else None)
+        monkeypatch.setitem(sys.modules, "torchcodec.decoders", decoders)
+
+    def no_nvjpeg(*args, **kwargs):
+        raise RuntimeError("nvjpeg library not found")
+
+    for decoders, said in [(None, None), (types.ModuleType("torchcodec.decoders"), "torchcodec's does not load"),
+                           (types.SimpleNamespace(decode_jpeg=no_nvjpeg),
+                            "torchcodec's does not decode on cpu (nvjpeg library not found)")]:
+        torchcodec(decoders)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lion_vit.data.gpu"):
+            assert jpeg_decoder(device=cpu).name == "torchvision"
+        assert (said in caplog.text) if said else not caplog.text
+    monkeypatch.delattr(torchvision.io, "decode_jpeg")
+    with pytest.raises(UserError, match=r"needs a JPEG decoder that runs on the device \(torchcodec's does not decode "
+                                        r"on cpu .*; torchvision's does not load .*\): pip install torchcodec, or set "
+                                        r"data.decode=cpu"):
+        jpeg_decoder(device=cpu)
+    torchcodec(None)
     with pytest.raises(UserError, match=r"\(torchcodec is not installed; torchvision's does not load"):
-        jpeg_decoder()
+        jpeg_decoder(device=cpu)
 
 
 def test_an_image_decoded_to_another_size_than_its_headers_is_decoded_by_pil(caplog):

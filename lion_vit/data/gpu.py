@@ -15,6 +15,7 @@ CPU device the same path runs (slowly: it is for tests), the crops through torch
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import logging
 import math
@@ -405,31 +406,50 @@ class JpegDecoder(NamedTuple):
     turns: bool
 
 
-JPEG_DECODERS = ("torchcodec", "torchvision")  # jpeg_decoder's order: the first that loads decodes
+JPEG_DECODERS = ("torchcodec", "torchvision")  # jpeg_decoder's order: the first that works decodes
 
 
-def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS) -> JpegDecoder:
-    """The first of `names` whose decoder loads: TorchCodec's (the one torchvision 0.29 deprecated its own for: the
-    same libjpeg-turbo and nvJPEG, but it turns images by their EXIF orientation), torchvision's (while it has one).
-    An installed one that does not load is said once; none is a UserError saying what to install."""
+def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS, device: Optional[torch.device] = None) -> JpegDecoder:
+    """The first of `names` whose decoder loads (and, given a device, decodes a small JPEG there: nvJPEG's library
+    may be missing): TorchCodec's (the one torchvision 0.29 deprecated its own for: the same libjpeg-turbo and
+    nvJPEG, but it turns images by their EXIF orientation), torchvision's (while it has one). One installed that
+    does not work is said once; none is a UserError saying what to install."""
     failed = []
     for name in names:
         try:
-            if name == "torchcodec":
-                from torchcodec.decoders import decode_jpeg
-            else:
-                from torchvision.io import decode_jpeg
+            decode = _library_decoder(name)
         except ModuleNotFoundError:
             failed.append(f"{name} is not installed")
             continue
         except (ImportError, OSError, RuntimeError) as error:  # a torchvision without it; a build for another torch
             failed.append(f"{name}'s does not load ({first_line(error)})")
             continue
-        if any("does not load" in reason for reason in failed):
+        if device is not None:
+            try:
+                decode(torch.frombuffer(bytearray(_small_jpeg()), dtype=torch.uint8), mode="RGB", device=device)
+            except RuntimeError as error:
+                failed.append(f"{name}'s does not decode on {device} ({first_line(error)})")
+                continue
+        if any(not reason.endswith("not installed") for reason in failed):
             _warn_once(f"data.decode=gpu decodes with {name}'s JPEG decoder: {'; '.join(failed)}")
-        return JpegDecoder(name, decode_jpeg, turns=name == "torchcodec")
+        return JpegDecoder(name, decode, turns=name == "torchcodec")
     raise UserError(f"data.decode=gpu needs a JPEG decoder that runs on the device ({'; '.join(failed)}): pip install "
                     f"torchcodec, or set data.decode=cpu")
+
+
+def _library_decoder(name: str) -> Callable[..., Any]:
+    if name == "torchcodec":
+        from torchcodec.decoders import decode_jpeg
+    else:
+        from torchvision.io import decode_jpeg
+    return decode_jpeg
+
+
+@functools.lru_cache(maxsize=1)
+def _small_jpeg() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (124, 116, 104)).save(out, "JPEG")
+    return out.getvalue()
 
 
 _warned: set = set()
@@ -463,7 +483,7 @@ class Decoder:
 
     def __init__(self, device: torch.device, jpeg: Optional[JpegDecoder] = None) -> None:
         self.device = device
-        self.jpeg = jpeg or jpeg_decoder()
+        self.jpeg = jpeg or jpeg_decoder(device=device)
         self.fallbacks = 0
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
