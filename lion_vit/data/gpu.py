@@ -20,6 +20,7 @@ import io
 import logging
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -428,7 +429,7 @@ def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS, device: Optional[torch.de
             try:
                 decode(torch.frombuffer(bytearray(_small_jpeg()), dtype=torch.uint8), mode="RGB", device=device)
             except RuntimeError as error:
-                failed.append(f"{name}'s does not decode on {device} ({first_line(error)})")
+                failed.append(f"{name}'s does not decode on {device} ({_decoder_error(error)})")
                 continue
         if any(not reason.endswith("not installed") for reason in failed):
             _warn_once(f"data.decode=gpu decodes with {name}'s JPEG decoder: {'; '.join(failed)}")
@@ -443,6 +444,12 @@ def _library_decoder(name: str) -> Callable[..., Any]:
     else:
         from torchvision.io import decode_jpeg
     return decode_jpeg
+
+
+def _decoder_error(error: RuntimeError) -> str:
+    """A decoder's error without the C++ function and source line before it (TorchCodec's and torchvision's
+    "decode_jpeg, /path/decode_jpeg.cpp:171, Not a JPEG file: ..."): what it says of the file."""
+    return re.sub(r"^\w+, \S+:\d+, ", "", first_line(error))
 
 
 @functools.lru_cache(maxsize=1)
@@ -509,7 +516,7 @@ class Decoder:
         try:
             image = self.jpeg.decode(file.data, mode="RGB", device=self.device)
         except RuntimeError as error:
-            return self._by_pil(file, first_line(error))
+            return self._by_pil(file, _decoder_error(error))
         return self._as_stored(image, file)
 
     def _as_stored(self, image: Tensor, file: Encoded) -> Tensor:
