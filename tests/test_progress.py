@@ -104,3 +104,18 @@ def test_an_epoch_that_mostly_waited_for_data_names_what_feeds_it():
     assert "its 8 DataLoader workers cannot keep up" in waiting_advice(0.5, 8)
     assert "data.decode=gpu" in waiting_advice(0.5, 8)
     assert waiting_advice(0.49, 0) is None and waiting_advice(0.9, 0, share_to_advise=0.95) is None
+
+
+def test_workers_slow_to_start_are_not_advised_as_workers_that_cannot_keep_up(tmp_path):
+    """The first batch of a process's first epoch waits for its DataLoader workers to start: seconds each where
+    they start from a fork server (Python 3.14's default on Linux) and import torch anew. That wait is in the
+    epoch's data_wait_share (most of a short epoch's), not in what the advice reads."""
+    from runs import read_metrics, run_python
+    script = ("import multiprocessing, runpy, sys\nmultiprocessing.set_start_method('forkserver', force=True)\n"
+              "sys.argv = ['train.py', *sys.argv[1:]]\nrunpy.run_path('train.py', run_name='__main__')\n")
+    proc = run_python("-c", script, "epochs=1", "num_workers=2", "optim.warmup_epochs=0", "progress=false",
+                      f"output_dir={tmp_path}")
+    assert_ok(proc)
+    (line,) = read_metrics(tmp_path)
+    assert line["data_wait_share"] > 0.5, line  # the workers' start: the digits train in a fraction of it
+    assert "waited for its data" not in proc.stdout

@@ -65,12 +65,14 @@ class Progress:
 
 
 class WaitedFor:
-    """An iterable's items, and the seconds spent waiting for them (`waited`): in an epoch, the time the
-    step waits for the input pipeline (each step syncs with the device as it reads its loss, so the
-    wait is the loader's, not the GPU's), as timm's train.py logs its data time."""
+    """An iterable's items, and the seconds spent waiting for them (`waited`; for the first, `first`): in an epoch,
+    the time the step waits for the input pipeline (each step syncs with the device as it reads its loss, so the
+    wait is the loader's, not the GPU's), as timm's train.py logs its data time. The first item's wait includes
+    the loader's start: in a process's first epoch its workers' (seconds each where they start from a fork server
+    or by spawn, Python 3.14's default on Linux, importing torch anew)."""
 
     def __init__(self, iterable) -> None:
-        self.iterable, self.waited = iterable, 0.0
+        self.iterable, self.waited, self.first = iterable, 0.0, None
 
     def __iter__(self) -> Iterator:
         items = iter(self.iterable)
@@ -81,13 +83,16 @@ class WaitedFor:
             except StopIteration:
                 return
             finally:
-                self.waited += time.perf_counter() - start
+                wait = time.perf_counter() - start
+                self.first = wait if self.first is None else self.first
+                self.waited += wait
             yield item
 
 
 def waiting_advice(data_wait_share: float, workers: int, share_to_advise: float = 0.5) -> Optional[str]:
-    """Where an epoch mostly waited for its data (its data_wait_share at least share_to_advise), what feeds it
-    faster, as a phrase after "epoch N"; else None."""
+    """Where an epoch mostly waited for its data (data_wait_share at least share_to_advise; train.py passes the
+    epoch's steady_wait_share, its loader's start left out), what feeds it faster, as a phrase after "epoch N";
+    else None."""
     if data_wait_share < share_to_advise:
         return None
     if workers == 0:
@@ -185,9 +190,11 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
     *sums, seen = all_reduce_sum([*totals.values(), seen], device)
+    first = batches.first or 0.0  # (the wait that includes the loader's start)
     stats = {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
              "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed,
-             "data_wait_share": batches.waited / elapsed}
+             "data_wait_share": batches.waited / elapsed,
+             "steady_wait_share": (batches.waited - first) / max(elapsed - first, 1e-9)}  # (the pipeline's rate alone)
     if device.type == "cuda":  # this process's most GPU memory in the epoch, as DeiT's log's "max mem"
         stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return stats

@@ -190,7 +190,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                 # a Ctrl-C from here on stops the run after this epoch's checkpoint: its training is not lost
                 val = evaluate(model, val_loader, device, precision, show, cfg.log_interval, interruptible=False)
                 metrics = {"epoch": epoch + 1, **{f"val_{k}": val[k] for k in ("loss", "acc1", "acc5")},
-                           **{k: v for k, v in stats.items() if k != "images"}}
+                           **{k: v for k, v in stats.items() if k not in ("images", "steady_wait_share")}}
                 if ema is not None:
                     metrics["val_acc1_ema"] = evaluate(ema.module, val_loader, device, precision, show,
                                                        cfg.log_interval, interruptible=False)["acc1"]
@@ -207,7 +207,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                     _save_epoch(output_dir, metrics, state, is_best)
                     _log_epoch(metrics, cfg.epochs)
                     if epoch == start_epoch:  # (the first epoch this process trains says it once)
-                        advice = waiting_advice(metrics["data_wait_share"], resolve_num_workers(cfg.num_workers))
+                        advice = waiting_advice(stats["steady_wait_share"], resolve_num_workers(cfg.num_workers))
                         if advice:
                             log.warning("epoch %d %s", epoch + 1, advice)
                     logger.log(metrics, step=epoch + 1)
