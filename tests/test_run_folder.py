@@ -98,17 +98,32 @@ def test_a_filesystem_without_locks_trains_unguarded_with_a_warning(tmp_path, er
     assert not (tmp_path / "failed").exists()
 
 
-def test_a_worker_out_of_shared_memory_is_one_line_and_leaves_no_run_files(folder, tmp_path):
+# PIL.Image.open made to kill a DataLoader worker (a process with a parent) with SIGBUS, as a full /dev/shm does
+_SIGBUS_IN_WORKERS = """import multiprocessing, os, signal, PIL.Image
+real_open = PIL.Image.open
+def open_in_worker(*args, **kwargs):
+    if multiprocessing.parent_process() is not None:
+        os.kill(os.getpid(), signal.SIGBUS)
+    return real_open(*args, **kwargs)
+PIL.Image.open = open_in_worker
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_worker_out_of_shared_memory_is_one_line_and_leaves_no_run_files(folder, tmp_path, start):
     """A worker dies of SIGBUS where /dev/shm is too small for the batches in flight (Docker's 64 MB): one line
-    naming it and the fix, exit 2, and a run that had not finished an epoch leaves no folder behind."""
-    patch = ("import os, signal, PIL.Image\nmain, real_open = os.getpid(), PIL.Image.open\n"
-             "def open_in_worker(*args, **kwargs):\n"
-             "    if os.getpid() != main:\n        os.kill(os.getpid(), signal.SIGBUS)\n"
-             "    return real_open(*args, **kwargs)\nPIL.Image.open = open_in_worker")
+    naming it and the fix, exit 2, and a run that had not finished an epoch leaves no folder behind. Workers forked
+    from train.py's process, or started from a fork server (Python 3.14's default on Linux), which preloads the
+    fault."""
+    (tmp_path / "sigbus_in_workers.py").write_text(_SIGBUS_IN_WORKERS)
+    patch = (f"import multiprocessing, os, sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport sigbus_in_workers\n"
+             f"os.environ['PYTHONPATH'] = {str(tmp_path)!r} + os.pathsep + os.environ['PYTHONPATH']\n"
+             f"multiprocessing.set_start_method({start!r}, force=True)\n"
+             f"multiprocessing.set_forkserver_preload(['sigbus_in_workers'])")
     proc = _run_patched(patch, *SMALL_LION, "data=imagefolder", f"data.root={folder}", "num_workers=1",
                         "batch_size=4", "epochs=1", f"output_dir={tmp_path / 'run'}")
     proc.stderr = proc.stderr.replace("\0", "")  # (the dying worker's own message ends in a NUL)
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert_clean_error(proc, "a DataLoader worker ran out of shared memory: batches pass through /dev/shm",
                        "(num_workers=1, batch_size 4, img_size 32); lower num_workers or batch_size")
     assert not (tmp_path / "run").exists()  # (with wandb on, its offline run would keep the folder)

@@ -1,8 +1,13 @@
 """Every bad setting is one error line before anything is built; device and wandb set-up."""
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
+import os
+import queue
 import re
 import shutil
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -426,6 +431,30 @@ def test_a_dataloader_worker_killed_for_memory_becomes_one_line():
     assert str(_out_of_resources(died("Killed"), cfg)).startswith(
         "a DataLoader worker was killed, most likely by the kernel's out-of-memory killer (num_workers=8,")
     assert _out_of_resources(died("Segmentation fault"), cfg) is None
+
+    def die(number: int) -> None:
+        faulthandler.disable()  # (pytest's, inherited: it would print the dying process's stack)
+        os.kill(os.getpid(), number)
+
+    def dead_worker(number: int):  # (how it started does not matter: its exit code is -number)
+        worker = multiprocessing.get_context("fork").Process(target=die, args=(number,))
+        worker.start()
+        worker.join()
+        return worker
+
+    def check_failed(failed_workers):  # what DataLoader's check raises where the workers are not this process's
+        try:  # children (a fork server's or spawned: Python 3.14's default), naming no signal
+            raise queue.Empty
+        except queue.Empty as empty:
+            pids = ", ".join(str(w.pid) for w in failed_workers)
+            raise RuntimeError(f"DataLoader worker (pid(s) {pids}) exited unexpectedly") from empty
+
+    for number, line in [(signal.SIGBUS, "a DataLoader worker ran out of shared memory"),
+                         (signal.SIGKILL, "a DataLoader worker was killed"), (signal.SIGSEGV, None)]:
+        with pytest.raises(RuntimeError) as raised:
+            check_failed([dead_worker(number)])
+        found = _out_of_resources(raised.value, cfg)
+        assert (found is None) if line is None else str(found).startswith(line), (number, found)
 
 
 def test_nonfinite_loss_stops_training():

@@ -9,8 +9,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import multiprocessing.process
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -107,17 +109,38 @@ def _check_compiler(device: torch.device) -> None:
 
 
 def _worker_death(error: BaseException) -> str:
-    """Why the DataLoader says a worker died, where it was out of shared or main memory ("" for anything else):
-    its error names the signal, under "exited unexpectedly" (torch's wording, in the exception or its cause)."""
-    text = f"{error} {error.__cause__ or ''}"
-    if "killed by signal: Bus error" in text:
+    """Why the DataLoader says a worker died, where it was out of shared or main memory ("" for anything else)."""
+    signals = _worker_signals(error)
+    if signal.SIGBUS in signals:
         shm = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
         size = f" ({shm.f_blocks * shm.f_frsize / 2**20:.0f} MB here)" if shm else ""
         return (f"a DataLoader worker ran out of shared memory: batches pass through /dev/shm{size}; give it more "
                 f"(docker run --shm-size=16g or --ipc=host)")
-    if "killed by signal: Killed" in text:
+    if signal.SIGKILL in signals:
         return "a DataLoader worker was killed, most likely by the kernel's out-of-memory killer"
     return ""
+
+
+def _worker_signals(error: BaseException) -> set:
+    """The signals that killed the DataLoader workers whose death `error` reports ("exited unexpectedly"). Forked
+    workers: torch's SIGCHLD handler names it, in the error or its cause. Workers started from a fork server or by
+    spawn (Python 3.14's default on Linux) are not this process's children: torch reads only that they died, from
+    the multiprocessing Processes that its check holds in the frame that raised; their exit codes are -signal."""
+    text = f"{error} {error.__cause__ or ''}"
+    if "exited unexpectedly" not in text:
+        return set()
+    named = {number for name, number in (("Bus error", signal.SIGBUS), ("Killed", signal.SIGKILL))
+             if f"killed by signal: {name}" in text}
+    pids = set(re.findall(r"\d+", str(error)))  # ("DataLoader worker (pid(s) 123, 456) exited unexpectedly")
+    frame = error.__traceback__
+    while frame is not None:
+        for value in frame.tb_frame.f_locals.values():
+            for process in value if isinstance(value, list) else [value]:
+                if isinstance(process, multiprocessing.process.BaseProcess) and str(process.pid) in pids and \
+                        (process.exitcode or 0) < 0:
+                    named.add(-process.exitcode)
+        frame = frame.tb_next
+    return named
 
 
 def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
