@@ -414,8 +414,8 @@ def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS, device: Optional[torch.de
     """The first of `names` whose decoder loads (and, given a device, decodes a small JPEG there: nvJPEG's library
     may be missing): TorchCodec's (the one torchvision 0.29 deprecated its own for: the same libjpeg-turbo and
     nvJPEG, but it turns images by their EXIF orientation), torchvision's (while it has one). One installed that
-    does not work is said once; none is a UserError saying what to install."""
-    failed = []
+    does not work is named in a warning; none is a UserError saying what to install."""
+    failed, broken = [], False  # (broken: one of them is installed but does not work)
     for name in names:
         try:
             decode = _library_decoder(name)
@@ -424,15 +424,17 @@ def jpeg_decoder(names: Sequence[str] = JPEG_DECODERS, device: Optional[torch.de
             continue
         except (ImportError, OSError, RuntimeError) as error:  # a torchvision without it; a build for another torch
             failed.append(f"{name}'s does not load ({first_line(error)})")
+            broken = True
             continue
         if device is not None:
             try:
                 decode(torch.frombuffer(bytearray(_small_jpeg()), dtype=torch.uint8), mode="RGB", device=device)
             except RuntimeError as error:
                 failed.append(f"{name}'s does not decode on {device} ({_decoder_error(error)})")
+                broken = True
                 continue
-        if any(not reason.endswith("not installed") for reason in failed):
-            _warn_once(f"data.decode=gpu decodes with {name}'s JPEG decoder: {'; '.join(failed)}")
+        if broken:
+            log.warning("data.decode=gpu decodes with %s's JPEG decoder: %s", name, "; ".join(failed))
         return JpegDecoder(name, decode, turns=name == "torchcodec")
     raise UserError(f"data.decode=gpu needs a JPEG decoder that runs on the device ({'; '.join(failed)}): pip install "
                     f"torchcodec, or set data.decode=cpu")
@@ -457,15 +459,6 @@ def _small_jpeg() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (16, 16), (124, 116, 104)).save(out, "JPEG")
     return out.getvalue()
-
-
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
 
 
 # an EXIF orientation's turn undone: [3, H, W] as decoded -> as stored (2-4 and 5, 7: their own inverses)
