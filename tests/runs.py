@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -175,6 +176,13 @@ def make_cifar10(root: Path, per_batch: int = 6) -> Path:
     with open(base / "batches.meta", "wb") as f:
         pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, f)
     return root
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's MASTER_PORT."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
 
 
 def read_metrics(output_dir: Path):

@@ -31,7 +31,7 @@ from lion_vit.data import build_dataset, build_loader, on_device
 from lion_vit.data.gpu import (BATCH_OPS, JPEG_DECODERS, Decoder, DrawAugmentation, Encoded, JpegDecoder, augment,
                                device_op, jpeg_decoder, read_encoded)
 from lion_vit.errors import UserError
-from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train
+from runs import SMALL_LION, assert_clean_error, assert_ok, free_port, read_metrics, run_train
 
 # on a GPU machine (gpu-check part input_gpu) every test runs on CUDA too: nvJPEG and the ops on CUDA tensors
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -432,11 +432,45 @@ def test_loader_decodes_augments_and_counts_pil_fallbacks(tmp_path, caplog, devi
         assert images.shape == (5, 3, 224, 224) and images.dtype == torch.float32 and targets.shape == (5,)
         assert images.device.type == targets.device.type == device
         assert images.abs().max() < 10  # normalised (pixel-mode erasing draws N(0, 1))
-    assert device_loader.decoder.fallbacks == 2  # the PNGs, decoded by PIL
+    assert device_loader.pil_decoded == 2  # the PNGs, decoded by PIL
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     (warning,) = warnings  # the decoder's reason without its C++ source location
     assert "png_" in warning.getMessage() and "(the device decoder: Not a JPEG file" in warning.getMessage()
-    assert any("2 images of this epoch decoded by PIL" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.INFO, logger="lion_vit.data.gpu"):
+        list(device_loader)  # a second epoch: counted afresh, not warned of again
+    assert device_loader.pil_decoded == 2 and device_loader.decoder.fallbacks == 4
+    assert [r for r in caplog.records if r.levelno == logging.WARNING] == warnings
+
+
+class _DecodingLoader(list):
+    """Batches that a device loader says PIL decoded `pil_decoded` images of."""
+    pil_decoded = 0
+
+
+def _sum_pil_decoded(rank: int, port: int, out: Path) -> None:
+    """One rank of a two-process gloo group training an epoch whose loader says PIL decoded rank + 1 images."""
+    import os
+    import torch.distributed as dist
+    from lion_vit.engine.loop import Precision, Training, classification_loss, train_one_epoch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    loader = _DecodingLoader([(torch.randn(2, 1, 2, 2), torch.tensor([0, 1]))] * 2)
+    loader.pil_decoded = rank + 1
+    scheduler = types.SimpleNamespace(step_update=lambda num_updates: None)
+    stats = train_one_epoch(Training(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                     classification_loss(torch.nn.CrossEntropyLoss()), scheduler,
+                                     Precision(torch.device("cpu"))), loader, 0, show_progress=False)
+    (out / f"rank{rank}").write_text(str(stats["pil_decoded"]))
+    dist.destroy_process_group()
+
+
+def test_the_epochs_pil_decoded_images_are_summed_over_the_ranks(tmp_path):
+    """Each rank's Decoder counts its own fallbacks: the epoch's count (metrics.jsonl, rank 0's log) is the sum."""
+    import torch.multiprocessing as mp
+    port = free_port()
+    mp.spawn(_sum_pil_decoded, args=(port, tmp_path), nprocs=2)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
 
 def test_unreadable_training_file_is_an_error_naming_it(tmp_path):
@@ -457,16 +491,18 @@ def test_decode_gpu_needs_an_image_folder():
 
 
 def test_train_py_with_decode_gpu_on_a_cpu(tmp_path):
-    root = write_folder(tmp_path / "data", pngs_named_jpeg=1)
+    root = write_folder(tmp_path / "data", pngs_named_jpeg=2)  # (the PNGs drawn with DeiT's repeats: 4 times)
     for k in range(2):
         val = root / "val" / f"class_{k}"
         val.mkdir(parents=True)
         photo(50 + k, 100, 90).save(val / "0.JPEG")
     out = tmp_path / "run"
     assert_ok(run_train(*SMALL_LION, "data=imagefolder", f"data.root={root}", "data.decode=gpu", "aug=deit",
-                        "epochs=1", "batch_size=4", "img_size=32", f"output_dir={out}"))
+                        "epochs=1", "batch_size=2", "img_size=32", f"output_dir={out}"))
     (line,) = read_metrics(out)
-    assert line["epoch"] == 1 and 0 <= line["val_acc1"] <= 100
+    assert line["epoch"] == 1 and 0 <= line["val_acc1"] <= 100 and line["pil_decoded"] > 0  # the PNGs' draws
+    assert f"{line['pil_decoded']} training images of epoch 1 were decoded by PIL on the CPU" in \
+        (out / "train.log").read_text()
     proc = run_train(*SMALL_LION, "data=digits", "data.decode=gpu", "epochs=1", f"output_dir={tmp_path / 'no'}")
     assert_clean_error(proc, "data.decode=gpu decodes JPEG files")
     assert not (tmp_path / "no").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import ENV, ROOT, SMALL_LION, assert_ok, read_metrics, run_train
+from runs import ENV, ROOT, SMALL_LION, assert_ok, free_port, read_metrics, run_train
 
 
 @pytest.fixture(autouse=True)
@@ -155,11 +155,8 @@ def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
 def test_distributed_ranks_stop_before_the_same_step(tmp_path):
     """A rank that stopped alone would leave its peers waiting in the next collective (DDP's gradient
     all-reduce) for good: the ranks agree, so one rank's Ctrl-C stops every rank before the same step."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     mp.spawn(_count_steps_until_stopped, args=(port, tmp_path), nprocs=2)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
@@ -200,11 +197,8 @@ def test_distributed_training_agrees_to_stop_with_the_steps_loss(tmp_path):
     """In training the ranks' agreement is read with the step's loss, after its forward (one read a step, not
     a second one before it): one rank's Ctrl-C in its third step's forward stops both ranks after the fourth
     step's forward, before its backward, with three optimizer steps each."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     mp.spawn(_train_until_stopped, args=(port, tmp_path), nprocs=2)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["4 3", "4 3"]
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from runs import SMALL_LION, assert_clean_error, assert_ok, kill_after_first_epoch, read_metrics, run_train
+from runs import (SMALL_LION, assert_clean_error, assert_ok, free_port, kill_after_first_epoch, read_metrics,
+                  run_train)
 
 
 def test_step_schedules_decay_at_the_epochs_set(tmp_path):
@@ -98,12 +99,9 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
 @pytest.mark.slow
 def test_two_slurm_tasks_train_as_one_group(folder, tmp_path):
     """One process a SLURM task (as submitit starts them, no torchrun): SLURM's ranks make the group."""
-    import socket
     import subprocess
     from runs import ENV, ROOT
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, str(ROOT / "train.py"), *SMALL_LION, "data=imagefolder", f"data.root={folder}",
             "epochs=1", "batch_size=4", "aug=none", f"output_dir={tmp_path / 'run'}"]
     tasks = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(

@@ -538,12 +538,14 @@ class Decoder:
 class DeviceDecodeLoader:
     """Iterates a DataLoader of `collate_samples` batches as normalised, randomly erased float images on
     `device` (what the CPU path's timm PrefetchLoader yields; not that loader itself: on CUDA it normalises on
-    a side stream, which would not wait for the decoding and augmentation queued on the current one)."""
+    a side stream, which would not wait for the decoding and augmentation queued on the current one).
+    `pil_decoded`: the images of the last pass that PIL decoded (this process's; the epoch loop sums the ranks')."""
 
     def __init__(self, loader: DataLoader, device: torch.device, mean: Sequence[float], std: Sequence[float],
                  re_prob: float = 0.0, re_mode: str = "const", re_count: int = 1) -> None:
         self.loader, self.device = loader, device
         self.decoder = Decoder(device)
+        self.pil_decoded = 0
         log.info("data.decode=gpu: the training JPEGs are decoded on %s by %s's decoder", device, self.decoder.jpeg.name)
         self.mean = torch.tensor([255 * m for m in mean], device=device).view(1, -1, 1, 1)
         self.std = torch.tensor([255 * s for s in std], device=device).view(1, -1, 1, 1)
@@ -562,14 +564,12 @@ class DeviceDecodeLoader:
         return self.loader.dataset
 
     def __iter__(self) -> Iterator[Tuple[Tensor, Tensor]]:
-        before = self.decoder.fallbacks
+        before, self.pil_decoded = self.decoder.fallbacks, 0
         for samples, targets in self.loader:
             images = self.decoder([s.encoded for s in samples])
+            self.pil_decoded = self.decoder.fallbacks - before
             batch = augment(images, [s.draw for s in samples])
             batch = batch.float().sub_(self.mean).div_(self.std)
             if self.random_erasing is not None:
                 batch = self.random_erasing(batch)
             yield batch, targets.to(self.device, non_blocking=True)
-        if self.decoder.fallbacks > before:
-            log.info("data.decode=gpu: %d images of this epoch decoded by PIL on the CPU (%d in all)",
-                     self.decoder.fallbacks - before, self.decoder.fallbacks)

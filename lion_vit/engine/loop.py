@@ -137,7 +137,8 @@ def classification_loss(loss_fn: Callable) -> Callable:
 def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool = True,
                     log_interval: int = 50) -> Dict[str, float]:
     """The epoch's mean loss over all ranks (and of each of a criterion's `parts`, as a distillation loss
-    has), last lr, images seen and time, and on CUDA this process's peak GPU memory. With grad_accum_steps > 1
+    has), last lr, images seen and time, on CUDA this process's peak GPU memory, and for a loader that decodes on
+    the device the images PIL decoded instead, summed over the ranks. With grad_accum_steps > 1
     the gradients of that many batches are averaged before each optimizer step (DDP synchronises only the last
     of them)."""
     t = training
@@ -189,12 +190,15 @@ def train_one_epoch(training: Training, loader, epoch: int, show_progress: bool 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    *sums, seen = all_reduce_sum([*totals.values(), seen], device)
+    pil_decoded = getattr(loader, "pil_decoded", None)  # data.decode=gpu: the images PIL decoded instead
+    *sums, seen, pil_sum = all_reduce_sum([*totals.values(), seen, pil_decoded or 0], device)
     first = batches.first or 0.0  # (the wait that includes the loader's start)
     stats = {**{name: total / max(seen, 1) for name, total in zip(totals, sums)}, "lr": scheduled_lr(optimizer),
              "images": seen, "epoch_time_s": elapsed, "imgs_per_s": seen / elapsed,
              "data_wait_share": batches.waited / elapsed,
              "steady_wait_share": (batches.waited - first) / max(elapsed - first, 1e-9)}  # (the pipeline's rate alone)
+    if pil_decoded is not None:
+        stats["pil_decoded"] = int(pil_sum)
     if device.type == "cuda":  # this process's most GPU memory in the epoch, as DeiT's log's "max mem"
         stats["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return stats

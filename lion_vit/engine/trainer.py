@@ -335,6 +335,9 @@ def _log_epoch(metrics: Dict[str, Any], epochs: int) -> None:
              "%.0f %% waiting for data%s)", metrics["epoch"], epochs, metrics["train_loss"], parts,
              metrics["val_loss"], metrics["val_acc1"], metrics["val_acc5"], ema, metrics["lr"],
              metrics["epoch_time_s"], metrics["imgs_per_s"], 100 * metrics["data_wait_share"], memory)
+    if metrics.get("pil_decoded"):  # summed over the ranks (the first file of each is named in its warning)
+        log.info("data.decode=gpu: %d training images of epoch %d were decoded by PIL on the CPU",
+                 metrics["pil_decoded"], metrics["epoch"])
 
 
 def _grad_checkpointing(model: nn.Module, name: str) -> None:
