@@ -89,8 +89,10 @@ def _operands_kernel(q, k, v, folds, q_index, kv_index, q2, k2, v2,
     x = tl.where(keys, _mapped(x, MAP_Q), 0.0)
     if NORM_Q:
         x = x / tl.where(rows, tl.sqrt(tl.sum(x * x, axis=1)), 1.0)[:, None]
-    # a mirrored query carries its token's fold
-    fold = tl.load(folds + (j // 2) * sfs + b * sfb + tq * sfl + h * sfh, mask=rows & (j % 2 == 1), other=1.0)
+    # a mirrored query carries its token's fold (tl.where, not rows & a scalar: Triton 3.9's interpreter makes that
+    # an int32 mask, which its loads refuse)
+    mirrored = tl.where(j % 2 == 1, rows, False)
+    fold = tl.load(folds + (j // 2) * sfs + b * sfb + tq * sfl + h * sfh, mask=mirrored, other=1.0)
     x = x * fold[:, None]
     tl.store(q2 + out * KW + ck[None, :], x.to(q2.dtype.element_ty), mask=rows[:, None] & (ck[None, :] < KW))
 
@@ -188,7 +190,7 @@ def _operands_backward_kernel(q, k, folds, q_positions, kv_positions, dq2, dk2, 
     for j in range(SEQS):  # every sequence's rows of this token, summed
         at = _row(q_positions, b, j, t, rows, L, H, SEQS) + h
         g = tl.load(dq2 + at[:, None] * KW + ck[None, :], mask=keys, other=0.0).to(tl.float32)
-        mirrored = rows & (j % 2 == 1)  # a mirrored query carries its token's fold
+        mirrored = tl.where(j % 2 == 1, rows, False)  # a mirrored query carries its token's fold
         fold = tl.load(folds + (j // 2) * sfs + b * sfb + t * sfl + h * sfh, mask=mirrored, other=1.0)
         grad_q += g * fold[:, None]
         if FOLD_GRAD:
