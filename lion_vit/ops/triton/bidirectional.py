@@ -46,8 +46,8 @@ from torch import Tensor
 from ..masks import FLOAT64_CUMSUM_ABOVE
 from ..tuning import tuning
 from .fla import _FirstOrderOnly, _scan_indices, kept, kernel_inputs, launched_on_device_of
-from .operands import (FUSED_MAPS, IDENTITY, LN2, LOG2E, SCALING_CODES, _block, _divisor, _features_grad, _mapped,
-                       cdiv, in_rows, rows_contiguous)
+from .operands import (CONTRACTED, FUSED_MAPS, IDENTITY, LN2, LOG2E, SCALING_CODES, _block, _divisor, _features_grad,
+                       _mapped, cdiv, in_rows, rows_contiguous)
 
 # Above this many tokens E and I are float64, and the kernels subtract them so: an exponent E_i - E_j of two sums
 # of L log decays, each rounded to float32, errs by about eps L |a|, which reaches 1e-4 for the entries that matter
@@ -571,7 +571,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, inclusive: Tens
         *exclusive.stride(), positions.stride(0), length, heads, key_dim, value_dim, SCANS=len(positions),
         SCALING=SCALING_CODES[scaling], **maps, BLOCK_M=own, BLOCK_N=loop, BLOCK_K=_block(key_dim),
         BLOCK_V=_block(value_dim), FACTORED=tuning().bidirectional_factored_masks, IN_ORDER=in_order,
-        num_warps=warps, **_register_cap(q, exclusive, warps))
+        num_warps=warps, **_register_cap(q, exclusive, warps), **CONTRACTED)
     return y, z
 
 
@@ -604,7 +604,7 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
         dn, correction = torch.empty_like(dy), z.new_empty(batch, heads, padded)
         _factors_kernel[(cdiv(padded, 32), batch * heads)](
             dy, y, z, dn, correction, *_strides(dy), *_strides(y), *_strides(dn), length, padded, heads, value_dim,
-            SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim))
+            SCALING=SCALING_CODES[scaling], BLOCK_T=32, BLOCK_V=_block(value_dim), **CONTRACTED)
     # token-major [B, L, H, D] as a projection's gradient is (the inputs may be views of any strides)
     dq, dk, dv = (x.new_empty(batch, length, heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
     dE = q.new_empty((scans, batch, heads, padded), dtype=torch.float32)
@@ -625,10 +625,10 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, exclusive: Tensor, in
     _backward_keys_kernel[(cdiv(length, own), batch * heads)](
         *operands, k, dk, dv, dE, dI, *strides, *_strides(k), *shared, *_strides(dv), BLOCK_M=loop, BLOCK_N=own,
         KEYS_FIRST=tuning().bidirectional_keys_first, RAW_MAP=maps["MAP_K"], RAW_NORM=maps["NORM_K"], **loads,
-        **settings)
+        **settings, **CONTRACTED)
     _backward_queries_kernel[(cdiv(length, own), batch * heads)](
         *operands, q, dq, dE, dI, *strides, *_strides(q), *shared, BLOCK_M=own, BLOCK_N=loop, RAW_MAP=maps["MAP_Q"],
-        RAW_NORM=maps["NORM_Q"], **loads, **settings)
+        RAW_NORM=maps["NORM_Q"], **loads, **settings, **CONTRACTED)
     return dq, dk, dv, dE, dI
 
 
@@ -669,7 +669,7 @@ def _by_pass(x: Tensor, maps: dict, operand: str) -> Tuple[Tensor, dict]:
     features = x.new_empty(batch, heads, length, width)
     _map_kernel[(cdiv(length, _MAP_TOKENS), batch * heads)](
         x, features, *_strides(x), length, heads, width, MAP=kind, NORM=norm, BLOCK_T=_MAP_TOKENS,
-        BLOCK_D=_block(width))
+        BLOCK_D=_block(width), **CONTRACTED)
     return features, {**maps, f"MAP_{operand}": IDENTITY, f"NORM_{operand}": False}
 
 

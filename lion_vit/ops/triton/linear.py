@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .bidirectional import _features, _maps, _raw_grad, _store_tile, _strides, _tile, registered_ops
 from .fla import _FirstOrderOnly, kernel_inputs, launched_on_device_of
-from .operands import SCALING_CODES, _block, _divisor, cdiv, in_rows, rows_contiguous
+from .operands import CONTRACTED, SCALING_CODES, _block, _divisor, cdiv, in_rows, rows_contiguous
 
 _TOKENS = 64  # tokens per tile (a power of two of at least 16: tl.dot)
 # warps of the queries' backward, which holds S and dS beside its tiles (its spills by warps: docs/benchmarks.md,
@@ -161,11 +161,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str], scalin
     S = q.new_empty((batch, heads, key_dim, value_dim), dtype=torch.float32)
     s = q.new_empty((batch, heads, key_dim), dtype=torch.float32)
     _linear_state_kernel[(batch * heads,)](k, v, S, s, *_strides(k), *_strides(v), length, heads, key_dim, value_dim,
-                                    MAP_K=maps["MAP_K"], NORM_K=maps["NORM_K"], **blocks)
+                                    MAP_K=maps["MAP_K"], NORM_K=maps["NORM_K"], **blocks, **CONTRACTED)
     y = v.new_empty(batch, length, heads, value_dim).transpose(1, 2)
     _linear_output_kernel[(cdiv(length, _TOKENS), batch * heads)](
         q, S, s, y, *_strides(q), *_strides(y), length, heads, key_dim, value_dim, SCALING=SCALING_CODES[scaling],
-        MAP_Q=maps["MAP_Q"], NORM_Q=maps["NORM_Q"], **blocks)
+        MAP_Q=maps["MAP_Q"], NORM_Q=maps["NORM_Q"], **blocks, **CONTRACTED)
     return y, S, s
 
 
@@ -181,10 +181,10 @@ def _backward(dy: Tensor, q: Tensor, k: Tensor, v: Tensor, S: Tensor, s: Tensor,
     _linear_queries_backward_kernel[(batch * heads,)](
         q, dy, S, s, dq, dS, ds, *_strides(q), *_strides(dy), *_strides(dq), length, heads, key_dim, value_dim,
         SCALING=SCALING_CODES[scaling], MAP_Q=maps["MAP_Q"], NORM_Q=maps["NORM_Q"], num_warps=_QUERIES_BACKWARD_WARPS,
-        **blocks)
+        **blocks, **CONTRACTED)
     _linear_keys_backward_kernel[(cdiv(length, _TOKENS), batch * heads)](
         k, v, dS, ds, dk, dv, *_strides(k), *_strides(v), *_strides(dk), *_strides(dv), length, heads, key_dim,
-        value_dim, MAP_K=maps["MAP_K"], NORM_K=maps["NORM_K"], **blocks)
+        value_dim, MAP_K=maps["MAP_K"], NORM_K=maps["NORM_K"], **blocks, **CONTRACTED)
     return dq, dk, dv
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..tuning import LaunchSetting, tuning
-from .operands import _block, cdiv
+from .operands import CONTRACTED, _block, cdiv
 
 
 @triton.jit
@@ -125,7 +125,7 @@ def _launch(kernel, launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], *
     kernel[(chunks, sequences * heads)](
         x, x_factor, gates, *args, length, heads, width, chunks,
         HAS_X_FACTOR=x_factor is not None, HAS_GATES=gates is not None, REVERSE=reverse, **flags,
-        BLOCK_T=chunk_tokens, BLOCK_K=_block(width), num_warps=warps)
+        BLOCK_T=chunk_tokens, BLOCK_K=_block(width), num_warps=warps, **CONTRACTED)
 
 
 def _chunk_sums(launch: LaunchSetting, x: Tensor, gates: Optional[Tensor], **options) -> _Chunks:

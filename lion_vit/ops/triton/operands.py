@@ -44,6 +44,9 @@ class Layout(NamedTuple):
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# every launch of this package's kernels contracts multiply-adds into FMAs, as their code and its measured registers
+# and timings assume; Triton 3.10 stops doing so by default (3.9 warns that it will)
+CONTRACTED = dict(enable_fp_fusion=True)
 
 
 @triton.jit
@@ -279,7 +282,7 @@ class Operands(torch.autograd.Function):
             v.stride(0), v.stride(1), v.stride(2), *folds.stride(),
             length, heads, key_dim, value_dim, key_width, value_width, sequences,
             MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k,
-            BLOCK_T=_TOKENS, BLOCK_K=_block(key_width), BLOCK_V=_block(value_width))
+            BLOCK_T=_TOKENS, BLOCK_K=_block(key_width), BLOCK_V=_block(value_width), **CONTRACTED)
         ctx.save_for_backward(q, k, folds)
         ctx.layout, ctx.feature_map, ctx.value_dim, ctx.value_dtype = layout, feature_map, value_dim, v.dtype
         return q2, k2, v2
@@ -300,7 +303,7 @@ class Operands(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *folds.stride(),
             grad_folds.stride(0), length, heads, key_dim, ctx.value_dim, dq2.shape[-1], dv2.shape[-1],
             len(layout.kv) // length, MAP_Q=map_q, NORM_Q=norm_q, MAP_K=map_k, NORM_K=norm_k, FOLD_GRAD=fold_grad,
-            BLOCK_T=_TOKENS, BLOCK_K=_block(dq2.shape[-1]), BLOCK_V=_block(dv2.shape[-1]))
+            BLOCK_T=_TOKENS, BLOCK_K=_block(dq2.shape[-1]), BLOCK_V=_block(dv2.shape[-1]), **CONTRACTED)
         return grad_q, grad_k, grad_v, grad_folds if fold_grad else None, None, None, None
 
 
@@ -317,7 +320,7 @@ def finish(out: Tensor, normalisers: Tensor, layout: Layout, y: Tensor, scaling:
     _finish_kernel[(cdiv(length, _TOKENS), batch, heads)](
         out, normalisers, layout.q_positions, y, normaliser, length, heads, value_dim, out.shape[3], sequences,
         y.stride(0), y.stride(1), y.stride(2), SCALING=SCALING_CODES[scaling], BLOCK_T=_TOKENS,
-        BLOCK_V=_block(value_dim))
+        BLOCK_V=_block(value_dim), **CONTRACTED)
     return normaliser
 
 
@@ -346,5 +349,5 @@ class Finish(torch.autograd.Function):
         _finish_backward_kernel[(cdiv(length, _TOKENS), batch, heads)](
             dy, y, normaliser, layout.q_positions, grad_out, grad_normalisers, length, heads, value_dim, ctx.width,
             sequences, dy.stride(0), dy.stride(1), dy.stride(2), SCALING=SCALING_CODES[ctx.scaling], BLOCK_T=_TOKENS,
-            BLOCK_V=_block(ctx.width))
+            BLOCK_V=_block(ctx.width), **CONTRACTED)
         return grad_out, grad_normalisers, None, None, None, None, None
