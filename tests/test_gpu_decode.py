@@ -360,6 +360,7 @@ def test_crop_kernels_resize_every_crop_as_pil_does(device, size=(20, 28)):
         assert torch.equal(got[index], want), (CROPS[index // 2], bicubic[index])
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # (the interpreter's cast of a value out of int32's range)
 @pytest.mark.parametrize("device", DEVICES)
 def test_augment_resizes_the_crops_in_the_kernels_as_deits_transform_does(tmp_path, device):
     """augment's crops in the kernels (on CUDA by default) give timm's RandomResizedCrop and flip for the same seed

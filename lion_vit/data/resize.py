@@ -68,9 +68,9 @@ def _pass_kernel(source, target, table, TAPS, BLOCK_L: tl.constexpr, BLOCK_O: tl
     divisor = tl.where(total != 0.0, total, 1.0)
     acc = tl.full([BLOCK_L, BLOCK_O], 1 << 21, tl.int32)
     for t in range(0, TAPS):
-        w = _weight(((t + first).to(tl.float64) - center + 0.5) * inverse, cubic) / divisor * 4194304.0
         read = out_ok & (t < count)
-        k = tl.where(read, tl.where(w < 0, w - 0.5, w + 0.5).to(tl.int32), 0)
+        w = tl.where(read, _weight(((t + first).to(tl.float64) - center + 0.5) * inverse, cubic) / divisor, 0.0)
+        k = tl.where(w < 0, w * 4194304.0 - 0.5, w * 4194304.0 + 0.5).to(tl.int32)  # (unread taps: 0)
         along = tl.where(read, first + t, 0)
         values = tl.load(src + line[:, None] * src_line + along[None, :] * src_along,
                          mask=line_ok[:, None] & read[None, :], other=0)
