@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 
 import compile_kernels  # noqa: E402
 from benchmarking import launch_setting  # noqa: E402
+from lion_vit.ops.triton.operands import CONTRACTED  # noqa: E402  (compiled as the kernels it stands beside)
 
 # the decay kind and scans of a training step's launches: a decay per token launches the same kernels as one per head
 MODELS = {"LION-d, LION-s": ("fixed", 1), "LION-d/s-natural": ("fixed", 2)}
@@ -164,7 +165,7 @@ def softmax_attention(q, k, v, forward=(16, 16, 1), backward=(16, 16, 1)):
             own, loop, warps = forward
             softmax_forward_kernel[(triton.cdiv(length, own), batch * heads)](
                 q, k, v, o, M, *q.stride()[:3], *o.stride()[:3], length, padded, heads, width ** -0.5, D=width,
-                BLOCK_M=own, BLOCK_N=loop, num_warps=warps)
+                BLOCK_M=own, BLOCK_N=loop, num_warps=warps, **CONTRACTED)
             ctx.save_for_backward(q, k, v, o, M)
             return o
 
@@ -180,9 +181,10 @@ def softmax_attention(q, k, v, forward=(16, 16, 1), backward=(16, 16, 1)):
             own, loop, warps = backward
             shared = (*q.stride()[:3], *o.stride()[:3], length, padded, heads, width ** -0.5)
             softmax_keys_kernel[(triton.cdiv(length, own), batch * heads)](
-                q, k, v, do, M, delta, dk, dv, *shared, D=width, BLOCK_M=loop, BLOCK_N=own, num_warps=warps)
+                q, k, v, do, M, delta, dk, dv, *shared, D=width, BLOCK_M=loop, BLOCK_N=own, num_warps=warps,
+                **CONTRACTED)
             softmax_queries_kernel[(triton.cdiv(length, own), batch * heads)](
-                q, k, v, do, M, delta, dq, *shared, D=width, BLOCK_M=own, BLOCK_N=loop, num_warps=warps)
+                q, k, v, do, M, delta, dq, *shared, D=width, BLOCK_M=own, BLOCK_N=loop, num_warps=warps, **CONTRACTED)
             return dq, dk, dv
 
     if not (q.stride() == k.stride() == v.stride() and q.stride(-1) == 1):
