@@ -113,7 +113,7 @@ def test_workers_slow_to_start_are_not_advised_as_workers_that_cannot_keep_up(tm
     from runs import read_metrics, run_python
     script = ("import multiprocessing, runpy, sys\nmultiprocessing.set_start_method('forkserver', force=True)\n"
               "sys.argv = ['train.py', *sys.argv[1:]]\nrunpy.run_path('train.py', run_name='__main__')\n")
-    proc = run_python("-c", script, "epochs=1", "num_workers=2", "optim.warmup_epochs=0", "progress=false",
+    proc = run_python("-c", script, "epochs=1", "num_workers=1", "optim.warmup_epochs=0", "progress=false",
                       f"output_dir={tmp_path}")
     assert_ok(proc)
     (line,) = read_metrics(tmp_path)
