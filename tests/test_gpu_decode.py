@@ -336,6 +336,7 @@ CROPS = [((60, 70), (5, 7, 50, 60)), ((60, 70), (0, 0, 60, 70)), ((40, 33), (3, 
          ((30, 90), (1, 4, 24, 85))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_crop_kernels_resize_every_crop_as_pil_does(device, size=(20, 28)):
     """resize.py's kernel (under Triton's interpreter on a CPU) against PIL's crop and resize: the same bits,

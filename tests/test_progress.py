@@ -106,6 +106,7 @@ def test_an_epoch_that_mostly_waited_for_data_names_what_feeds_it():
     assert waiting_advice(0.49, 0) is None and waiting_advice(0.9, 0, share_to_advise=0.95) is None
 
 
+@pytest.mark.slow
 def test_workers_slow_to_start_are_not_advised_as_workers_that_cannot_keep_up(tmp_path):
     """The first batch of a process's first epoch waits for its DataLoader workers to start: seconds each where
     they start from a fork server (Python 3.14's default on Linux) and import torch anew. That wait is in the

@@ -267,6 +267,7 @@ def test_the_defaults_and_timms_optimizer_spellings_pass_the_setting_checks():
             check_settings(compose("config", overrides=overrides))
 
 
+@pytest.mark.slow
 def test_every_schedule_the_setting_checks_pass_is_built_by_timm():
     """A schedule's settings that timm refuses (wsd's decay longer than the run, rsqrt without warm-up) are
     refused before the data are read; every other one builds, and the schedules are all of timm's."""
