@@ -193,6 +193,22 @@ def free_port() -> int:
         return free.getsockname()[1]
 
 
+def two_gloo_ranks(target, *args) -> None:
+    """target(rank, *args) in each of two spawned processes that form a gloo process group (torch.distributed)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_in_gloo_group, args=(free_port(), target, args), nprocs=2)
+
+
+def _in_gloo_group(rank: int, port: int, target, args) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        target(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def read_metrics(output_dir: Path):
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -31,7 +31,7 @@ from lion_vit.data import build_dataset, build_loader, on_device
 from lion_vit.data.gpu import (BATCH_OPS, JPEG_DECODERS, Decoder, DrawAugmentation, Encoded, JpegDecoder, augment,
                                device_op, jpeg_decoder, read_encoded)
 from lion_vit.errors import UserError
-from runs import SMALL_LION, assert_clean_error, assert_ok, free_port, read_metrics, run_train
+from runs import SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_train, two_gloo_ranks
 
 # on a GPU machine (gpu-check part input_gpu) every test runs on CUDA too: nvJPEG and the ops on CUDA tensors
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -449,13 +449,9 @@ class _DecodingLoader(list):
     pil_decoded = 0
 
 
-def _sum_pil_decoded(rank: int, port: int, out: Path) -> None:
+def _sum_pil_decoded(rank: int, out: Path) -> None:
     """One rank of a two-process gloo group training an epoch whose loader says PIL decoded rank + 1 images."""
-    import os
-    import torch.distributed as dist
     from lion_vit.engine.loop import Precision, Training, classification_loss, train_one_epoch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2))
     loader = _DecodingLoader([(torch.randn(2, 1, 2, 2), torch.tensor([0, 1]))] * 2)
     loader.pil_decoded = rank + 1
@@ -464,14 +460,11 @@ def _sum_pil_decoded(rank: int, port: int, out: Path) -> None:
                                      classification_loss(torch.nn.CrossEntropyLoss()), scheduler,
                                      Precision(torch.device("cpu"))), loader, 0, show_progress=False)
     (out / f"rank{rank}").write_text(str(stats["pil_decoded"]))
-    dist.destroy_process_group()
 
 
 def test_the_epochs_pil_decoded_images_are_summed_over_the_ranks(tmp_path):
     """Each rank's Decoder counts its own fallbacks: the epoch's count (metrics.jsonl, rank 0's log) is the sum."""
-    import torch.multiprocessing as mp
-    port = free_port()
-    mp.spawn(_sum_pil_decoded, args=(port, tmp_path), nprocs=2)
+    two_gloo_ranks(_sum_pil_decoded, tmp_path)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import ENV, ROOT, SMALL_LION, assert_ok, free_port, read_metrics, run_train
+from runs import ENV, ROOT, SMALL_LION, assert_ok, read_metrics, run_train, two_gloo_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -132,12 +132,9 @@ def test_first_ctrl_c_stops_before_the_next_step_and_a_second_at_once():
         interrupts.raise_if_requested()
 
 
-def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
+def _count_steps_until_stopped(rank: int, out: Path) -> None:
     """One rank of a two-process gloo group taking up to 5 steps; only rank 1 sees a Ctrl-C, in step 2."""
-    import torch.distributed as dist
     from lion_vit.engine import interrupts
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     steps = 0
     try:
         with interrupts.stop_between_steps(announce=False):
@@ -148,27 +145,21 @@ def _count_steps_until_stopped(rank: int, port: int, out: Path) -> None:
                 steps += 1
     except KeyboardInterrupt:
         (out / f"rank{rank}").write_text(str(steps))
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_distributed_ranks_stop_before_the_same_step(tmp_path):
     """A rank that stopped alone would leave its peers waiting in the next collective (DDP's gradient
     all-reduce) for good: the ranks agree, so one rank's Ctrl-C stops every rank before the same step."""
-    import torch.multiprocessing as mp
-    port = free_port()
-    mp.spawn(_count_steps_until_stopped, args=(port, tmp_path), nprocs=2)
+    two_gloo_ranks(_count_steps_until_stopped, tmp_path)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
 
-def _train_until_stopped(rank: int, port: int, out: Path) -> None:
+def _train_until_stopped(rank: int, out: Path) -> None:
     """One rank of a two-process gloo group training an epoch of 6 steps; only rank 1 sees a Ctrl-C, in the
     forward of its third step. Writes its forwards and optimizer steps."""
-    import torch.distributed as dist
     from lion_vit.engine import interrupts
     from lion_vit.engine.loop import Precision, Training, classification_loss, train_one_epoch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     forwards, updates = [], []
 
     class Counted(torch.nn.Linear):
@@ -189,7 +180,6 @@ def _train_until_stopped(rank: int, port: int, out: Path) -> None:
                                      Precision(torch.device("cpu"))), loader, 0, show_progress=False)
     except KeyboardInterrupt:
         (out / f"rank{rank}").write_text(f"{len(forwards)} {len(updates)}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -197,9 +187,7 @@ def test_distributed_training_agrees_to_stop_with_the_steps_loss(tmp_path):
     """In training the ranks' agreement is read with the step's loss, after its forward (one read a step, not
     a second one before it): one rank's Ctrl-C in its third step's forward stops both ranks after the fourth
     step's forward, before its backward, with three optimizer steps each."""
-    import torch.multiprocessing as mp
-    port = free_port()
-    mp.spawn(_train_until_stopped, args=(port, tmp_path), nprocs=2)
+    two_gloo_ranks(_train_until_stopped, tmp_path)
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["4 3", "4 3"]
 
 
