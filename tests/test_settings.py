@@ -1,6 +1,7 @@
 """Every bad setting is one error line before anything is built; device and wandb set-up."""
 from __future__ import annotations
 
+import copy
 import faulthandler
 import multiprocessing
 import os
@@ -281,11 +282,13 @@ def test_every_schedule_the_setting_checks_pass_is_built_by_timm():
     refused = set()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         for sched in SCHEDULES:
+            composed = compose("config", overrides=[f"optim.sched={sched}", "epochs=3"])
             for warmup in (0, 1, 2.5, 3):
                 for decay in ("null", 0.5, 1, 2, 5):
-                    overrides = [f"optim.sched={sched}", "epochs=3", f"optim.warmup_epochs={warmup}",
-                                 f"optim.decay_epochs={decay}"]
-                    cfg = compose("config", overrides=overrides)
+                    # (one compose a schedule: the schema checks the two numbers as it would the command's)
+                    overrides = [f"optim.warmup_epochs={warmup}", f"optim.decay_epochs={decay}"]
+                    cfg = copy.deepcopy(composed)
+                    cfg.merge_with_dotlist(overrides)
                     try:
                         check_settings(cfg)
                     except UserError as error:
