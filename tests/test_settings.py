@@ -30,6 +30,9 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("model.name=resnet18",), ("cannot build model resnet18", "unexpected keyword argument 'depth'",
                                     "start from model=lion or model=deit")),
         ((f"output_dir={a_file}",), ("cannot create output_dir", "File exists")),
+        (("batch_size=2000",), ("1437 training images are fewer than one batch of 2000 per process; lower "
+                                 "batch_size",)),  # (the digits' training split; the loader drops a last short batch)
+        (("eval_only=true",), ("eval_only=true needs checkpoint=<path to a checkpoint-*.pt>",)),
         (("model.patch_size=3",), ("img_size=32 is not divisible by its patch size 3; pass img_size=<a multiple "
                                    "of 3> or model.patch_size=<a divisor of 32>",)),
         # Hydra's errors while it composes the config, which it reports over several lines with exit status 1
@@ -53,6 +56,8 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("-m", "output_dir=", f"hydra.sweep.dir={tmp_path / 'run_sweep'}", "seed=0,1"),
          ("output_dir= is not allowed; set output_dir to a folder (empty, as an unset shell variable",)),
     ]
+    if not torch.cuda.is_available():
+        cases.append((("device=cuda",), ("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto",)))
     # independent processes, mostly Python start-up and imports: run side by side, each with its own
     # output_dir in the test's folder (the last case sets its own), which the failed run leaves out
     runs = [overrides if any(o.startswith("output_dir=") for o in overrides) else
