@@ -69,11 +69,18 @@ def test_deit_augmentation_runs_through_many_images():
 
 def test_cifar_format_loading(tmp_path):
     from lion_vit.data.datasets import cifar
+    from lion_vit.errors import UserError
     root = make_cifar10(tmp_path)
     train, val = cifar(str(root), 10, train=True), cifar(str(root), 10, train=False)
     assert len(train) == 30 and len(val) == 6 and train.classes[3] == "c3"
     image, label = train[0]
     assert image.size == (32, 32) and 0 <= label < 10
+    test_batch = root / "cifar-10-batches-py" / "test_batch"
+    whole = test_batch.read_bytes()
+    test_batch.write_bytes(whole[:100])  # an archive extracted in part
+    with pytest.raises(UserError, match=r"^cannot read CIFAR file .*test_batch: .*; re-extract the archive$"):
+        cifar(str(root), 10, train=False)
+    test_batch.write_bytes(whole)
     proc = run_train(*SMALL_LION, "data=cifar10", f"data.root={root}", "epochs=1", "batch_size=8", "aug=none",
                      f"output_dir={tmp_path / 'out'}")
     assert_ok(proc)
@@ -113,6 +120,9 @@ def test_a_missing_split_says_what_the_root_holds(tmp_path):
         image_folder(str(root / "train"), "train")
     renamed = tmp_path / "renamed"
     renamed.mkdir()
+    with pytest.raises(UserError, match=f"^data folder {renamed / 'train'} does not exist; set data.root to a folder "
+                                        "with train/ and val/ class subfolders"):  # (a root with no folder at all)
+        image_folder(str(renamed), "train")
     for split, name in (("train", "training"), ("val", "validation")):
         (root / split).rename(renamed / name)
     with pytest.raises(UserError, match=f"data folder {renamed / 'train'} does not exist; {renamed} holds training/, "

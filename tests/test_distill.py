@@ -279,7 +279,9 @@ def test_bad_teachers_and_init_from_sources_are_one_line(teacher, tmp_path):
     for settings, message in (
             (dict(teacher_checkpoint=str(tmp_path / "missing.pt")), "does not exist"),
             (dict(teacher="resnet18", teacher_checkpoint=str(not_a_deit)), f"^cannot load teacher resnet18 from {not_a_deit}"),
-            (dict(teacher_checkpoint=str(not_a_deit)), "holds no train.py config; also set distill.teacher")):
+            (dict(teacher_checkpoint=str(not_a_deit)), "holds no train.py config; also set distill.teacher"),
+            (dict(teacher="lion_d_tiny", teacher_checkpoint=str(teacher)),  # (a train.py checkpoint names its model)
+             f"^distill.teacher=lion_d_tiny, but {teacher} holds a deit_small_patch16_224; drop distill.teacher")):
         with pytest.raises(UserError, match=message):
             build_teacher(OmegaConf.create({"teacher": None, **settings}), 10, [str(d) for d in range(10)])
     with pytest.raises(UserError, match="^model.init_from=.*nowhere.pt: init_from file .* does not exist"):

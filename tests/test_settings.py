@@ -83,6 +83,9 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size=30 is not divisible by its patch "
                                         "size 8; pass img_size=<a multiple of 8>"):
         build_model(model, 3, 30)
+    with pytest.raises(UserError, match="^model.attn_form / model.chunk_size / model.attn_backend apply to LION models "
+                                        "only, not deit_tiny_patch16_224$"):
+        build_model(OmegaConf.merge(model, {"name": "deit_tiny_patch16_224", "attn_form": "chunk"}), 3, 32)
     # a timm argument that a setting of its own passes: it would clash with it (a TypeError), or lose to it silently
     with pytest.raises(UserError, match=r"^model.kwargs.num_classes: train.py sets it from the data \(3 classes "):
         build_model(OmegaConf.merge(model, {"kwargs": {"num_classes": 5}}), 3, 32)
