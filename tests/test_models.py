@@ -243,6 +243,33 @@ def test_sizes_that_build_no_lion_layer_raise(sizes, message):
         timm.create_model("lion_d_tiny", **sizes)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(decay="fast"), r"^unknown decay 'fast'; choose one of \[.*\] \(lion_vit.decays.register_decay adds one\)$"),
+    (dict(key_gate="sigmoid"), r"^unknown key_gate 'sigmoid'; choose one of \[.*\] \(lion_vit.gates.register_key_gate"),
+    (dict(decay="fixed", num_scans=3), r"^num_scans must be 1 \(raster\) or 2 \(row and column snakes\), got 3$"),
+    (dict(num_scans=2), "^multi-scan needs a decay: with an all-ones mask every scan is the same$"),
+    (dict(attn_drop=0.1), "^attn_drop is not supported: the rnn and chunk forms never form attention weights$")])
+def test_lion_attention_refuses_what_it_cannot_compute(kwargs, message):
+    """LionAttention's arguments (timm's Attention's, and its own) that no form computes: one ValueError at
+    construction."""
+    with pytest.raises(ValueError, match=message):
+        LionAttention(64, num_heads=4, **kwargs)
+
+
+def test_lion_attention_calls_it_cannot_serve_are_named():
+    """Two scans need the model's grid; a mask or causality argument has no meaning here (the decays are the mask);
+    the model keeps every patch (the decays read the full grid)."""
+    layer = LionAttention(64, num_heads=4, decay="fixed", num_scans=2)
+    x = torch.randn(1, 5, 64)
+    with pytest.raises(ValueError, match="^LionAttention with num_scans=2 needs grid_size set by the model$"):
+        layer(x)
+    with pytest.raises(ValueError, match="^LionAttention takes no attn_mask / is_causal: its mask comes from the "
+                                         "decays$"):
+        LionAttention(64, num_heads=4)(x, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="^patch_drop_rate is not supported: LION decays need the full patch grid$"):
+        timm.create_model("lion_d_tiny", patch_drop_rate=0.5)
+
+
 def test_timm_api():
     model = timm.create_model("lion_lit_tiny", num_classes=7, img_size=96, drop_path_rate=0.1,
                               attn_form="chunk", chunk_size=8)
