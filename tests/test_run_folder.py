@@ -64,11 +64,12 @@ def test_a_lock_dies_with_its_process(tmp_path):
     a child the run forked lives on (a DataLoader worker outlives a killed run by up to its 5 s watchdog)."""
     holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from lion_vit.engine import rundir; "
                                "from pathlib import Path; rundir.lock(Path(sys.argv[1])); worker = os.fork(); "
-                               "worker or (print('worker', flush=True), time.sleep(60), os._exit(0)); "
-                               "print('locked', worker, flush=True); time.sleep(60)",
+                               "worker or (os.write(1, b'worker\\n'), time.sleep(60), os._exit(0)); "
+                               "os.write(1, f'locked {worker}\\n'.encode()); time.sleep(60)",
                                str(tmp_path)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
-    # both lines, in either order: the worker's says that its fork handlers have run (until then it holds a copy of
-    # the lock, which a loaded host can leave it holding past the kill below)
+    # both lines, in either order (each one write, so that they never interleave): the worker's says that its fork
+    # handlers have run (until then it holds a copy of the lock, which a loaded host can leave it holding past the
+    # kill below)
     lines = sorted(holder.stdout.readline().split() for _ in range(2))
     assert [words[0] for words in lines] == ["locked", "worker"]
     worker = lines[0][1]
