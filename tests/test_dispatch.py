@@ -38,6 +38,10 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda_with_kernels(kernels):
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA).backend == "triton"
     assert plan("rnn", None, 3136, 64, 64, device=CUDA).backend == "triton"
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, dtype=torch.float64).backend == "torch"
+    for form in ("attention", "rnn", "chunk"):  # the kernels compute in float32 at most: asked for float64, one error
+        with pytest.raises(ValueError, match="^attn_backend='triton' has no float64 kernels; use attn_backend='torch' "
+                                             "for float64$"):
+            plan(form, None, 3136, 64, 64, device=CUDA, dtype=torch.float64, backend="triton")
     assert plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="torch").backend == "torch"
 
 
