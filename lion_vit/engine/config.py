@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import omegaconf
 import torch
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
@@ -29,8 +30,10 @@ from ..ops import BACKENDS, FORM_CHOICES, Tuning
 from ..ops.tuning import THRESHOLD_KNOBS
 from ..weights import is_url
 
-# ${pid:} in the default output_dir: runs started in the same second get folders of their own
-OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+# ${pid:} in the default output_dir: runs started in the same second get folders of their own (omegaconf 2.4
+# deprecates register_new_resolver for register_resolver, in 2.3 the name of its legacy API)
+_OMEGACONF_2_4 = tuple(int(part) for part in omegaconf.__version__.split(".")[:2]) >= (2, 4)
+(OmegaConf.register_resolver if _OMEGACONF_2_4 else OmegaConf.register_new_resolver)("pid", os.getpid, replace=True)
 
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("bfloat16", "float16")
