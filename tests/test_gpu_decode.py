@@ -222,14 +222,17 @@ def decoded_on(device: str):
     return lambda files: [image.to(device) for image in cpu(files)]
 
 
+@pytest.mark.parametrize("interpolation", ["bicubic", "random"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, device):
+def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, device, interpolation):
     """Same seed: the same random calls (the generators end in the same state) and the same image, within
-    the tolerances above. Over 150 seeds every op of DeiT's RandAugment is drawn."""
-    transform = deit_transform()
+    the tolerances above. Over 150 seeds every op of DeiT's RandAugment is drawn. timm's "random" interpolation
+    (a transform of one's own: train.py's settings name one filter) draws the crop's filter and each geometric op's
+    where timm's does."""
+    transform = deit_transform(interpolation=interpolation)
     draw = DrawAugmentation(transform)
     decoder = decoded_on(device)
-    drawn_ops, flips = set(), set()
+    drawn_ops, flips, filters = set(), set(), set()
     for seed in range(150):
         path = tmp_path / f"{seed % 6}.JPEG"
         if not path.exists():  # (EXIF orientations among them, which PIL and so timm's transform ignore)
@@ -245,8 +248,10 @@ def test_drawn_augmentation_equals_deit_transform_for_the_same_seed(tmp_path, de
         assert apart.float().mean() <= 0.5 and (apart > 2).float().mean() <= 0.03, (seed, sample.draw)
         drawn_ops |= {name for name, _, _ in sample.draw.ops}
         flips.add(sample.draw.flip)
+        filters.add(str(sample.draw.interpolation))
     assert drawn_ops == {auto_augment.NAME_TO_OP[name].__name__ for name in auto_augment._RAND_INCREASING_TRANSFORMS}
     assert flips == {True, False}
+    assert len(filters) == (2 if interpolation == "random" else 1)
     # a batch applies each op once to all the images that drew it: the same images as one at a time
     samples = [draw(read_encoded(str(tmp_path / f"{i % 6}.JPEG"))) for i in range(24)]
     images = decoder([sample.encoded for sample in samples])
