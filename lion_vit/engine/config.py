@@ -32,7 +32,7 @@ from ..weights import is_url
 
 # ${pid:} in the default output_dir: runs started in the same second get folders of their own (omegaconf 2.4
 # deprecates register_new_resolver for register_resolver, in 2.3 the name of its legacy API)
-_OMEGACONF_2_4 = tuple(int(part) for part in omegaconf.__version__.split(".")[:2]) >= (2, 4)
+_OMEGACONF_2_4 = tuple(map(int, re.match(r"(\d+)\.(\d+)", omegaconf.__version__).groups())) >= (2, 4)
 (OmegaConf.register_resolver if _OMEGACONF_2_4 else OmegaConf.register_new_resolver)("pid", os.getpid, replace=True)
 
 DEVICES = ("auto", "cpu", "cuda")
