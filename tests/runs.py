@@ -24,12 +24,14 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 # No test reaches the network: the Hugging Face hub's address is a closed port here, its cache an empty folder.
-# A URL's weights download into torch.hub's cache under TORCH_HOME: a temporary folder, removed at exit.
-TORCH_HOME = tempfile.mkdtemp(prefix="lion-vit-tests-torch-home-")
-atexit.register(shutil.rmtree, TORCH_HOME, True)
+# The runs' temporary folder (TMPDIR), removed at exit: what a run killed with -9 leaves there (wandb's and
+# multiprocessing's folders), and torchrun's logs, go with it. A URL's weights download into torch.hub's cache
+# under TORCH_HOME, in it too.
+RUNS_TMP = tempfile.mkdtemp(prefix="lion-vit-tests-")
+atexit.register(shutil.rmtree, RUNS_TMP, True)
 ENV = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
            HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(Path(tempfile.gettempdir()) / "lion-vit-tests-no-hub"),
-           TORCH_HOME=TORCH_HOME)
+           TORCH_HOME=os.path.join(RUNS_TMP, "torch-home"), TMPDIR=RUNS_TMP)
 SMALL_LION = ["model=lion", "model.name=lion_s_tiny", "model.patch_size=8", "img_size=32",
               "+model.kwargs.depth=2", "optim=adamw", "progress=false", "num_workers=0"]
 

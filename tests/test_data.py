@@ -445,9 +445,10 @@ def test_persistent_workers_draw_as_fresh_workers_each_epoch():
     assert not torch.equal(kept[0][:, 1:4], kept[1][:, 1:4])  # each epoch its own draws
 
 
-def test_a_process_exits_with_a_loader_whose_workers_are_kept():
+def test_a_process_exits_with_a_loader_whose_workers_are_kept(tmp_path):
     """A persistent loader still alive at exit (a global, or a traceback's frame) does not hang the process: its
     workers ignore the SIGTERM that multiprocessing's exit ends them with, and are killed before it waits."""
+    import os
     import subprocess
     import sys
     script = ("import torch\n"
@@ -455,6 +456,8 @@ def test_a_process_exits_with_a_loader_whose_workers_are_kept():
               "dataset = torch.utils.data.TensorDataset(torch.arange(16))\n"
               "loader = build_loader(dataset, train=True, batch_size=4, num_workers=2, rank=0, world_size=1, seed=0)\n"
               "print(len(list(loader)), 'batches')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # (TMPDIR: the killed workers' multiprocessing folders)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert proc.returncode == 0 and proc.stdout == "4 batches\n", proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "killed by signal" not in proc.stderr, proc.stderr[-2000:]
