@@ -515,6 +515,7 @@ def test_fx_feature_extraction_gives_the_eager_features(name):
         assert rel_err(theirs[str(index)], eager[index]) < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_torchscript_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match=r"cannot be scripted .*use torch.compile\(model\) or torch.export"):
         torch.jit.script(timm.create_model("lion_d_tiny", depth=1))

@@ -489,6 +489,7 @@ def launch_grids():
     ("attention", 2, "fixed", True), ("attention", 1, "lit", True), ("chunk", 1, "selective", True),
     ("chunk", 2, "fixed", False), ("rnn", 1, "selective", False), ("forward", 1, "fixed", True),
     ("vector", 1, "vector", True)])
+@pytest.mark.filterwarnings("ignore:flash-linear-attention's chunk backward fails:UserWarning")  # ("forward")
 def test_batches_past_the_launch_grids_limit_run_in_parts(form, scans, decay, training, knobs, chunks_always):
     """CUDA launches at most 65,535 program rows on a grid's second and third axes, where the kernels (ours and
     FLA's) put images x sequences x heads. With that limit lowered to 12, 7 images of 2 heads run in parts whose
