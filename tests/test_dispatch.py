@@ -89,6 +89,10 @@ def test_auto_form_picks_chunk_kernels_for_long_decayed_sequences_on_triton(kern
             (training, scans)
         assert plan("auto", None, long - 1, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
             "attention", (training, scans)
+        if scans == 2:  # more scans than two: two's threshold
+            assert plan("auto", None, long, 64, 64, num_scans=3, device=CUDA, training=training).form == "chunk"
+            assert plan("auto", None, long - 1, 64, 64, num_scans=3, device=CUDA, training=training).form == \
+                "attention"
     assert plan("auto", None, 1024, 64, 64, decayed=False, device=CUDA).form == "attention"
 
 
@@ -108,6 +112,10 @@ def test_auto_form_picks_the_chunk_form_for_long_decayed_sequences_on_a_cpu(kern
             dispatch.Plan("attention", "torch", whole=True), (training, scans)
         assert plan("auto", None, long, 64, 64, num_scans=scans, device=CUDA, training=training).form == \
             "attention", (training, scans)
+        if scans == 2:  # more scans than two: two's threshold
+            assert plan("auto", None, long, 64, 64, num_scans=3, device=CPU, training=training).form == "chunk"
+            assert plan("auto", None, long - 1, 64, 64, num_scans=3, device=CPU, training=training).form == \
+                "attention"
     assert plan("auto", None, 5000, 64, 64, device=CUDA).form == "chunk"
     assert plan("auto", 100, 600, 64, 64, device=CPU) == dispatch.Plan("chunk", "cpu", chunks=6, chunk_size=100)
     assert plan("auto", None, 5000, 64, 64, decayed=False, device=CPU) == \

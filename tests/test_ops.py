@@ -145,7 +145,7 @@ def test_multiscan_gradients_match_naive(form, decay, scale):
 
 
 def assert_multiscan_gradients_match_naive(q, k, v, lams, orders, generator, **form):
-    """Gradients of q, k, v and the log decays from lion_attention of two scans against autograd through
+    """Gradients of q, k, v and the log decays from lion_attention of several scans against autograd through
     the float64 oracle, for a random upstream gradient."""
     upstream = torch.randn(v.shape, dtype=torch.float64, generator=generator)
     _, ref_grads = oracle_with_grads(q, k, v, lams, upstream, orders)
@@ -166,6 +166,20 @@ def test_multiscan_without_decays_matches_naive(form, grad):
         out = lion_attention(*(t.clone().requires_grad_(grad) for t in (q, k, v)), None, orders,
                                        form=form[0], chunk_size=form[1])
     assert rel_err(out, naive_multiscan(q, k, v, torch.ones(2, 1, 1, 1, dtype=torch.float64), orders)) < 1e-10
+
+
+@pytest.mark.parametrize("form", [("attention", None), ("rnn", None), ("chunk", 4), ("auto", None)], ids=_form_id)
+def test_three_scans_match_naive(form):
+    """Any number of scans, not only the natural models' two: the snakes and a random order, outputs and
+    gradients (form auto reads the thresholds of two scans)."""
+    orders = torch.cat([snake_orders(3, 4, 1), torch.randperm(13, generator=torch.Generator().manual_seed(20))[None]])
+    q, k, v, _ = make_inputs(2, 2, 13, 5, "lit", torch.float64, seed=21)
+    g = torch.Generator().manual_seed(22)
+    lams = torch.rand(3, 2, 2, 13, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    with torch.no_grad():
+        out = lion_attention(q, k, v, torch.log(lams), orders, form=form[0], chunk_size=form[1])
+    assert rel_err(out, naive_multiscan(q, k, v, lams, orders)) < 1e-10
+    assert_multiscan_gradients_match_naive(q, k, v, lams, orders, g, form=form[0], chunk_size=form[1])
 
 
 @pytest.mark.parametrize("decay", ["fixed", "selective"])

@@ -10,9 +10,10 @@ exact way to get it:
   and rnn forms on FLA's; on a CPU without autograd, eagerly,
   "auto" runs the chunk form in groups of rows (lion_vit.ops.cpu, backend "cpu");
 - form "auto" is the attention form, except for decayed sequences of at least Tuning.auto_chunk_min_tokens
-  tokens (by training and number of scans) on the triton backend, where the chunk kernels run, and of at least
-  Tuning.cpu_auto_chunk_min_tokens on a CPU, where the chunk form runs (chunks of the call's chunk size, or
-  Tuning.default_chunk_size); on CUDA without the kernels, the portable attention form at any length;
+  tokens (by training and number of scans: one, or two for two and more) on the triton backend, where the chunk
+  kernels run, and of at least Tuning.cpu_auto_chunk_min_tokens on a CPU, where the chunk form runs (chunks of the
+  call's chunk size, or Tuning.default_chunk_size); on CUDA without the kernels, the portable attention form at any
+  length;
 - the chunk form's chunks hold at most the call's chunk size, or Tuning.default_chunk_size tokens (the triton
   backend: its kernels' tile);
 - the chunk form runs one product over the whole sequence where that takes fewer multiply-adds than
@@ -198,9 +199,10 @@ def plan(form: str, chunk_size: Optional[int], length: int, key_dim: int, value_
                         min(chunk_size or length, length) > 1)  # (chunks of one token: vector._in_loop)
         return Plan(form, "torch", whole=form != "rnn", vector=True)
     if form == "auto":  # (the triton backend's chunks are its kernels' tile, below)
+        scans = min(num_scans, 2)  # (the thresholds' keys: one scan, or two and more)
         if backend == "triton":
-            form = "chunk" if decayed and length >= knobs.auto_chunk_min_tokens[training, num_scans] else "attention"
-        elif device.type == "cpu" and decayed and length >= knobs.cpu_auto_chunk_min_tokens[training, num_scans]:
+            form = "chunk" if decayed and length >= knobs.auto_chunk_min_tokens[training, scans] else "attention"
+        elif device.type == "cpu" and decayed and length >= knobs.cpu_auto_chunk_min_tokens[training, scans]:
             form = "chunk"
             chunk_size = knobs.default_chunk_size if chunk_size is None else chunk_size
         else:

@@ -41,9 +41,9 @@ class Tuning:
 
     auto_chunk_min_tokens: form "auto" on the triton backend runs the chunk kernels from this many tokens on (896
         px at patch 16 has 3,136 patches, and a class token where the model has one), the attention form below,
-        by (training, number of scans). Inference: the smallest length timed at which the kernels win (the
-        inference part of `make gpu-check`); training: a guess until the forms part has timed both forms from 576
-        to 3,136 tokens.
+        by (training, number of scans: 1, or 2 for two and more). Inference: the smallest length timed at which the
+        kernels win (the inference part of `make gpu-check`); training: a guess until the forms part has timed both
+        forms from 576 to 3,136 tokens.
     cpu_auto_chunk_min_tokens: form "auto" on a CPU (the torch backend) runs the chunk form from this many tokens on,
         the attention form below, by (training, number of scans): the smallest length timed on a 2-core CPU from
         which no small model took clearly more time in the chunk form, and each less memory (400 tokens, 320 px, in
