@@ -344,6 +344,7 @@ def test_tuned_sets_knobs_for_its_block_and_refuses_bad_ones(kernels):
     for changes, message in [
             (dict(chunk_backward_falback="rnn"), r"unknown tuning knob\(s\) \['chunk_backward_falback'\]"),
             (dict(chunk_backward_fallback="slow"), "unknown chunk_backward_fallback 'slow'; choose one of"),
+            (dict(chunk_backward_fallback=["rnn"]), r"unknown chunk_backward_fallback \['rnn'\]; choose one of"),
             (dict(chunk_backward_fails="yes"), "chunk_backward_fails must be None"),
             (dict(group_share=-1), "group_share must be a number >= 0"),
             (dict(recurrent_group_programs=0), "recurrent_group_programs must be a positive integer"),

@@ -208,6 +208,7 @@ def test_a_checkpoint_is_read_by_evaluation_only():
 @pytest.mark.parametrize("override, needle", [
     ("tuning.group_share=-1", "group_share must be a number >= 0"),
     ("tuning.chunk_backward_fallback=cpu", "unknown chunk_backward_fallback 'cpu'; choose one of"),
+    ("tuning.chunk_backward_fallback=[rnn]", "unknown chunk_backward_fallback ['rnn']; choose one of"),
     ("tuning.chunk_backward_fails=maybe", "chunk_backward_fails must be None (detect), True or False"),
     ("tuning.recurrent_group_programs=0", "recurrent_group_programs must be a positive integer"),
     ("tuning.bidirectional_forward=[64,48,4]", "bidirectional_forward must be (own tile, loop tile, warps)"),

@@ -123,7 +123,8 @@ class Tuning:
     normaliser_launch: LaunchSetting = (64, 16, 4)
 
     def __post_init__(self) -> None:
-        if self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
+        if not isinstance(self.chunk_backward_fallback, str) or \
+                self.chunk_backward_fallback not in CHUNK_BACKWARD_FALLBACKS:
             raise ValueError(f"unknown chunk_backward_fallback {self.chunk_backward_fallback!r}; choose one of "
                              f"{sorted(CHUNK_BACKWARD_FALLBACKS)}")
         for name in ("bidirectional_keys_first", "bidirectional_factored_masks", "bidirectional_map_pass",
