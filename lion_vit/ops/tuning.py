@@ -45,8 +45,8 @@ class Tuning:
         kernels win (the inference part of `make gpu-check`); training: a guess until the forms part has timed both
         forms from 576 to 3,136 tokens.
     cpu_auto_chunk_min_tokens: form "auto" on a CPU (the torch backend) runs the chunk form from this many tokens on,
-        the attention form below, by (training, number of scans): the smallest length timed on a 2-core CPU from
-        which no small model took clearly more time in the chunk form, and each less memory (400 tokens, 320 px, in
+        the attention form below, by (training, number of scans, as above): the smallest length timed on a 2-core CPU
+        from which no small model took clearly more time in the chunk form, and each less memory (400 tokens, 320 px, in
         inference; 784, 448 px, in training; docs/benchmarks.md, "Form auto on a CPU").
     default_chunk_size: the most tokens a chunk holds where the call names no chunk size: the chunk form off the
         triton backend (whose kernels chunk by their own tile), and form "auto" where it runs the chunk form on a
