@@ -21,7 +21,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .models import LionViT
 from .weights import load_into, read_weights, state_dict_of, what_model
@@ -173,7 +173,7 @@ def official_args(model: LionViT) -> Dict[str, Any]:
     one, or a ValueError naming every setting the official code has no counterpart for."""
     attn = model.blocks[0].attn
     mask_type = MASK_TYPES.get(attn.decay_name)
-    cls_tok = not model.pool_all_tokens
+    cls_tok = model.global_pool != "avg_all"
     problems = []
     if mask_type is None:
         problems.append(f"its decay kind {attn.decay_name!r} (official: {sorted(MASK_TYPES)})")
@@ -183,6 +183,8 @@ def official_args(model: LionViT) -> Dict[str, Any]:
         problems.append("it has a distillation or register token")
     if cls_tok and model.global_pool != "token":
         problems.append(f"its pooling global_pool={model.global_pool!r} (global_pool='avg_all' or 'token')")
+    if not isinstance(model.fc_norm, nn.Identity):
+        problems.append("its norm after pooling (fc_norm=False)")
     if model.pos_embed is not None and model.no_embed_class:
         problems.append("its positional embeddings leave out the class token")
     feature_map = "elu" if mask_type == "Lit" else "silu_norm"

@@ -78,6 +78,19 @@ def _check_images(x: Tensor, channels: int) -> None:
                          f"convert the images or build the model with in_chans={x.shape[1]}")
 
 
+POOLS = ("avg", "avg_all", "token", "max", "avgmax", "map", "prr", "")  # timm's and the official LION code's
+
+
+def _check_pool(global_pool: str) -> None:
+    if global_pool not in POOLS:
+        raise ValueError(f"unknown global_pool {global_pool!r}; choose one of {', '.join(map(repr, POOLS))}")
+
+
+# (reset_classifier(0, "") allows it: timm's prune_intermediate_layers, for features_only, drops the heads so)
+UNPOOLED_DISTILLED = ("global_pool='' keeps every token's logits, which a distillation head's logits of one token "
+                      "cannot be averaged with; choose a pooling, such as 'avg' or 'token'")
+
+
 def _check_divisible(size: Tuple[int, int], patch: Tuple[int, int], what: str) -> None:
     if size[0] % patch[0] or size[1] % patch[1]:
         raise ValueError(f"{what} {size[0]}x{size[1]} is not divisible by the patch size "
@@ -115,9 +128,14 @@ class LionViT(VisionTransformer):
         for size in ("depth", "embed_dim"):  # (timm's defaults: 12, 768)
             if kwargs.get(size, 1) < 1:
                 raise ValueError(f"{size} must be a positive integer, got {kwargs[size]}")
-        self.pool_all_tokens = global_pool == "avg_all"  # the official LION code's pooling, norm first
-        if self.pool_all_tokens:
-            global_pool, kwargs["fc_norm"] = "avg", False
+        _check_pool(global_pool)
+        if distilled and not global_pool:
+            raise ValueError(UNPOOLED_DISTILLED)
+        all_tokens = global_pool == "avg_all"  # the official LION code's pooling: timm builds it as "avg"
+        if all_tokens:
+            global_pool = "avg"
+            if kwargs.get("fc_norm") is None:  # (the final norm on every token, before the mean)
+                kwargs["fc_norm"] = False
         if class_token is None:  # token pooling reads the class token: add one only for it
             class_token = global_pool == "token"
         if global_pool == "token" and not class_token:
@@ -136,6 +154,8 @@ class LionViT(VisionTransformer):
             global_pool=global_pool, class_token=class_token, pos_embed=pos_embed,
             dynamic_img_size=True, embed_layer=DivisiblePatchEmbed, attn_layer=attn_layer,
             weight_init=weight_init, **kwargs)
+        if all_tokens:  # (pool() reads it; timm's get_model_args records it, so a saved model rebuilds as it was)
+            self.global_pool = "avg_all"
         self.dist_token: Optional[nn.Parameter] = None
         self.head_dist: Optional[nn.Module] = None
         self.distilled_training = False  # set_distilled_training(True): forward returns both heads' logits
@@ -186,7 +206,16 @@ class LionViT(VisionTransformer):
         return (self.head, self.head_dist) if self.distilled else self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        super().reset_classifier(num_classes, global_pool)
+        """timm's, for a new number of classes and optionally pooling (also "avg_all"; the norm stays where it
+        is, as timm keeps it), and with a distillation token a new distillation head too."""
+        if global_pool is not None:
+            _check_pool(global_pool)
+            if global_pool == "token" and self.cls_token is None:
+                raise ValueError("global_pool='token' pools the class token, which this model was built without "
+                                 "(class_token=True adds one at build)")
+        super().reset_classifier(num_classes, "avg" if global_pool == "avg_all" else global_pool)
+        if global_pool == "avg_all":
+            self.global_pool = global_pool
         if self.distilled:
             weight = self.head.weight if isinstance(self.head, nn.Linear) else self.dist_token
             self.head_dist = (nn.Linear(self.embed_dim, num_classes, device=weight.device, dtype=weight.dtype)
@@ -198,6 +227,8 @@ class LionViT(VisionTransformer):
         pooled features are), averaged with the class head except in distilled training."""
         if not self.distilled:
             return super().forward_head(x, pre_logits)
+        if not self.global_pool:
+            raise ValueError(UNPOOLED_DISTILLED)
         x_dist = self.head_drop(self.fc_norm(x[:, 0 if self.cls_token is None else 1]))
         x = self.head_drop(self.fc_norm(self.pool(x)))
         if pre_logits:
@@ -255,9 +286,9 @@ class LionViT(VisionTransformer):
         return super().no_weight_decay() | names
 
     def pool(self, x: Tensor, pool_type: Optional[str] = None) -> Tensor:
-        """timm's pooling; global_pool="avg_all" averages every token, prefix tokens too (after the final
-        norm), as the official LION code does."""
-        if self.pool_all_tokens and pool_type is None:
+        """timm's pooling; global_pool="avg_all" averages every token, prefix tokens too, as the official LION
+        code does."""
+        if (self.global_pool if pool_type is None else pool_type) == "avg_all":
             return x.mean(dim=1)
         return super().pool(x, pool_type)
 

@@ -126,7 +126,7 @@ def test_mapping_both_ways_and_the_decay_sign():
     assert back["args"] == {"mask_type": "Selective", "order": "S", "pos_emb": False, "cls_tok": False}
     back = back["model"]
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
-    assert model.num_prefix_tokens == 1 and model.pool_all_tokens and attn.prefix_decay_one
+    assert model.num_prefix_tokens == 1 and model.global_pool == "avg_all" and attn.prefix_decay_one
 
 
 @pytest.mark.parametrize("name", LION_MODEL_NAMES)
@@ -151,6 +151,8 @@ def test_a_model_the_official_code_cannot_express_is_named_not_converted():
         to_official(timm.create_model("lion_s_small", depth=1))
     with pytest.raises(ValueError, match="it has a distillation or register token"):
         to_official(timm.create_model("lion_d_tiny_distilled", depth=1, class_token=True, global_pool="token"))
+    with pytest.raises(ValueError, match=r"official LION code: its norm after pooling \(fc_norm=False\);"):
+        to_official(timm.create_model("lion_d_tiny", depth=1, class_token=True, global_pool="avg_all", fc_norm=True))
 
 
 def test_class_token_decay_is_one_and_pooling_takes_every_token():

@@ -218,6 +218,62 @@ def test_token_pooling_brings_its_class_token_and_pos_embed_is_checked():
         timm.create_model("lion_d_tiny", pos_embed="rope")
 
 
+def test_pooling_every_token_stays_the_models_pooling_for_timms_saved_arguments_and_reset():
+    """global_pool="avg_all" (the official code's pooling: the final norm on every token, then their mean) is what
+    the model says it pools, so timm's reconstruction arguments (save_for_hf, push_to_hf_hub) rebuild the same
+    function; reset_classifier takes it and leaves it; an explicit fc_norm=True is kept."""
+    model = timm.create_model("lion_d_tiny", depth=1, patch_size=8, img_size=32, num_classes=3, class_token=True,
+                              global_pool="avg_all").eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    x = torch.randn(2, 3, 32, 32)
+    features = model.forward_features(x)
+    assert model.global_pool == "avg_all" and isinstance(model.fc_norm, torch.nn.Identity)
+    torch.testing.assert_close(model.forward_head(features, pre_logits=True), features.mean(1))
+    if hasattr(timm.models, "get_model_args"):  # (timm >= 1.0.31)
+        args = timm.models.get_model_args(model)
+        assert args["global_pool"] == "avg_all"
+        rebuilt = timm.create_model("lion_d_tiny", **args).eval()
+        rebuilt.load_state_dict(model.state_dict())
+        torch.testing.assert_close(rebuilt(x), model(x), rtol=0, atol=0)
+    pooled = {}
+    for pool in ("token", "avg", "avg_all"):
+        model.reset_classifier(4, pool)
+        pooled[pool] = model.forward_head(features, pre_logits=True)
+        assert model.global_pool == pool and model(x).shape == (2, 4)
+    torch.testing.assert_close(pooled["token"], features[:, 0])
+    torch.testing.assert_close(pooled["avg"], features[:, 1:].mean(1))
+    torch.testing.assert_close(pooled["avg_all"], features.mean(1))
+    normed = timm.create_model("lion_d_tiny", depth=1, class_token=True, global_pool="avg_all", fc_norm=True)
+    assert isinstance(normed.fc_norm, torch.nn.LayerNorm) and isinstance(normed.norm, torch.nn.Identity)
+
+
+def test_a_pooling_timm_does_not_know_or_none_beside_a_distillation_head_is_a_value_error():
+    """An unknown pooling, at build and in reset_classifier (which then leaves the heads as they were), is not
+    timm's AssertionError; no pooling beside a distillation head is refused at build, and where reset_classifier
+    made it so (as timm's features_only does, which never reads the heads), by the forward: class logits of every
+    token cannot be averaged with the distillation head's."""
+    with pytest.raises(ValueError, match=r"^unknown global_pool 'mean'; choose one of 'avg', 'avg_all', 'token'"):
+        timm.create_model("lion_d_tiny", global_pool="mean")
+    unpooled = r"^global_pool='' keeps every token's logits, which a distillation head's logits of one token"
+    with pytest.raises(ValueError, match=unpooled):
+        timm.create_model("lion_d_tiny_distilled", global_pool="")
+    model = timm.create_model("lion_d_tiny_distilled", depth=1, img_size=32, num_classes=3)
+    x = torch.randn(2, 3, 32, 32)
+    for pool, message in (("mean", "unknown global_pool"), ("token", "which this model was built without")):
+        with pytest.raises(ValueError, match=message):
+            model.reset_classifier(5, pool)
+    assert model.num_classes == 3 and model.global_pool == "avg" and model(x).shape == (2, 3)
+    features = timm.create_model("lion_d_tiny_distilled", depth=1, img_size=32, features_only=True, out_indices=(0,))
+    assert [f.shape for f in features(x)] == [(2, 192, 2, 2)]
+    model.reset_classifier(5, "")
+    with pytest.raises(ValueError, match=unpooled):
+        model(x)
+    per_token = timm.create_model("lion_d_tiny", depth=1, img_size=32, num_classes=3, global_pool="")
+    assert per_token(x).shape == (2, 4, 3)  # (timm's meaning of no pooling)
+
+
 def test_bad_img_size_form_and_chunk_raise():
     with pytest.raises(ValueError, match="not divisible"):
         timm.create_model("lion_d_tiny", img_size=200)
