@@ -86,6 +86,14 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^model.attn_form / model.chunk_size / model.attn_backend apply to LION models "
                                         "only, not deit_tiny_patch16_224$"):
         build_model(OmegaConf.merge(model, {"name": "deit_tiny_patch16_224", "attn_form": "chunk"}), 3, 32)
+    # timm's constructors check arguments with assert, with or without a message
+    deit = OmegaConf.merge(model, {"name": "deit_tiny_patch16_224"})
+    with pytest.raises(UserError, match=r"^cannot build model deit_tiny_patch16_224: timm refused its arguments "
+                                        r"\(model.kwargs=\{'depth': 2, 'global_pool': 'mean'\} among them\): Only avg"):
+        build_model(OmegaConf.merge(deit, {"kwargs": {"global_pool": "mean"}}), 3, 32)
+    with pytest.raises(UserError, match=r"\): assert pos_embed in \('', 'none', 'learn'\) \(vision_transformer.py, "
+                                        r"line \d+\)$"):
+        build_model(OmegaConf.merge(deit, {"kwargs": {"pos_embed": "rope"}}), 3, 32)
     # a timm argument that a setting of its own passes: it would clash with it (a TypeError), or lose to it silently
     with pytest.raises(UserError, match=r"^model.kwargs.num_classes: train.py sets it from the data \(3 classes "):
         build_model(OmegaConf.merge(model, {"kwargs": {"num_classes": 5}}), 3, 32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 import re
+import traceback
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import timm
@@ -69,6 +71,9 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
                             f"{indivisible.group(1)}; pass img_size=<a multiple of {indivisible.group(1)}> or "
                             f"model.patch_size=<a divisor of {img_size}>") from None
         raise UserError(f"cannot build model {name}: {error}{hint}") from None
+    except AssertionError as error:  # (how timm's constructors check most of their arguments)
+        raise UserError(f"cannot build model {name}: timm refused its arguments (model.kwargs="
+                        f"{OmegaConf.to_container(model_cfg.kwargs)} among them): {_assertion(error)}") from None
     except (OSError, RuntimeError, pickle.UnpicklingError) as error:
         source = _initial_weights_source(kwargs)
         if source is None:
@@ -132,6 +137,14 @@ def changed_architecture(model_cfg: DictConfig, model: nn.Module) -> List[str]:
 
 def _without_initial_weights(kwargs: Dict[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in kwargs.items() if key not in INITIAL_WEIGHT_KWARGS}
+
+
+def _assertion(error: AssertionError) -> str:
+    """A failed assert's message, or without one the statement and where it is."""
+    if str(error).strip():
+        return first_line(error)
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{frame.line} ({Path(frame.filename).name}, line {frame.lineno})"
 
 
 def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
