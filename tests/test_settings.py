@@ -318,6 +318,49 @@ def test_every_schedule_the_setting_checks_pass_is_built_by_timm():
         assert {sched for sched, *_ in refused} == {"wsd", "rsqrt"}
 
 
+@pytest.mark.filterwarnings("ignore:It is highly recommended to have 'opt_einsum'")  # (timm's kron)
+def test_every_timm_optimizer_the_setting_checks_pass_is_built_with_its_betas():
+    """optim.betas null (the default) leaves each optimizer its own; a list must have as many numbers as the
+    optimizer takes (adan three, where timm would fail inside it), and none where it takes none (timm would drop
+    them without a word)."""
+    from hydra import compose, initialize_config_dir
+    from timm.optim import get_optimizer_info, list_optimizers
+    from lion_vit.engine.config import check_settings
+    from lion_vit.engine.trainer import build_optimizer
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        composed = compose("config", overrides=["optim=adamw"])
+
+    def settings(name, betas):
+        cfg = copy.deepcopy(composed)
+        cfg.optim.opt, cfg.optim.betas = name, betas
+        return cfg
+    kinds = {}  # the rule, once for each kind of optimizer (a check costs about 40 ms)
+    for name in list_optimizers():
+        info = get_optimizer_info(name)
+        kinds.setdefault((info.has_betas, info.num_betas), name)
+    assert set(kinds) == {(False, 2), (True, 2), (True, 3)}
+    for (takes, count), name in kinds.items():
+        for betas in (None, [0.8, 0.9], [0.8, 0.9, 0.95]):
+            if betas is None or (takes and len(betas) == count):
+                check_settings(settings(name, betas))
+            else:
+                with pytest.raises(UserError, match=r"^optim.betas=\[0.8, 0.9.*(is not read by|is not allowed)"):
+                    check_settings(settings(name, betas))
+    model, built = torch.nn.Linear(3, 2), set()
+    for name in list_optimizers():  # what the rule lets through, timm builds
+        info = get_optimizer_info(name)
+        for betas in (None, [0.8, 0.9, 0.95][:info.num_betas] if info.has_betas else None):
+            try:
+                group = build_optimizer(settings(name, betas), model, lr=0.1).param_groups[0]
+            except (ImportError, AssertionError):  # (bitsandbytes' and APEX's need CUDA)
+                continue
+            if betas is not None:  # (Adafactor keeps the first as beta1)
+                assert list(group["betas"]) == betas if "betas" in group else group["beta1"] == betas[0], name
+            built.add((name, betas is None))
+    assert {("adamw", True), ("adan", True), ("adan", False), ("sgd", True), ("lion", False)} <= built
+
+
 def test_timm_auto_augment_policies_pass_the_setting_checks():
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import check_settings

@@ -21,7 +21,7 @@ import torch
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
-from timm.optim import list_optimizers
+from timm.optim import get_optimizer_info, list_optimizers
 from timm.scheduler import create_scheduler_v2
 
 from ..data.build import DECODES, KINDS
@@ -184,7 +184,9 @@ class OptimConfig:
     lr: float = setting(POSITIVE, "a finite positive number")
     lr_base_batch: Optional[int] = setting(optional(POSITIVE_INT), "null (lr as is) or a positive integer")
     weight_decay: float = setting(NON_NEGATIVE)
-    betas: List[float] = setting(lambda v: _is_pair(v, lambda x: _is_number(x) and 0 <= x < 1), "two numbers in [0, 1)")
+    betas: Optional[List[float]] = setting(
+        lambda v: v is None or (_is_numbers(v, lambda x: _is_number(x) and 0 <= x < 1) and len(v) in (2, 3)),
+        "null (the optimizer's own) or two numbers in [0, 1), three for adan")
     eps: float = setting(POSITIVE)
     sched: str = setting(choices=SCHEDULES)
     decay_epochs: Optional[float] = setting(optional(POSITIVE), "null (timm's default) or a positive number")
@@ -445,6 +447,15 @@ def _check_related(cfg: DictConfig) -> None:
         raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
                            "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
     optim = cfg.optim
+    if optim.betas is not None:  # (timm passes them as they are, a wrong count to fail in the optimizer)
+        info = get_optimizer_info(optim.opt.lower().removeprefix("lookahead_"))
+        betas = list(optim.betas)
+        if not info.has_betas:  # (timm drops them without a word)
+            raise UserError(f"optim.betas={betas} is not read by optim.opt={optim.opt}, which takes no betas; set "
+                            f"optim.betas=null")
+        if len(betas) != info.num_betas:
+            raise _not_allowed("optim.betas", betas, f"{info.num_betas} numbers for optim.opt={optim.opt}, or null "
+                               f"for its own")
     if optim.sched in ("wsd", "rsqrt"):  # timm raises ValueError as it builds the schedule, after the data
         length = cfg.epochs - optim.warmup_epochs  # (their warm-up is a prefix within epochs)
         if length <= 0:

@@ -169,8 +169,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
     updates = updates_per_epoch(len(train_loader), cfg.grad_accum_steps)
     global_batch = cfg.batch_size * dist_info.world_size * cfg.grad_accum_steps
     lr = cfg.optim.lr * global_batch / cfg.optim.lr_base_batch if cfg.optim.lr_base_batch else cfg.optim.lr
-    optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
-                                    betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, layer_decay=cfg.optim.layer_decay)
+    optimizer = build_optimizer(cfg, model, lr)
     scheduler = build_scheduler(cfg, optimizer, updates)
     precision = _precision(cfg, device)
     loss_scaler = NativeScaler(device.type) if precision.dtype == torch.float16 else None
@@ -348,6 +347,13 @@ def _grad_checkpointing(model: nn.Module, name: str) -> None:
         raise UserError(f"grad_checkpointing=true: {name} has no gradient checkpointing in timm "
                         f"({first_line(error) or 'set_grad_checkpointing refused'}); set grad_checkpointing=false") \
             from None
+
+
+def build_optimizer(cfg: DictConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """timm's create_optimizer_v2 from the optim settings, at lr (optim.lr scaled to the global batch)."""
+    betas = {} if cfg.optim.betas is None else {"betas": tuple(cfg.optim.betas)}  # (null: the optimizer's own)
+    return create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
+                               eps=cfg.optim.eps, layer_decay=cfg.optim.layer_decay, **betas)
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, updates: int):
