@@ -361,6 +361,19 @@ def test_every_timm_optimizer_the_setting_checks_pass_is_built_with_its_betas():
     assert {("adamw", True), ("adan", True), ("adan", False), ("sgd", True), ("lion", False)} <= built
 
 
+def test_a_second_order_optimizer_is_refused_in_one_line():
+    """timm's AdaHessian steps on gradients of gradients, which train.py's backward does not keep (it failed with
+    a traceback at the first step)."""
+    from hydra import compose, initialize_config_dir
+    from lion_vit.engine.config import check_settings
+    from lion_vit.errors import UserError
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        for name in ("adahessian", "lookahead_adahessian"):
+            with pytest.raises(UserError, match=f"^optim.opt={name} is a second-order optimizer, which train.py does "
+                                                "not run"):
+                check_settings(compose("config", overrides=[f"optim.opt={name}"]))
+
+
 def test_timm_auto_augment_policies_pass_the_setting_checks():
     from hydra import compose, initialize_config_dir
     from lion_vit.engine.config import check_settings

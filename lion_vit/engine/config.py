@@ -447,8 +447,11 @@ def _check_related(cfg: DictConfig) -> None:
         raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
                            "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
     optim = cfg.optim
+    info = get_optimizer_info(optim.opt.lower().removeprefix("lookahead_"))
+    if info.second_order:  # (timm's AdaHessian: its step fails on gradients that have no graph)
+        raise UserError(f"optim.opt={optim.opt} is a second-order optimizer, which train.py does not run (its "
+                        f"backward keeps no graph of the gradients); choose a first-order one, such as adamw")
     if optim.betas is not None:  # (timm passes them as they are, a wrong count to fail in the optimizer)
-        info = get_optimizer_info(optim.opt.lower().removeprefix("lookahead_"))
         betas = list(optim.betas)
         if not info.has_betas:  # (timm drops them without a word)
             raise UserError(f"optim.betas={betas} is not read by optim.opt={optim.opt}, which takes no betas; set "
