@@ -304,6 +304,11 @@ def test_bad_shapes_and_decays_above_one_raise(form):
         lion_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], None, orders, form=form, chunk_size=3)
     with pytest.raises(ValueError, match=r"got torch.float32 \[2, 10\]"):
         lion_attention(q, k, v, torch.stack([log_lam] * 2), orders.float(), form=form, chunk_size=3)
+    repeated = orders.clone()
+    repeated[1, 4] = repeated[1, 5]
+    with pytest.raises(ValueError, match=r"^orders must be permutations: each scan's row \[L\] holds every token "
+                                         r"0..9 once"):
+        lion_attention(q, k, v, torch.stack([log_lam] * 2), repeated, form=form, chunk_size=3)
     with pytest.raises(ValueError, match="must be <= 0"):
         lion_attention(q, k, v, torch.stack([log_lam, -log_lam]), orders, form=form, chunk_size=3)
 

@@ -49,6 +49,7 @@ from . import triton as triton_backend
 from .attention import attention_form
 from .chunk import chunk_count, chunk_form, whole_product_is_cheaper
 from .features import mapped, query_scale
+from .kept import kept
 from .recurrent import recurrent_form
 from .scalings import scaled
 from .tuning import CHUNK_BACKWARD_FALLBACKS, tuning
@@ -338,9 +339,10 @@ def exporting() -> bool:
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
                  orders: Optional[Tensor] = None) -> None:
     """Raise ValueError for shapes the forms would otherwise fail on deep inside (or, for per-token
-    decays, broadcast into a wrong result) or dtypes, and, on a CPU, for decays above 1: the log-space masks
-    assume log(lam) <= 0. (A GPU skips the value check, which would synchronise every layer; so does a
-    compiler.) log_decays: [S, ...] (ops.lion_attention); orders: [S, L], or None for one scan."""
+    decays, broadcast into a wrong result) or dtypes, and, on a CPU, for decays above 1 (the log-space masks
+    assume log(lam) <= 0) and orders that are not permutations. (A GPU skips the value checks, which would
+    synchronise every layer; so does a compiler.) log_decays: [S, ...] (ops.lion_attention); orders: [S, L], or
+    None for one scan."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"expected q, k [B, H, L, Dk] and v [B, H, L, Dv] with the same B, H, L; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -353,6 +355,10 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, log_decays: Optional[Tensor],
     if orders is not None and (orders.dim() != 2 or orders.shape[-1] != length or orders.is_floating_point()):
         raise ValueError(f"orders must be integer [S, L] with L = {length} (q's tokens); got {orders.dtype} "
                          f"{list(orders.shape)}")
+    if orders is not None and orders.device.type == "cpu" and not torch.compiler.is_compiling() and not kept(
+            orders, ("permutations",), lambda: bool((orders.sort(-1).values == torch.arange(length)).all())):
+        raise ValueError(f"orders must be permutations: each scan's row [L] holds every token 0..{length - 1} once "
+                         f"(scan position -> token); a row repeats or misses one")
     if log_decays is None:
         return
     scans = 1 if orders is None else len(orders)

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import weakref
 from functools import lru_cache, wraps
-from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple, TypeVar
+from typing import TYPE_CHECKING, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..features import mapped, query_scale
+from ..kept import kept
 from ..tuning import tuning
 
 if TYPE_CHECKING:  # (operands.py imports Triton: only once a call runs the kernels)
@@ -96,25 +96,6 @@ class _Indices(NamedTuple):
     last: Tensor  # [S, 1, L, 1]: whether a token is its scan's last
     layout: Layout  # what the fused steps read (operands.py)
     position: Tensor  # [S, L]: token -> scan position
-
-
-_kept: Dict[tuple, Tuple[Optional[weakref.ref], object]] = {}
-_KEPT_AT_MOST = 64
-_Kept = TypeVar("_Kept")
-
-
-def kept(owner: Optional[Tensor], key: tuple, make: Callable[[], _Kept]) -> _Kept:
-    """make()'s result, made once per owner tensor (while that lives: a model keeps its orders) and key, or per key
-    where owner is None, and kept (at most _KEPT_AT_MOST at a time), so that a call launches none of its work."""
-    full = key if owner is None else (id(owner), *key)
-    found = _kept.get(full)
-    if found is not None and (owner is None or found[0]() is owner):
-        return found[1]  # type: ignore[return-value]
-    value = make()
-    if len(_kept) >= _KEPT_AT_MOST:
-        _kept.clear()
-    _kept[full] = (None if owner is None else weakref.ref(owner), value)
-    return value
 
 
 def _scan_indices(orders: Optional[Tensor], length: int, device: torch.device) -> _Indices:
