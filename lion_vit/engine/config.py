@@ -109,9 +109,14 @@ _RESUMABLE: Rule = (lambda v: _is_non_blank(v) and not is_url(v), "auto or a che
                     "an unset shell variable leaves it, nor a URL: download it first)")
 
 
+def _timm_optimizer(value: Any) -> str:
+    """The timm optimizer an optim.opt names: any case, optionally with its lookahead_ prefix."""
+    return str(value).lower().removeprefix("lookahead_")
+
+
 def _is_timm_optimizer(value: Any) -> bool:
-    """A name timm's create_optimizer_v2 takes: any case, optionally with its lookahead_ prefix."""
-    return str(value).lower().removeprefix("lookahead_") in list_optimizers()
+    """A name timm's create_optimizer_v2 takes."""
+    return _timm_optimizer(value) in list_optimizers()
 
 
 _AUGMENT_OPTION = re.compile(r"[a-z]+\d[\d.]*")  # a letter key and its number: m9, mstd0.5, inc1
@@ -447,7 +452,7 @@ def _check_related(cfg: DictConfig) -> None:
         raise _not_allowed("batch_size", cfg.batch_size, "an even number while mixup or cutmix is on (timm's Mixup "
                            "mixes each image with its mirror), or turn them off with aug.mixup=0 aug.cutmix=0")
     optim = cfg.optim
-    info = get_optimizer_info(optim.opt.lower().removeprefix("lookahead_"))
+    info = get_optimizer_info(_timm_optimizer(optim.opt))
     if info.second_order:  # (timm's AdaHessian: its step fails on gradients that have no graph)
         raise UserError(f"optim.opt={optim.opt} is a second-order optimizer, which train.py does not run (its "
                         f"backward keeps no graph of the gradients); choose a first-order one, such as adamw")
