@@ -398,6 +398,17 @@ def test_what_has_no_device_version_is_one_clear_line():
     # without augmentation (aug=digits, aug=none: resize and crop) the line names the augmentation, not Resize
     with pytest.raises(UserError, match=r"runs DeiT's training augmentation .*: set aug=deit"):
         DrawAugmentation(create_transform(32, is_training=False, use_prefetcher=True))
+    # filters other than bicubic and bilinear: refused before any batch, in the crop's resize or RandAugment's ops
+    for interpolation in ("nearest", "lanczos", "box", "hamming"):
+        with pytest.raises(UserError, match=f"bicubic and bilinear filters only, not {interpolation}; set data.interp"):
+            DrawAugmentation(deit_transform(interpolation=interpolation))
+        with pytest.raises(UserError, match=f"not {interpolation};"):
+            DrawAugmentation(deit_transform(interpolation=interpolation, auto_augment=None, color_jitter=0.0))
+    transform = deit_transform()
+    transform.transforms[2].ops[0].kwargs["resample"] = Image.Resampling.NEAREST
+    with pytest.raises(UserError, match="not nearest;"):
+        DrawAugmentation(transform)
+    DrawAugmentation(deit_transform(interpolation="random"))  # (timm's random: bilinear or bicubic)
 
 
 def write_folder(root, pngs_named_jpeg: int = 0):

@@ -120,6 +120,7 @@ class DrawAugmentation:
         if self.crop is None:
             raise UserError("data.decode=gpu runs DeiT's training augmentation (RandomResizedCrop first): set "
                             "aug=deit (or aug.enabled=true), or data.decode=cpu")
+        _check_filters(self.crop, self.augment)
 
     def __call__(self, encoded: Encoded) -> Sample:
         crop = self.crop
@@ -136,6 +137,21 @@ class DrawAugmentation:
         if self.augment is not None:
             self.augment(draw.ops)
         return Sample(encoded, draw)
+
+
+def _check_filters(crop: RandomResizedCropAndInterpolation, augment: Optional[RandAugment]) -> None:
+    """The device path resamples with PIL's bicubic and bilinear filters only (DeiT's is bicubic; timm's "random"
+    picks one of the two): any other, in the crop's resize or RandAugment's geometric ops, is refused here, before
+    a worker runs, rather than at the first batch that draws it."""
+    filters = list(crop.interpolation) if isinstance(crop.interpolation, (tuple, list)) else [crop.interpolation]
+    for op in augment.ops if augment is not None else []:
+        resample = op.kwargs.get("resample")
+        filters += list(resample) if isinstance(resample, (tuple, list)) else [resample] if resample is not None else []
+    unknown = [f for f in filters if f not in _KERNEL_FILTERS]
+    if unknown:
+        name = getattr(unknown[0], "value", None) or getattr(unknown[0], "name", str(unknown[0]))
+        raise UserError(f"data.decode=gpu resamples with the bicubic and bilinear filters only, not {str(name).lower()}; "
+                        f"set data.interpolation=bicubic (DeiT's) or bilinear, or data.decode=cpu")
 
 
 def _no_jitter(jitter: ColorJitter) -> bool:
