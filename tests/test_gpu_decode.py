@@ -387,6 +387,27 @@ def test_augment_resizes_the_crops_in_the_kernels_as_deits_transform_does(tmp_pa
         assert apart.max() <= 2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_empty_crop_of_a_tiny_image_resizes_to_black_as_pil_does(tmp_path, device):
+    """timm's RandomResizedCrop draws a crop of no pixels from an image of a few (its width and height round to
+    0); PIL resizes it to black, and so do both of augment's resizes."""
+    pytest.importorskip("triton")
+    transform = deit_transform(auto_augment=None, color_jitter=0.0, img_size=8)
+    path = tmp_path / "tiny.JPEG"
+    path.write_bytes(jpeg_bytes(photo(0, 1, 1)))
+    empty = 0
+    for seed in range(6):
+        seed_all(seed)
+        expected = transform(Image.open(path).convert("RGB"))
+        seed_all(seed)
+        sample = DrawAugmentation(transform)(read_encoded(str(path)))
+        empty += 0 in sample.draw.box[2:]
+        images = decoded_on(device)([sample.encoded])
+        for kernels in (True, False):
+            assert torch.equal(augment(images, [sample.draw], crop_kernels=kernels)[0].cpu(), expected), (seed, kernels)
+    assert empty
+
+
 def test_what_has_no_device_version_is_one_clear_line():
     with pytest.raises(UserError, match="no device version of ColorJitter"):
         DrawAugmentation(deit_transform(auto_augment=None, color_jitter=0.4))

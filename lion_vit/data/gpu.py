@@ -370,9 +370,7 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw], crop_kernels: Optio
         batch = resized_crops(images, [draw.box for draw in draws], draws[0].size,
                               [_KERNEL_FILTERS[draw.interpolation] for draw in draws])
     else:
-        batch = torch.stack([TF.resized_crop(image, *draw.box, list(draw.size), antialias=True,
-                                             interpolation=_MODES.get(draw.interpolation, draw.interpolation))
-                             for image, draw in zip(images, draws)])
+        batch = torch.stack([_resized_crop(image, draw) for image, draw in zip(images, draws)])
     if any(draw.flip for draw in draws):  # (decided on the host: a device value read back would wait for the device)
         flips = host_to_device(torch.tensor([draw.flip for draw in draws]), batch.device)
         batch = torch.where(flips.view(-1, 1, 1, 1), batch.flip(-1), batch)
@@ -389,6 +387,16 @@ def augment(images: Sequence[Tensor], draws: Sequence[Draw], crop_kernels: Optio
             batch.index_copy_(0, index, _geometric(images, ops) if name == "affine" else
                               BATCH_OPS[name](images, [op[1] for op in ops], [op[2] for op in ops]))
     return batch
+
+
+def _resized_crop(image: Tensor, draw: Draw) -> Tensor:
+    """torchvision's resize of the drawn crop; an empty crop (timm draws one from an image of a few pixels)
+    resizes to black, as PIL's does and the kernels' do."""
+    top, left, height, width = draw.box
+    if height == 0 or width == 0:
+        return image.new_zeros(image.shape[0], *draw.size)
+    return TF.resized_crop(image, top, left, height, width, list(draw.size), antialias=True,
+                           interpolation=_MODES.get(draw.interpolation, draw.interpolation))
 
 
 def _crops_in_kernels(images: Sequence[Tensor], draws: Sequence[Draw], asked: Optional[bool]) -> bool:
