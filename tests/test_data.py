@@ -308,7 +308,7 @@ def test_a_training_jpeg_decoded_down_to_its_crop_gives_the_bits_of_the_whole_im
                 assert asked == [box[3]], (path.name, box, asked)  # one decoding, down to the box's bottom row
 
 
-def test_a_training_jpeg_too_large_to_be_safe_is_refused_as_pil_refuses_it(tmp_path, monkeypatch):
+def test_a_training_jpeg_too_large_to_be_safe_is_refused_as_pil_refuses_it(tmp_path, monkeypatch, caplog):
     """read_for_crop checks an image's size as Image.open does: a warning past PIL's MAX_IMAGE_PIXELS, an error past
     twice that (a decompression bomb)."""
     from PIL import Image as PILImage
@@ -321,6 +321,21 @@ def test_a_training_jpeg_too_large_to_be_safe_is_refused_as_pil_refuses_it(tmp_p
     monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 500)
     with pytest.raises(PILImage.DecompressionBombError):
         read_for_crop(str(path))
+    # in a dataset, by every loader, it is an unreadable file: training warns and reads the next file in its place,
+    # evaluation leaves it out
+    from lion_vit.data.datasets import image_folder
+    from lion_vit.data.gpu import read_encoded
+    folder = tmp_path / "data" / "train" / "class_0"
+    folder.mkdir(parents=True)
+    (folder / "0_large.JPEG").write_bytes(path.read_bytes())
+    Image.new("RGB", (10, 20)).save(folder / "1_small.JPEG")
+    for loader in (read_for_crop, None, read_encoded):
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            image, label = image_folder(str(tmp_path / "data"), "train", loader=loader)[0]
+        assert image.size == (10, 20) and label == 0, loader
+        assert "unreadable image" in caplog.text and "0_large.JPEG (Image size (1200 pixels) exceeds" in caplog.text
+        assert image_folder(str(tmp_path / "data"), "train", drop_unreadable=True, loader=loader)[0] == (None, -1)
 
 
 def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them(tmp_path, caplog):
@@ -368,6 +383,7 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
         assert torch.equal(new_image, old_image) and new_target == old_target
     warned = {name for name in bad for record in caplog.records if f"{name}.JPEG" in record.getMessage()}
     assert warned == set(bad) - {"png"}  # (PIL reads a PNG whatever its name, through either loader)
+    assert any("garbage.JPEG (not an image format PIL reads)" in record.getMessage() for record in caplog.records)
     torchvisions = Compose([RandomResizedCrop(24), PILToTensor()])  # (its crop draws from torch's generator)
     new.transform = old.transform = torchvisions
     assert build_dataset(cfg.data, "train", torchvisions).loader is read_for_crop

@@ -20,7 +20,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import UserError
-from .jpeg import DecodedOnCrop, UnreadableImage
+from .jpeg import PIL_ERRORS, DecodedOnCrop, UnreadableImage
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class SafeImageFolder(ImageFolder):
         draws of an unreadable file are taken back: the next file is drawn for as if read in its place."""
         try:
             image = self.loader(path)
-        except (OSError, ValueError, SyntaxError) as error:  # PIL raises these for corrupt files
+        except PIL_ERRORS as error:
             raise UnreadableImage(str(error)) from error
         if self.transform is None:
             return image

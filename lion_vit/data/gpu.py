@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import ColorJitter, InterpolationMode, RandomHorizontalFlip
 
 from ..errors import UserError, first_line
+from .jpeg import PIL_ERRORS, open_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def read_encoded(path: str) -> Encoded:
     header (PIL raises for a file it cannot identify, as it does when it decodes one)."""
     with open(path, "rb") as f:
         data = f.read()
-    with Image.open(io.BytesIO(data)) as image:
+    with open_bytes(data) as image:
         size, orientation = image.size, _orientation(image)
     return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), size, path, orientation)
 
@@ -550,7 +551,7 @@ class Decoder:
         try:
             with Image.open(io.BytesIO(file.data.numpy().tobytes())) as image:
                 pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
-        except (OSError, ValueError, SyntaxError) as error:
+        except PIL_ERRORS as error:
             raise UserError(f"unreadable training image {file.path} ({error}); remove or replace it") from None
         if not self.fallbacks:
             log.warning("data.decode=gpu: %s was decoded by PIL on the CPU (the device decoder: %s); such files "

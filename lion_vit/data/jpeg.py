@@ -22,13 +22,18 @@ import re
 import struct
 from typing import Optional, Tuple
 
-from PIL import Image, JpegImagePlugin
+from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
 # A value for the ends of the last wanted row before decoding: if both are still there afterwards, the decoder
 # stopped early (an error) or the row really ends in that colour; either way PIL decodes the whole image.
 _SENTINEL = {"L": 7, "RGB": (7, 251, 13), "CMYK": (7, 251, 13, 3)}
 _START, _END = b"\xff\xd8\xff", b"\xff\xd9"
 _MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")  # a marker: not a data byte 0xFF, a restart marker or fill
+
+
+# What PIL raises for a file it cannot read: damaged data, and an image past twice its size limit
+# (Image.MAX_IMAGE_PIXELS: DecompressionBombError, which is none of the others).
+PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 class UnreadableImage(OSError):
@@ -48,7 +53,7 @@ class DecodedOnCrop(JpegImagePlugin.JpegImageFile):
         try:
             rows = self._decoded_rows(box) if box is not None else None
             image = rows.crop(box) if rows is not None else super().crop(box)  # (PIL's: the whole image)
-        except (OSError, ValueError, SyntaxError) as error:  # as SafeImageFolder catches from a loader
+        except PIL_ERRORS as error:  # as SafeImageFolder catches from a loader
             raise UnreadableImage(str(error)) from error
         return image if image.mode == "RGB" else image.convert("RGB")
 
@@ -100,4 +105,13 @@ def read_for_crop(path: str) -> Image.Image:
         else:
             Image._decompression_bomb_check(image.size)  # (as Image.open: a warning, or an error past twice the limit)
             return image
-    return Image.open(io.BytesIO(data)).convert("RGB")
+    return open_bytes(data).convert("RGB")
+
+
+def open_bytes(data: bytes) -> Image.Image:
+    """Image.open of a file's bytes; for a file of no format PIL reads, an error that says so (PIL's names the buffer,
+    `<_io.BytesIO object at 0x...>`, where the callers name the file)."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise UnidentifiedImageError("not an image format PIL reads") from None
