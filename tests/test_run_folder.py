@@ -18,7 +18,8 @@ import torch
 from lion_vit.engine import checkpoint as ckpt
 from lion_vit.engine import interrupts, rundir
 from lion_vit.errors import UserError
-from runs import ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_python, run_train
+from runs import (ENV, ROOT, SMALL_LION, assert_clean_error, assert_ok, read_metrics, run_python, run_train,
+                  two_gloo_ranks)
 
 
 def _args(folder, output_dir):
@@ -344,6 +345,53 @@ def test_unreadable_images_are_left_out_of_the_evaluation_and_named_once(run, fo
             assert str(bad[0]) not in proc.stdout + proc.stderr  # named in train.log, counted on the console
     assert results["with"]["num_images"] == results["without"]["num_images"] == good
     assert results["with"]["acc1"] == pytest.approx(results["without"]["acc1"], rel=1e-6)
+
+
+class _ValSet:
+    """What evaluate reads of a dataset for the images it left out: their paths, and the dataset's size."""
+    samples = [(f"/data/val/c/{i}.JPEG", 0) for i in range(6)]
+
+    def __len__(self):
+        return len(self.samples)
+
+
+class _Batches(list):
+    dataset = _ValSet()
+
+
+class _Pixels(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 2)
+
+    def forward(self, images):
+        return self.fc(images.float().flatten(1))
+
+
+def _evaluate_a_share_with_unreadable_images(rank: int, out: Path) -> None:
+    """One rank of two evaluating its half of _ValSet, samples 1, 3 and 5 unreadable (one on rank 0, two on 1)."""
+    from lion_vit.data.datasets import collate_dropping_unreadable
+    from lion_vit.engine.logs import setup_logging
+    from lion_vit.engine.loop import Precision, evaluate
+    folder = out / f"rank{rank}"
+    folder.mkdir()
+    setup_logging(folder, is_main=rank == 0)
+    image = torch.zeros(3, 2, 2, dtype=torch.uint8)
+    share = range(3 * rank, 3 * rank + 3)
+    loader = _Batches([collate_dropping_unreadable([(None, -(i + 1)) if i % 2 else (image, 0) for i in share])])
+    stats = evaluate(_Pixels(), loader, torch.device("cpu"), Precision(torch.device("cpu")), show_progress=False)
+    (folder / "num_images").write_text(str(stats["num_images"]))
+
+
+def test_rank_0_counts_and_names_the_unreadable_images_of_every_rank(tmp_path):
+    """A distributed evaluation's images left out: rank 0's train.log counts and names all ranks' (others have
+    no train.log), not its own share alone."""
+    two_gloo_ranks(_evaluate_a_share_with_unreadable_images, tmp_path)
+    log = (tmp_path / "rank0" / "train.log").read_text()
+    assert "3 unreadable image(s) left out of this evaluation's 6; named in train.log" in log
+    assert all(log.count(f"left out of the evaluation: /data/val/c/{i}.JPEG") == 1 for i in (1, 3, 5))
+    assert not (tmp_path / "rank1" / "train.log").exists()
+    assert [(tmp_path / f"rank{rank}" / "num_images").read_text() for rank in (0, 1)] == ["3", "3"]
 
 
 def test_a_checkpoint_that_is_a_folder_says_so(tmp_path):

@@ -89,6 +89,17 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def gather_to_main(items: List[Any]) -> Optional[List[Any]]:
+    """On rank 0, every rank's list of (picklable) items in rank order; None on the others. Every rank must call
+    it. Not distributed: the list itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(items)
+    main = dist.get_rank() == 0
+    lists: Optional[List[Any]] = [None] * dist.get_world_size() if main else None
+    dist.gather_object(list(items), lists, dst=0)
+    return [item for part in lists for item in part] if lists is not None else None
+
+
 def cleanup() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

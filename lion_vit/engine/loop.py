@@ -15,7 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..data.datasets import split_unreadable
-from .distributed import all_reduce_sum
+from .distributed import all_reduce_sum, gather_to_main
 from .interrupts import agreement, raise_if_agreed, raise_if_requested
 
 log = logging.getLogger("lion_vit")
@@ -249,11 +249,13 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
         sums += torch.stack([criterion(logits, targets).double(), hits[:, 0].sum().double(), hits.sum().double()])
         count += targets.shape[0]
         progress.report(step)
-    if unreadable:
-        _name_unreadable(unreadable, loader.dataset)
     sums = sums.tolist()  # (waits for the device: its work is in the time)
     elapsed = time.perf_counter() - start
-    loss_sum, correct1, correct5, count = all_reduce_sum([*sums, count], device)
+    loss_sum, correct1, correct5, count, left_out = all_reduce_sum([*sums, count, len(unreadable)], device)
+    if left_out:  # (rank 0 names every rank's)
+        everyone = gather_to_main(unreadable)
+        if everyone is not None:
+            _name_unreadable(everyone, loader.dataset)
     evaluated = int(round(count))
     count = max(count, 1)
     stats = {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
