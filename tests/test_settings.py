@@ -100,6 +100,13 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^model.kwargs.attn_form is the setting model.attn_form; pass "
                                         "model.attn_form=<value> instead"):
         build_model(OmegaConf.merge(model, {"kwargs": {"attn_form": "rnn"}}), 3, 32)
+    # the data are RGB: another number of channels is named before the run starts, not by its first batch
+    for name in (model.name, "deit_tiny_patch16_224"):
+        with pytest.raises(UserError, match=r"^model.kwargs.in_chans=1: train.py's data are RGB images, grey ones "
+                                            r"converted \(3 channels\); drop it$"):
+            build_model(OmegaConf.merge(model, {"name": name, "kwargs": {"in_chans": 1}}), 3, 32)
+    assert build_model(OmegaConf.merge(model, {"kwargs": {"in_chans": 3}}), 3, 32)(torch.randn(1, 3, 32, 32)).shape \
+        == (1, 3)
     # a timm model without stochastic depth takes no drop_path_rate: built without it at 0, else named
     cnn = OmegaConf.create({**OmegaConf.to_container(model), "name": "dla46_c", "patch_size": None, "kwargs": {}})
     assert build_model(OmegaConf.merge(cnn, {"drop_path_rate": 0.0}), 3, 32)(torch.randn(2, 3, 32, 32)).shape == (2, 3)

@@ -51,6 +51,9 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"model.kwargs.{key}: train.py sets it from the data ({num_classes} classes here); drop it"
                         if setting is None else f"model.kwargs.{key} is the setting {setting}; pass {setting}=<value> "
                         f"instead")
+    if model_kwargs.get("in_chans", 3) != 3:  # (else the first batch's error, after the run has started)
+        raise UserError(f"model.kwargs.in_chans={model_kwargs['in_chans']}: train.py's data are RGB images, grey "
+                        f"ones converted (3 channels); drop it")
     if not initial_weights:
         model_kwargs = _without_initial_weights(model_kwargs)
     kwargs: Dict[str, Any] = dict(num_classes=num_classes, drop_path_rate=model_cfg.drop_path_rate, **model_kwargs)
