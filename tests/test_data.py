@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import pickle
 import random
 import re
 from pathlib import Path
@@ -80,6 +81,23 @@ def test_cifar_format_loading(tmp_path):
     test_batch.write_bytes(whole[:100])  # an archive extracted in part
     with pytest.raises(UserError, match=r"^cannot read CIFAR file .*test_batch: .*; re-extract the archive$"):
         cifar(str(root), 10, train=False)
+    # content of another shape: one line naming the file and what is wrong, not a traceback from the training
+    entry = pickle.loads(whole)
+    wrong = {"its 'data' is not rows of 3,072 bytes": {**entry, b"data": entry[b"data"][:, :3000]},
+             "its 'labels' is not a list of 6 labels": {b"data": entry[b"data"]},
+             "its 'labels' holds labels outside 0-9": {**entry, b"labels": [10] * 6},
+             "": [entry]}
+    for problem, content in wrong.items():
+        test_batch.write_bytes(pickle.dumps(content))
+        with pytest.raises(UserError, match=rf"^{'' if problem else 'CIFAR file '}.*test_batch "
+                                            rf"{'is not a CIFAR-10 batch: ' + problem if problem else 'holds a list'}"):
+            cifar(str(root), 10, train=False)
+    meta = root / "cifar-10-batches-py" / "batches.meta"
+    names = meta.read_bytes()
+    meta.write_bytes(pickle.dumps({b"label_names": [b"c0"]}))
+    with pytest.raises(UserError, match=r"batches.meta does not name CIFAR-10's 10 classes under 'label_names'"):
+        cifar(str(root), 10, train=True)
+    meta.write_bytes(names)
     test_batch.write_bytes(whole)
     proc = run_train(*SMALL_LION, "data=cifar10", f"data.root={root}", "epochs=1", "batch_size=8", "aug=none",
                      f"output_dir={tmp_path / 'out'}")

@@ -89,11 +89,32 @@ def cifar(root: str, num_classes: int, train: bool, transform: Optional[Callable
         files, meta = (["train"] if train else ["test"]), "meta"
     images, labels = [], []
     for name in files:
-        entry = _unpickle(base / name)
-        images.append(np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        labels.extend(int(t) for t in entry[label_key])
-    classes = [c.decode() if isinstance(c, bytes) else c for c in _unpickle(base / meta)[names_key]]
+        batch_images, batch_labels = _cifar_batch(base / name, label_key, num_classes)
+        images.append(batch_images)
+        labels.extend(batch_labels)
+    names = _unpickle(base / meta).get(names_key)
+    if not isinstance(names, list) or len(names) != num_classes:
+        raise UserError(f"{base / meta} does not name CIFAR-{num_classes}'s {num_classes} classes under "
+                        f"'{names_key}'; re-extract the archive")
+    classes = [c.decode() if isinstance(c, bytes) else str(c) for c in names]
     return ArrayImages(np.concatenate(images), labels, classes, transform)
+
+
+def _cifar_batch(path: Path, label_key: str, num_classes: int) -> Tuple[np.ndarray, List[int]]:
+    """A batch file's images [N, 32, 32, 3] and labels; content of another shape is one line naming the file
+    (else a reshape, a missing key or a label out of range fails later with a traceback)."""
+    entry = _unpickle(path)
+    data, labels = np.asarray(entry.get("data")), entry.get(label_key)
+    problem = None
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        problem = "its 'data' is not rows of 3,072 bytes (uint8 [N, 3072])"
+    elif not isinstance(labels, list) or len(labels) != len(data):
+        problem = f"its '{label_key}' is not a list of {len(data)} labels, one per image"
+    elif not all(isinstance(t, (int, np.integer)) and 0 <= t < num_classes for t in labels):
+        problem = f"its '{label_key}' holds labels outside 0-{num_classes - 1}"
+    if problem:
+        raise UserError(f"{path} is not a CIFAR-{num_classes} batch: {problem}; re-extract the archive")
+    return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), [int(t) for t in labels]
 
 
 def _unpickle(path: Path) -> dict:
@@ -102,6 +123,8 @@ def _unpickle(path: Path) -> dict:
             entry = pickle.load(f, encoding="latin1")
     except (OSError, pickle.UnpicklingError, EOFError) as error:
         raise UserError(f"cannot read CIFAR file {path}: {error}; re-extract the archive") from None
+    if not isinstance(entry, dict):
+        raise UserError(f"CIFAR file {path} holds a {type(entry).__name__}, not a dict; re-extract the archive")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
 
 
