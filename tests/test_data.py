@@ -5,6 +5,7 @@ import io
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,22 @@ def test_flat_val_folder_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no images found under"):
         image_folder(str(tmp_path), "empty")
+
+
+def test_hidden_folders_are_not_classes(tmp_path):
+    """Jupyter's .ipynb_checkpoints (empty, or holding an image) and a .git folder beside the class folders: the
+    classes and labels are the visible folders', as without them; an empty hidden folder is no error."""
+    from lion_vit.data.datasets import image_folder
+    root = make_image_folder(tmp_path / "imgs", classes=2, train_per_class=2, val_per_class=1)
+    plain = image_folder(str(root), "train")
+    (root / "train" / ".ipynb_checkpoints").mkdir()
+    (root / "val" / ".git" / "objects").mkdir(parents=True)
+    shutil.copy(root / "train" / "class_0" / "img_0.png", root / "val" / ".git" / "objects" / "img.png")
+    for split in ("train", "val"):
+        dataset = image_folder(str(root), split)
+        assert dataset.classes == ["class_0", "class_1"] and dataset.class_to_idx == {"class_0": 0, "class_1": 1}
+        assert all(not Path(path).parent.name.startswith(".") for path, _ in dataset.samples)
+    assert image_folder(str(root), "train").samples == plain.samples
 
 
 def test_a_missing_split_says_what_the_root_holds(tmp_path):

@@ -9,7 +9,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -144,6 +144,15 @@ class SafeImageFolder(ImageFolder):
         self.drop_unreadable = drop_unreadable
         self._warned: set = set()
 
+    def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
+        """ImageFolder's classes, hidden folders left out: Jupyter's .ipynb_checkpoints, .git or a sync tool's
+        folder is never a class, and as one it would shift every label and fail the check against val's classes."""
+        classes, _ = super().find_classes(directory)
+        classes = [name for name in classes if not name.startswith(".")]
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: index for index, name in enumerate(classes)}
+
     def __getitem__(self, index: int) -> Tuple[Any, int]:
         for offset in range(len(self.samples)):
             path, target = self.samples[(index + offset) % len(self.samples)]
@@ -190,7 +199,7 @@ def _missing_split(root: Path, path: Path) -> str:
     fix = "set data.root to a folder with train/ and val/ class subfolders (see data/README.md)"
     if not root.is_dir():
         return f"data.root {_shown(root)} does not exist; {fix}"
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir())
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     listed = ", ".join(f"{name}/" for name in folders[:6]) + (", ..." if len(folders) > 6 else "")
     if any(f.suffix.lower() in IMG_EXTENSIONS for name in folders[:3] for f in (root / name).iterdir() if f.is_file()):
         return (f"data.root {root} looks like one split: its subfolders ({listed}) hold images; set data.root to "
