@@ -122,9 +122,10 @@ def test_flat_val_folder_is_named(tmp_path):
         image_folder(str(tmp_path), "empty")
 
 
-def test_hidden_folders_are_not_classes(tmp_path):
+def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
     """Jupyter's .ipynb_checkpoints (empty, or holding an image) and a .git folder beside the class folders: the
-    classes and labels are the visible folders', as without them; an empty hidden folder is no error."""
+    classes and labels are the visible folders', as without them; an empty hidden folder is no error. Nor are
+    hidden files and folders within a class its images (macOS's ._<name> copies beside each image)."""
     from lion_vit.data.datasets import image_folder
     root = make_image_folder(tmp_path / "imgs", classes=2, train_per_class=2, val_per_class=1)
     plain = image_folder(str(root), "train")
@@ -136,6 +137,15 @@ def test_hidden_folders_are_not_classes(tmp_path):
         assert dataset.classes == ["class_0", "class_1"] and dataset.class_to_idx == {"class_0": 0, "class_1": 1}
         assert all(not Path(path).parent.name.startswith(".") for path, _ in dataset.samples)
     assert image_folder(str(root), "train").samples == plain.samples
+    (root / "train" / "class_1" / "._img_0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (root / "train" / "class_1" / ".cache").mkdir()
+    shutil.copy(root / "train" / "class_1" / "img_0.png", root / "train" / "class_1" / ".cache" / "img_0.png")
+    (root / "train" / "class_1" / "sub").mkdir()  # (a visible folder within a class holds its images, as before)
+    shutil.copy(root / "train" / "class_1" / "img_0.png", root / "train" / "class_1" / "sub" / "img_9.png")
+    for given in (str(root), f"{root}/", str(root / ".." / root.name)):
+        samples = image_folder(given, "train").samples
+        assert [Path(path).relative_to(Path(given) / "train").as_posix() for path, _ in samples] == \
+            ["class_0/img_0.png", "class_0/img_1.png", "class_1/img_0.png", "class_1/img_1.png", "class_1/sub/img_9.png"]
 
 
 def test_a_missing_split_says_what_the_root_holds(tmp_path):

@@ -4,7 +4,9 @@ Every dataset yields (PIL image, int label), so one set of timm transforms serve
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import pickle
 import random
 import shutil
@@ -17,7 +19,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from ..errors import UserError
 from .jpeg import PIL_ERRORS, DecodedOnCrop, UnreadableImage
@@ -140,13 +142,15 @@ class SafeImageFolder(ImageFolder):
 
     def __init__(self, root: str, transform: Optional[Callable] = None, drop_unreadable: bool = False,
                  loader: Optional[Callable[[str], Any]] = None) -> None:
-        super().__init__(root, transform=transform, **({"loader": loader} if loader else {}))
+        visible = functools.partial(_visible_image, len(os.path.join(os.path.expanduser(root), "")))
+        super().__init__(root, transform=transform, is_valid_file=visible, **({"loader": loader} if loader else {}))
         self.drop_unreadable = drop_unreadable
         self._warned: set = set()
 
     def find_classes(self, directory: str) -> Tuple[List[str], Dict[str, int]]:
         """ImageFolder's classes, hidden folders left out: Jupyter's .ipynb_checkpoints, .git or a sync tool's
-        folder is never a class, and as one it would shift every label and fail the check against val's classes."""
+        folder is never a class, and as one it would shift every label and fail the check against val's classes
+        (hidden files and folders within a class: _visible_image)."""
         classes, _ = super().find_classes(directory)
         classes = [name for name in classes if not name.startswith(".")]
         if not classes:
@@ -186,6 +190,14 @@ class SafeImageFolder(ImageFolder):
                 random.setstate(draws[0])
                 torch.set_rng_state(draws[1])
             raise
+
+
+def _visible_image(start: int, path: str) -> bool:
+    """ImageFolder's test of a file (an image extension), hidden files and folders left out: macOS's ._<name>
+    copies of each image beside it are no images, and a hidden folder inside a class holds none of the class's.
+    start: where the path below the split's folder begins (ImageFolder joins it to the folder as given)."""
+    return has_file_allowed_extension(path, IMG_EXTENSIONS) and \
+        not any(part.startswith(".") for part in path[start:].split(os.sep))
 
 
 def _shown(path: Path) -> str:
