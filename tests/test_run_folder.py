@@ -394,6 +394,20 @@ def test_rank_0_counts_and_names_the_unreadable_images_of_every_rank(tmp_path):
     assert [(tmp_path / f"rank{rank}" / "num_images").read_text() for rank in (0, 1)] == ["3", "3"]
 
 
+def test_an_evaluation_of_no_readable_image_is_one_line_not_a_score_of_0():
+    """A loss of 0 and accuracies of 0 % would be a score of no image (a val split of a format PIL cannot read)."""
+    from lion_vit.data.datasets import collate_dropping_unreadable
+    from lion_vit.engine.loop import Precision, evaluate
+    cpu = torch.device("cpu")
+    loader = _Batches([collate_dropping_unreadable([(None, -3), (None, -5)]), collate_dropping_unreadable([(None, -6)])])
+    with pytest.raises(UserError, match=r"^none of the 3 images of this evaluation could be read \(the first: "
+                                        r"/data/val/c/2.JPEG\); replace them with images PIL reads$"):
+        evaluate(_Pixels(), loader, cpu, Precision(cpu), show_progress=False)
+    image = torch.zeros(3, 2, 2, dtype=torch.uint8)
+    loader.append(collate_dropping_unreadable([(image, 1)]))  # one readable image: scored
+    assert evaluate(_Pixels(), loader, cpu, Precision(cpu), show_progress=False)["num_images"] == 1
+
+
 def test_a_checkpoint_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(UserError, match=r"^checkpoint=.* is a folder; pass a checkpoint file in it, e.g. "
                                         r".*checkpoint-best.pt"):

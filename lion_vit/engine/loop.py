@@ -15,6 +15,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..data.datasets import split_unreadable
+from ..errors import UserError
 from .distributed import all_reduce_sum, gather_to_main
 from .interrupts import agreement, raise_if_agreed, raise_if_requested
 
@@ -252,11 +253,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, precision: Precisio
     sums = sums.tolist()  # (waits for the device: its work is in the time)
     elapsed = time.perf_counter() - start
     loss_sum, correct1, correct5, count, left_out = all_reduce_sum([*sums, count, len(unreadable)], device)
+    evaluated = int(round(count))
     if left_out:  # (rank 0 names every rank's)
         everyone = gather_to_main(unreadable)
+        if not evaluated:  # (a loss and accuracies of no image would read as 0)
+            first = f" (the first: {loader.dataset.samples[min(everyone)][0]})" if everyone else ""
+            raise UserError(f"none of the {int(left_out)} images of this evaluation could be read{first}; replace "
+                            f"them with images PIL reads")
         if everyone is not None:
             _name_unreadable(everyone, loader.dataset)
-    evaluated = int(round(count))
     count = max(count, 1)
     stats = {"loss": loss_sum / count, "acc1": 100.0 * correct1 / count, "acc5": 100.0 * correct5 / count,
              "num_images": evaluated, "eval_time_s": elapsed}
