@@ -34,7 +34,7 @@ from lion_vit.engine.build import check_model_group
 from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.config import check_setting, composition_error
 from lion_vit.engine.trainer import train
-from lion_vit.errors import UserError
+from lion_vit.errors import UserError, user_message
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
@@ -69,7 +69,7 @@ def main(cfg: DictConfig) -> float:
         if isinstance(error, UserError):
             if job_dir is not None:  # a job failing before its first epoch leaves no folder, as a single run
                 rundir.remove_if_unused(job_dir, up_to=job_dir)
-            _exit_with_error(str(error))
+            _exit_with_error(user_message(error))
         raise
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 

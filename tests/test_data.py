@@ -444,6 +444,24 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
         new[0]
 
 
+def test_a_training_split_of_no_readable_image_is_one_line_also_from_a_worker(tmp_path):
+    """SafeImageFolder's UserError; raised in a DataLoader worker, torch re-raises it with the worker's traceback as
+    its message, of which user_message (train.py's error line) keeps the line."""
+    from lion_vit.data.datasets import image_folder
+    from lion_vit.errors import UserError, user_message
+    folder = tmp_path / "train" / "class_0"
+    folder.mkdir(parents=True)
+    for i in range(3):
+        (folder / f"{i}.JPEG").write_bytes(b"not an image")
+    dataset = image_folder(str(tmp_path), "train")
+    line = rf"no readable image under {dataset.root}: every file failed to read \(the warnings name them\)"
+    for workers in (0, 1):
+        with pytest.raises(UserError) as raised:
+            next(iter(torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=workers)))
+        assert re.fullmatch(line, user_message(raised.value)), workers
+        assert workers == 0 or "Traceback" in str(raised.value)  # (what torch makes of a worker's error)
+
+
 def test_an_evaluation_batch_of_unreadable_images_only_passes_through_the_device_step(tmp_path):
     """A batch whose every image is unreadable has no rows; the device's normalisation takes it, and
     split_unreadable still names its images."""

@@ -169,7 +169,7 @@ class SafeImageFolder(ImageFolder):
                     self._warned.add(path)
                     log.warning("unreadable image %s (%s): training on the next readable one in its place",
                                 path, error)
-        raise UserError(f"no readable image under {self.root}")
+        raise UserError(f"no readable image under {self.root}: every file failed to read (the warnings name them)")
 
     def _read(self, path: str) -> Any:
         """The file's image, transformed. Unreadable are the files the loader cannot read and those that an image
