@@ -174,9 +174,11 @@ class DataConfig:
     train_split: Optional[str] = setting(optional(_non_blank("a folder's name under data.root")))
     val_split: Optional[str] = setting(optional(_non_blank("a folder's name under data.root")))
     download: bool = setting(SWITCH)
-    mean: List[float] = setting(lambda v: _is_numbers(v, _is_number), "a list of numbers, one per channel")
-    std: List[float] = setting(lambda v: _is_numbers(v, lambda x: _is_number(x) and x > 0),
-                               "a list of positive numbers, one per channel")
+    # (one per channel of the RGB images: timm's loader would average a list of another length, with a warning)
+    mean: List[float] = setting(lambda v: _is_numbers(v, _is_number) and len(v) == 3,
+                                "a list of 3 numbers, one per channel (RGB)")
+    std: List[float] = setting(lambda v: _is_numbers(v, lambda x: _is_number(x) and x > 0) and len(v) == 3,
+                               "a list of 3 positive numbers, one per channel (RGB)")
     interpolation: str = setting(choices=INTERPOLATIONS)
     crop_pct: float = setting(lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
     decode: str = setting(choices=DECODES)
