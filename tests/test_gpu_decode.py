@@ -426,9 +426,10 @@ def test_what_has_no_device_version_is_one_clear_line():
         with pytest.raises(UserError, match=f"not {interpolation};"):
             DrawAugmentation(deit_transform(interpolation=interpolation, auto_augment=None, color_jitter=0.0))
     transform = deit_transform()
-    transform.transforms[2].ops[0].kwargs["resample"] = Image.Resampling.NEAREST
-    with pytest.raises(UserError, match="not nearest;"):
-        DrawAugmentation(transform)
+    for resample in (Image.Resampling.NEAREST, Image.Resampling.LANCZOS):  # (PIL's enum, whose values are numbers)
+        transform.transforms[2].ops[0].kwargs["resample"] = resample
+        with pytest.raises(UserError, match=f"not {resample.name.lower()};"):
+            DrawAugmentation(transform)
     DrawAugmentation(deit_transform(interpolation="random"))  # (timm's random: bilinear or bicubic)
 
 

@@ -144,15 +144,18 @@ def _check_filters(crop: RandomResizedCropAndInterpolation, augment: Optional[Ra
     """The device path resamples with PIL's bicubic and bilinear filters only (DeiT's is bicubic; timm's "random"
     picks one of the two): any other, in the crop's resize or RandAugment's geometric ops, is refused here, before
     a worker runs, rather than at the first batch that draws it."""
-    filters = list(crop.interpolation) if isinstance(crop.interpolation, (tuple, list)) else [crop.interpolation]
-    for op in augment.ops if augment is not None else []:
-        resample = op.kwargs.get("resample")
-        filters += list(resample) if isinstance(resample, (tuple, list)) else [resample] if resample is not None else []
+    ops = augment.ops if augment is not None else []
+    filters = _each(crop.interpolation) + [f for op in ops for f in _each(op.kwargs.get("resample"))]
     unknown = [f for f in filters if f not in _KERNEL_FILTERS]
-    if unknown:
-        name = getattr(unknown[0], "value", None) or getattr(unknown[0], "name", str(unknown[0]))
-        raise UserError(f"data.decode=gpu resamples with the bicubic and bilinear filters only, not {str(name).lower()}; "
-                        f"set data.interpolation=bicubic (DeiT's) or bilinear, or data.decode=cpu")
+    if unknown:  # (torchvision's InterpolationMode and PIL's Resampling both name theirs)
+        raise UserError(f"data.decode=gpu resamples with the bicubic and bilinear filters only, not "
+                        f"{unknown[0].name.lower()}; set data.interpolation=bicubic (DeiT's) or bilinear, or "
+                        f"data.decode=cpu")
+
+
+def _each(filters: Any) -> list:
+    """timm's filter setting as a list: one filter, a tuple of them to draw from ("random"), or none."""
+    return [] if filters is None else list(filters) if isinstance(filters, (tuple, list)) else [filters]
 
 
 def _no_jitter(jitter: ColorJitter) -> bool:
