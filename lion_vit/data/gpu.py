@@ -552,7 +552,7 @@ class Decoder:
 
     def _by_pil(self, file: Encoded, reason: str) -> Tensor:
         try:
-            with Image.open(io.BytesIO(file.data.numpy().tobytes())) as image:
+            with open_bytes(file.data.numpy().tobytes()) as image:
                 pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
         except PIL_ERRORS as error:
             raise UserError(f"unreadable training image {file.path} ({error}); remove or replace it") from None
