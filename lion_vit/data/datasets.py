@@ -152,7 +152,7 @@ class SafeImageFolder(ImageFolder):
         folder is never a class, and as one it would shift every label and fail the check against val's classes
         (hidden files and folders within a class: _visible_image)."""
         classes, _ = super().find_classes(directory)
-        classes = [name for name in classes if not name.startswith(".")]
+        classes = [name for name in classes if not _hidden(name)]
         if not classes:
             raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
         return classes, {name: index for index, name in enumerate(classes)}
@@ -192,12 +192,17 @@ class SafeImageFolder(ImageFolder):
             raise
 
 
+def _hidden(name: str) -> bool:
+    """A hidden file or folder's name (.git, .ipynb_checkpoints, macOS's ._<name>): never a class or an image."""
+    return name.startswith(".")
+
+
 def _visible_image(start: int, path: str) -> bool:
     """ImageFolder's test of a file (an image extension), hidden files and folders left out: macOS's ._<name>
     copies of each image beside it are no images, and a hidden folder inside a class holds none of the class's.
     start: where the path below the split's folder begins (ImageFolder joins it to the folder as given)."""
     return has_file_allowed_extension(path, IMG_EXTENSIONS) and \
-        not any(part.startswith(".") for part in path[start:].split(os.sep))
+        not any(_hidden(part) for part in path[start:].split(os.sep))
 
 
 def _shown(path: Path) -> str:
@@ -211,7 +216,7 @@ def _missing_split(root: Path, path: Path) -> str:
     fix = "set data.root to a folder with train/ and val/ class subfolders (see data/README.md)"
     if not root.is_dir():
         return f"data.root {_shown(root)} does not exist; {fix}"
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not _hidden(p.name))
     listed = ", ".join(f"{name}/" for name in folders[:6]) + (", ..." if len(folders) > 6 else "")
     if any(f.suffix.lower() in IMG_EXTENSIONS for name in folders[:3] for f in (root / name).iterdir() if f.is_file()):
         return (f"data.root {root} looks like one split: its subfolders ({listed}) hold images; set data.root to "
