@@ -89,6 +89,8 @@ def to_lion_vit(weights: Mapping[str, Tensor],
     selective, scans = settings["mask_type"] == "Selective", 2 if settings["order"] == "S" else 1
     needed = ("cls_token", "patch_embed.proj.weight", "head.weight") + (("pos_embed",) if settings["pos_emb"] else ())
     missing = [key for key in needed if key not in weights]
+    if not any(key.startswith("blocks.") for key in weights):  # (else the depth below has no maximum)
+        missing.append("blocks")
     if missing:
         raise ValueError(f"the weights have no {', '.join(missing)}: not the official LION code's layout (a DeiT "
                          f"ViT, always with a class token, and with pos_emb its positional embeddings)")

@@ -186,6 +186,9 @@ def test_bad_official_checkpoints_are_one_clear_error():
     checkpoint["model"]["blocks.0.mlp.fc1.weight"] = torch.zeros(5, WIDTH)
     with pytest.raises(ValueError, match=r"does not fit lion_d_tiny: size mismatch for blocks.0.mlp.fc1.weight"):
         from_official(checkpoint)
+    checkpoint["model"] = {key: value for key, value in checkpoint["model"].items() if not key.startswith("blocks.")}
+    with pytest.raises(ValueError, match=r"^the weights have no blocks: not the official LION code's layout"):
+        from_official(checkpoint)
     ours = {"model": timm.create_model("lion_d_tiny").state_dict(), "config": {"model": {"name": "lion_d_tiny"}}}
     with pytest.raises(ValueError, match=r"^the checkpoint was written by lion-vit's train.py \(lion_d_tiny\): it "
                                          "needs no conversion"):
