@@ -11,6 +11,9 @@ The official settings (mask_type, order, pos_emb, cls_tok) come from the checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,6 +24,8 @@ import torch  # noqa: E402
 
 from benchmarking import HelpFormatter  # noqa: E402
 from lion_vit.convert import ARGS, MissingSettings, convert_official  # noqa: E402
+from lion_vit.engine.checkpoint import write_failure  # noqa: E402
+from lion_vit.engine.rundir import outermost_missing  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +41,8 @@ def main() -> None:
                         help="override the checkpoint's")
     parser.add_argument("--no-ema", action="store_true", help="convert `model`, not `model_ema`")
     args = parser.parse_args()
+    if args.out.exists():  # (as timm's clean_checkpoint.py: out the official file itself would lose it)
+        parser.exit(2, f"error: {args.out} already exists; name a new file for the converted checkpoint\n")
     given = {name: getattr(args, name) for name in ARGS if getattr(args, name) is not None}
     try:
         name, kwargs, model = convert_official(args.official, given, use_ema=not args.no_ema)
@@ -49,9 +56,28 @@ def main() -> None:
     num_classes = kwargs.pop("num_classes")
     out = {"model": model.state_dict(), "num_classes": num_classes, "epoch": None,
            "config": {"model": {"name": name, "patch_size": 16, "kwargs": kwargs}}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(out, args.out)
+    error = write(out, args.out)
+    if error:
+        parser.exit(2, f"error: could not write {args.out} ({error}); name another file\n")
     print(f"wrote {args.out}: {name}, {num_classes} classes, model.kwargs={kwargs}")
+
+
+def write(state: dict, path: Path) -> str:
+    """state saved whole at path (a temp file renamed), or why not; a failed write leaves no file or folder."""
+    created, tmp = outermost_missing(path.parent), path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
+        return ""
+    except (OSError, RuntimeError) as error:  # a full disk, a file where a folder should be, no permission
+        with contextlib.suppress(OSError):  # (never written, or too long a name)
+            tmp.unlink()
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        where = getattr(error, "filename", None)  # (a parent that is a file, say)
+        return write_failure(error) if where in (None, str(tmp)) else f"{where}: {write_failure(error)}"
 
 
 if __name__ == "__main__":

@@ -212,6 +212,22 @@ def test_an_official_checkpoint_given_where_ours_belong_says_to_convert_it(tmp_p
         lion_vit.init_from_vit(timm.create_model("lion_d_natural_tiny"), str(path))
 
 
+def test_convert_script_never_overwrites_and_a_failed_write_leaves_nothing(tmp_path):
+    """An existing out (the official file itself, say) is refused before anything is read; a write that fails is
+    one line naming why, and leaves neither a file nor a folder it created."""
+    official = tmp_path / "official.pth"
+    torch.save(official_checkpoint("Decay", "Normal", False, False), official)
+    before = official.read_bytes()
+    for out, needle in ((official, f"{official} already exists; name a new file"),
+                        (official / "x.pt", f"could not write {official / 'x.pt'} ({official}: "),
+                        # a name one longer than the file system takes for its temp file: fails after the mkdir
+                        (tmp_path / "new" / "sub" / ("x" * (255 - 3 - 3) + ".pt"), "(File name too long)")):
+        bad = run_python("scripts/convert_official.py", str(official), str(out))
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+        assert len(bad.stderr.splitlines()) == 1 and needle in bad.stderr, bad.stderr
+    assert official.read_bytes() == before and sorted(tmp_path.iterdir()) == [official]
+
+
 def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     """The converted file is a checkpoint of this project: its config names the architecture, and it
     loads where train.py's checkpoints load (a bad file is one error line)."""
@@ -224,6 +240,7 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     proc = run_python("scripts/convert_official.py", str(official), str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"wrote {out}: lion_s_natural_tiny, 10 classes" in proc.stdout
+    assert sorted(tmp_path.iterdir()) == [out, official]  # (written through a temp file, which is gone)
     state = load_checkpoint(out)  # torch's safe load: plain data only
     arch = OmegaConf.create({"attn_form": "rnn", "attn_backend": "auto", "chunk_size": None, "drop_path_rate": 0.0,
                              **trained_architecture(state)})
@@ -233,7 +250,9 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():
         assert rel_err(model.eval()(x), reference.eval()(x)) < 1e-5
-    bad = run_python("scripts/convert_official.py", str(official), str(out), "--order", "Normal", "--mask-type", "Lit")
+    fresh = tmp_path / "fresh.pt"  # (out exists now: refused, as the test above checks)
+    bad = run_python("scripts/convert_official.py", str(official), str(fresh), "--order", "Normal",
+                     "--mask-type", "Lit")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
     # a checkpoint without its settings: the options that give them; this project's own weights: not official
     bare = tmp_path / "bare.pth"
@@ -243,7 +262,7 @@ def test_convert_script_writes_a_checkpoint_that_train_py_evaluates(tmp_path):
     for source, needles in ((bare, ["does not say its mask_type, order, pos_emb, cls_tok; pass --mask-type",
                                     "--order {Normal,S}", "--pos-emb or --no-pos-emb", "--cls-tok or --no-cls-tok"]),
                             (ours, ["the weights have no cls_token: not the official LION code's layout"])):
-        bad = run_python("scripts/convert_official.py", str(source), str(out), *["--mask-type", "Decay", "--order",
+        bad = run_python("scripts/convert_official.py", str(source), str(fresh), *["--mask-type", "Decay", "--order",
                          "Normal", "--no-pos-emb", "--no-cls-tok"] * (source == ours))
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
         assert len(bad.stderr.splitlines()) == 1 and all(needle in bad.stderr for needle in needles), bad.stderr
