@@ -638,6 +638,13 @@ def test_an_experiment_of_ones_own_is_found_with_config_dir(tmp_path):
     proc = run_train("--config-dir", str(tmp_path), "experiment=mine", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr
     assert "epochs: 7" in proc.stdout and "name: lion_s_tiny" in proc.stdout
+    # one beside the group's folder, not in it: Hydra does not find it, and the line says where it goes
+    (tmp_path / "experiment" / "mine.yaml").rename(tmp_path / "mine.yaml")
+    proc = run_train("--config-dir", str(tmp_path), "experiment=mine", f"output_dir={tmp_path / 'run'}")
+    assert_clean_error(proc, "there is no config experiment=mine; the choices for experiment are cifar100, ",
+                       f"; Hydra reads experiment configs from a folder named experiment: move {tmp_path}/mine.yaml "
+                       f"to {tmp_path}/experiment/mine.yaml")
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
 
 
 def test_model_deit_with_an_experiments_lion_name_names_the_softmax_twin(tmp_path):

@@ -415,7 +415,12 @@ def composition_error(error: Exception) -> str:
     missing, options = getattr(error, "missing_cfg_file", None), getattr(error, "options", None)
     if missing and options:  # group=option, where configs/<group>/ has no <option>.yaml
         group, _, option = missing.rpartition("/")
-        return f"there is no config {group}={option}; the choices for {group} are {', '.join(options)}"
+        line = f"there is no config {group}={option}; the choices for {group} are {', '.join(options)}"
+        for folder in re.findall(r"path=file://(\S+)", str(error)):  # (Hydra's search path: configs/, --config-dir)
+            if os.path.isfile(os.path.join(folder, f"{option}.yaml")):  # (a group's options are in its own folder)
+                return f"{line}; Hydra reads {group} configs from a folder named {group}: move " \
+                       f"{os.path.join(folder, option)}.yaml to {os.path.join(folder, group, option)}.yaml"
+        return line
     appended = re.match(r"Multiple values for (\S+)\. To override a value use 'override \1: (\S+)'", str(error))
     if appended:  # +group=option (Hydra's idiom for a group its defaults leave out) where the defaults have it
         group, option = appended.groups()
