@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
@@ -130,7 +131,7 @@ def _run_main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
-    except (HydraException, OmegaConfBaseException) as error:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as error:  # (YAML: a config file's syntax)
         if report or _raised_in_the_run(error):
             raise
         _exit_with_error(composition_error(error))

@@ -645,6 +645,17 @@ def test_an_experiment_of_ones_own_is_found_with_config_dir(tmp_path):
                        f"; Hydra reads experiment configs from a folder named experiment: move {tmp_path}/mine.yaml "
                        f"to {tmp_path}/experiment/mine.yaml")
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
+    # one without its package line (its keys land under experiment.), one that is not YAML
+    (tmp_path / "experiment" / "nopkg.yaml").write_text("epochs: 7\n")
+    (tmp_path / "experiment" / "broken.yaml").write_text("# @package _global_\nepochs: 7\n\tbatch_size: 8\n")
+    for name, needles in (("nopkg", ["experiment is not a setting of train.py: an experiment file sets the run's "
+                                     "settings only when its first line is '# @package _global_'"]),
+                          ("broken", [f"cannot read the config file {tmp_path}/experiment/broken.yaml: while "
+                                      f"scanning for the next token; found character '\\t' that cannot start any "
+                                      f"token (line 3, column 1); fix its YAML"])):
+        proc = run_train("--config-dir", str(tmp_path), f"experiment={name}", f"output_dir={tmp_path / 'run'}")
+        assert_clean_error(proc, *needles)
+        assert proc.returncode == 2 and not (tmp_path / "run").exists()
 
 
 def test_model_deit_with_an_experiments_lion_name_names_the_softmax_twin(tmp_path):

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import omegaconf
 import torch
+import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 from timm.data.auto_augment import augment_and_mix_transform, auto_augment_transform, rand_augment_transform
@@ -395,6 +396,9 @@ def _check_rule(name: str, f: dataclasses.Field, value: Any) -> None:
 
 def unknown_setting(name: str) -> UserError:
     """A setting train.py does not have, with the nearest names it has (a typo is the usual cause)."""
+    if name.partition(".")[0] == "experiment":  # (an experiment file's keys, where it lacks its package line)
+        return UserError(f"{name} is not a setting of train.py: an experiment file sets the run's settings only when "
+                         f"its first line is '# @package _global_', as in configs/experiment/")
     near = difflib.get_close_matches(name, [known for known, _, _ in _fields(RunConfig)], n=3, cutoff=0.7)
     guess = f"; did you mean {' or '.join(near)}?" if near else ""
     return UserError(f"{name} is not a setting of train.py{guess} (see configs/ for the settings; model.kwargs "
@@ -403,9 +407,14 @@ def unknown_setting(name: str) -> UserError:
 
 def composition_error(error: Exception) -> str:
     """One line for Hydra's error while it composes the config from the command line, before train.py runs:
-    a setting the config lacks, a config group option that configs/ lacks, an override it cannot parse.
-    (Hydra prints these over several lines, ending in advice on stack traces; for an unknown setting it
+    a setting the config lacks, a config group option that configs/ lacks, an override it cannot parse, a config
+    file that is not YAML. (Hydra prints these over several lines, ending in advice on stack traces; for an unknown setting it
     suggests appending it with +, which the settings check then refuses.)"""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:  # a config file's syntax
+        mark = error.problem_mark
+        what = "; ".join(part for part in (error.context, error.problem) if part)
+        return f"cannot read the config file {mark.name}: {what} (line {mark.line + 1}, column {mark.column + 1}); " \
+               f"fix its YAML"
     cause = error.__cause__
     name = str(getattr(cause, "full_key", None) or "")
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and name and not name.startswith("hydra."):
