@@ -64,9 +64,9 @@ def results(folder: Path) -> Tuple[List[str], Dict[Tuple[str, ...], List[Tuple[f
         config, metrics = job / "config.yaml", job / "metrics.jsonl"
         if not (config.is_file() and metrics.is_file()):
             continue
-        settings = yaml.safe_load(config.read_text())
+        settings = _read(config, yaml.safe_load, yaml.YAMLError, ("epochs",))
         lines = logged_epochs(metrics.read_text())
-        if len(lines) < settings["epochs"]:
+        if settings is None or len(lines) < settings["epochs"]:
             continue
         finished.append((_flat(settings), (lines[-1]["val_acc1"], max(line["val_acc1"] for line in lines))))
     names = list(dict.fromkeys(name for flat, _ in finished for name in flat))
@@ -95,7 +95,27 @@ def logged_epochs(text: str) -> List[Dict[str, Any]]:
 
 def evaluations(folder: Path) -> List[Dict[str, Any]]:
     """Each job's eval.json (an evaluation sweep), in job order."""
-    return [json.loads((job / "eval.json").read_text()) for job in jobs(folder) if (job / "eval.json").is_file()]
+    found = [_read(job / "eval.json", json.loads, ValueError, EVALUATED) for job in jobs(folder)
+             if (job / "eval.json").is_file()]
+    return [e for e in found if e is not None]
+
+
+def _read(path: Path, parse, errors, keys: Tuple[str, ...]):
+    """path's contents parsed, or None for a file that is not the dict of `keys` train.py writes there (named on
+    stderr: a file edited or written by something else)."""
+    try:
+        read = parse(path.read_text())
+        why = "" if isinstance(read, dict) and set(keys) <= set(read) else f"not a mapping of {', '.join(keys)}"
+    except (errors, OSError, UnicodeDecodeError) as error:
+        why = str(error).strip().splitlines()[0]
+    if why:
+        print(f"left out {path}: not as train.py writes it ({why})", file=sys.stderr)
+        return None
+    return read
+
+
+EVALUATED = ("model", "weights", "img_size", "attn_form", "chunk_size", "attn_plan", "acc1", "acc5", "loss",
+             "num_images")  # (what an eval.json holds that the table reads)
 
 
 def spread(values) -> str:

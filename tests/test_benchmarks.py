@@ -781,9 +781,16 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
                 with open(job / "metrics.jsonl", "a") as metrics:
                     metrics.write('{"epoch": 3, "val_ac')
     (tmp_path / "outputs" / "notes").mkdir()  # not a run
+    broken = tmp_path / "outputs" / "2026-12-03_17-09-00-9"  # a run whose config.yaml was edited into bad YAML
+    broken.mkdir()
+    (broken / "config.yaml").write_text("epochs: [2\n")
+    (broken / "metrics.jsonl").write_text(json.dumps({"val_acc1": 99.0}) + "\n")
     table = ["| lion_gla_tiny | 2 | 60.0 ± 14.1 | 65.0 ± 7.1 |", "| deit_tiny | 1 | 45.0 | 45.0 |"]
     assert run_script("sweep_table.py", str(tmp_path / "sweep")).splitlines()[2:] == table
-    assert run_script("sweep_table.py", str(tmp_path / "outputs")).splitlines()[2:] == table
+    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "outputs"))
+    assert proc.returncode == 0 and proc.stdout.splitlines()[2:] == table
+    assert proc.stderr.startswith(f"left out {broken / 'config.yaml'}: not as train.py writes it (while parsing a flow "
+                                  f"sequence)"), proc.stderr
     run = next((tmp_path / "outputs").glob("*-02-00-2"))
     assert run_script("sweep_table.py", str(run)).splitlines()[2:] == ["| deit_tiny | 1 | 45.0 | 45.0 |"]
     # a sweep over another setting too: a row per model and value, a column for it; the seed is what jobs average
@@ -808,7 +815,8 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
 def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
     """An evaluation sweep (eval_only=true, one eval.json per job): a row per job in the sweep's order, with the
     form, chunk size and plan that ran (empty for a softmax model's nulls) and its speed and GPU memory (empty in an
-    eval.json from before they were recorded); a job without its eval.json is left out."""
+    eval.json from before they were recorded); a job without its eval.json is left out, and one whose eval.json is not
+    train.py's too, named on stderr."""
     evals = [dict(model="lion_d_small", weights="model", img_size=448, attn_form="chunk", chunk_size=64,
                   attn_plan="chunk form, cpu backend: 13 chunks in groups of rows", acc1=71.25, acc5=90.5, loss=1.23456,
                   num_images=50000, batch_size=64, eval_time_s=40.0, imgs_per_s=1250.0, peak_gpu_mem_mb=2345.6),
@@ -820,7 +828,13 @@ def test_sweep_table_lists_an_evaluation_sweep_job_by_job(tmp_path):
         job.mkdir()
         if evaluation is not None:
             (job / "eval.json").write_text(json.dumps(evaluation))
-    lines = run_script("sweep_table.py", str(tmp_path)).splitlines()
+    for index, text in ((3, '{"model": "lion'), (4, "[1, 2]")):  # not an eval.json of train.py: named and left out
+        (tmp_path / str(index)).mkdir()
+        (tmp_path / str(index) / "eval.json").write_text(text)
+    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path))
+    assert proc.returncode == 0 and [line.split(" (")[0] for line in proc.stderr.splitlines()] == [
+        f"left out {tmp_path / str(index) / 'eval.json'}: not as train.py writes it" for index in (3, 4)], proc.stderr
+    lines = proc.stdout.splitlines()
     assert lines[0] == "| model | weights | img_size | form | chunk_size | what ran | top-1 (%) | top-5 (%) | loss | " \
                        "images | batch_size | images/s | peak GPU memory (MB) |"
     assert lines[1] == "|---" * 13 + "|"
