@@ -195,7 +195,22 @@ class LionAttention(nn.Module):
         """log lam <= 0 as [S, B|1, H, L|1] (vector kinds: [S, B|1, H, L, Dk]) in token order, or None for LION-lit."""
         if not self.decayed:
             return None
-        return _log_decays(self.decay(x), x, self.num_prefix_tokens if self.prefix_decay_one else 0, self.decay.vector)
+        log_decay = self.decay(x)
+        if not (fx_tracing() or torch.compiler.is_compiling()):  # (a kind of one's own: [B, H, L] for one scan
+            self._check_decay_shape(log_decay, x)  # would read as S = B scans over [H, L] without an error)
+        return _log_decays(log_decay, x, self.num_prefix_tokens if self.prefix_decay_one else 0, self.decay.vector)
+
+    def _check_decay_shape(self, log_decay: Tensor, x: Tensor) -> None:
+        """ValueError unless the decay kind returned [S, B|1, H, L|1] (vector: [S, B|1, H, L, Dk]) for this layer."""
+        vector, (batch, length) = self.decay.vector, x.shape[:2]
+        shape = tuple(log_decay.shape) if isinstance(log_decay, Tensor) else None
+        if shape is None or len(shape) != 4 + vector or shape[0] != self.num_scans or shape[1] not in (1, batch) \
+                or shape[2] != self.num_heads or shape[3] not in ((length,) if vector else (1, length)):
+            want = f"[S, B|1, H, {'L, Dk' if vector else 'L|1'}] = [{self.num_scans}, {batch}|1, {self.num_heads}, " \
+                   f"{f'{length}, Dk' if vector else f'{length}|1'}]"
+            got = list(shape) if shape is not None else type(log_decay).__name__
+            raise ValueError(f"decay kind {type(self.decay).__name__} returned log decays {got}; a Decay's forward "
+                             f"returns {want} (scans, batch, heads, tokens{', key channels' if vector else ''})")
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
         """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,

@@ -73,6 +73,33 @@ def test_a_kind_defined_outside_the_package(monkeypatch, registries_restored):
             assert rel_err(torch.fx.symbolic_trace(model)(x), expected) < 1e-10, form  # traced through the kind
 
 
+class ScanlessDecay(HalvingDecay):
+    """A slip: per token and head, [B, H, L], without the scan dimension."""
+
+    def forward(self, x):
+        return super().forward(x)[0, :, :].expand(x.shape[0], self.num_heads, x.shape[1])
+
+
+class TokensBeforeHeadsDecay(HalvingDecay):
+    """A slip: [S, B, L, H]."""
+
+    def forward(self, x):
+        return super().forward(x).expand(self.num_scans, x.shape[0], self.num_heads, x.shape[1]).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("kind", [ScanlessDecay, TokensBeforeHeadsDecay])
+@pytest.mark.parametrize("scans", [1, 2])
+def test_a_kind_of_the_wrong_shape_is_named_not_broadcast(registries_restored, kind, scans):
+    """A kind's log decays of another shape than [S, B|1, H, L|1] are one ValueError naming the kind, where the op
+    alone would read a batch of 2 as two scans (or refuse in its own terms)."""
+    register_decay("slip", kind)
+    model = timm.create_model("lion_d_tiny", decay="slip", num_scans=scans,
+                              num_classes=4, img_size=32, patch_size=8, depth=1)
+    with pytest.raises(ValueError, match=rf"^decay kind {kind.__name__} returned log decays \[.*\]; a Decay's "
+                                         rf"forward returns \[S, B\|1, H, L\|1\] = \[{scans}, 2\|1, 3, 16\|1\]"):
+        model(torch.randn(2, 3, 32, 32))
+
+
 def test_scaling_is_a_model_setting_that_every_form_follows():
     """LionViT(scaling=...) with the identity feature map runs each form alike; "sum" with features that may
     sum to zero is one line."""
