@@ -35,7 +35,7 @@ class KeyGate(nn.Module):
         """The parameters' initial values (none by default)."""
 
     def forward(self, x: Tensor, log_decays: Optional[Tensor] = None) -> Optional[Tensor]:
-        """The gate [B, H, L, 1 | Dk] > 0 for the layer's input x [B, L, dim] and its log decays (its decay kind's,
+        """The gate [B|1, H, L, 1|Dk] > 0 for the layer's input x [B, L, dim] and its log decays (its decay kind's,
         [S, ...]), in float32 (float64 for float64 x)."""
         raise NotImplementedError
 

@@ -41,6 +41,12 @@ def _log_decays(log_decay: Tensor, x: Tensor, fixed_prefix: int = 0, vector: boo
     return log_decay
 
 
+def _eager(value: object) -> bool:
+    """Whether value is a tensor of an eager call, whose shape Python may check: not a torch.fx symbol (a Proxy), not
+    traced by torch.compile or torch.export (whose guards a check would add to)."""
+    return isinstance(value, Tensor) and not torch.compiler.is_compiling()
+
+
 def _gated(k: Tensor, gate: Tensor, replaces: bool = False) -> Tensor:
     """Key features [B, H, L, D] times their gate [B|1, H, L, 1 | D] in the keys' dtype (or, replaces, the gate as
     the keys, in k's shape and dtype)."""
@@ -196,21 +202,30 @@ class LionAttention(nn.Module):
         if not self.decayed:
             return None
         log_decay = self.decay(x)
-        if not (fx_tracing() or torch.compiler.is_compiling()):  # (a kind of one's own: [B, H, L] for one scan
-            self._check_decay_shape(log_decay, x)  # would read as S = B scans over [H, L] without an error)
+        if _eager(log_decay):  # (a kind of one's own: [B, H, L] for one scan would read as B scans without an error)
+            self._check_decay_shape(log_decay, x)
         return _log_decays(log_decay, x, self.num_prefix_tokens if self.prefix_decay_one else 0, self.decay.vector)
 
     def _check_decay_shape(self, log_decay: Tensor, x: Tensor) -> None:
         """ValueError unless the decay kind returned [S, B|1, H, L|1] (vector: [S, B|1, H, L, Dk]) for this layer."""
-        vector, (batch, length) = self.decay.vector, x.shape[:2]
-        shape = tuple(log_decay.shape) if isinstance(log_decay, Tensor) else None
-        if shape is None or len(shape) != 4 + vector or shape[0] != self.num_scans or shape[1] not in (1, batch) \
+        vector, (batch, length), shape = self.decay.vector, x.shape[:2], log_decay.shape
+        if len(shape) != 4 + vector or shape[0] != self.num_scans or shape[1] not in (1, batch) \
                 or shape[2] != self.num_heads or shape[3] not in ((length,) if vector else (1, length)):
             want = f"[S, B|1, H, {'L, Dk' if vector else 'L|1'}] = [{self.num_scans}, {batch}|1, {self.num_heads}, " \
                    f"{f'{length}, Dk' if vector else f'{length}|1'}]"
-            got = list(shape) if shape is not None else type(log_decay).__name__
-            raise ValueError(f"decay kind {type(self.decay).__name__} returned log decays {got}; a Decay's forward "
-                             f"returns {want} (scans, batch, heads, tokens{', key channels' if vector else ''})")
+            names = "scans, batch, heads, tokens" + (", key channels" if vector else "")
+            raise ValueError(f"decay kind {type(self.decay).__name__} returned log decays {list(shape)}; a Decay's "
+                             f"forward returns {want} ({names})")
+
+    def _check_gate_shape(self, gate: Tensor, x: Tensor, head_dim: int) -> None:
+        """ValueError unless the key gate kind returned [B|1, H, L, 1|Dk] for this layer (where broadcasting against
+        the keys [B, H, L, Dk] could run with another shape)."""
+        (batch, length), shape = x.shape[:2], gate.shape
+        if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != self.num_heads or shape[2] != length \
+                or shape[3] not in (1, head_dim):
+            raise ValueError(f"key gate kind {type(self.key_gate).__name__} returned a gate {list(shape)}; a KeyGate's "
+                             f"forward returns [B|1, H, L, 1|Dk] = [{batch}|1, {self.num_heads}, {length}, "
+                             f"1|{head_dim}]")
 
     def scan_orders(self, num_tokens: int, device: torch.device, grid: Optional[Tuple[int, int]] = None) -> Tensor:
         """Snake orders [2, num_tokens] for the grid (default: the one the model set), cached per (grid,
@@ -239,6 +254,8 @@ class LionAttention(nn.Module):
         log_decays = self.log_decay(x)
         if self.key_gate.gated:  # the gate multiplies the keys' features (or is the keys): keys made here, queries
             gate = self.key_gate(x, log_decays)  # mapped by the op
+            if _eager(gate):
+                self._check_gate_shape(gate, x, q.shape[-1])
             k = _gated(q, gate, replaces=True) if k is None else _gated(get_feature_map(feature_map)[1](k), gate)
             feature_map += QUERIES_ONLY
         orders = self.scan_orders(length, x.device, grid) if self.num_scans > 1 else None

@@ -117,7 +117,8 @@ def test_scaling_is_a_model_setting_that_every_form_follows():
 
 def test_a_key_gate_defined_outside_the_package():
     """One class, one registration: a constant gate of 1/2 on every key leaves LION's row-sum scaling unchanged
-    and halves an unscaled output; registering an instance is one TypeError."""
+    and halves an unscaled output; registering an instance is one TypeError, a gate of another shape one
+    ValueError."""
     from lion_vit.gates import KEY_GATES, KeyGate, register_key_gate
 
     class Half(KeyGate):
@@ -141,5 +142,14 @@ def test_a_key_gate_defined_outside_the_package():
                 got, want = attn(tokens), next(plain.lion_attentions())(tokens)
                 assert rel_err(got - attn.proj.bias, factor * (want - attn.proj.bias)) < 1e-12, scaling
                 assert gated(x).shape == (2, 4)
+        # a gate without its last dimension, [B, H, L]: one line naming the kind, where the keys [B, H, L, Dk] would
+        # broadcast against it wherever L = Dk
+        register_key_gate("flat", type("Flat", (KeyGate,), {"forward": lambda self, x, log_decays=None: torch.ones(
+            x.shape[0], self.num_heads, x.shape[1], dtype=x.dtype)}))
+        flat = timm.create_model("lion_d_tiny", key_gate="flat", num_classes=4, img_size=32, patch_size=8, depth=1)
+        with pytest.raises(ValueError, match=r"^key gate kind Flat returned a gate \[2, 3, 16\]; a KeyGate's forward "
+                                             r"returns \[B\|1, H, L, 1\|Dk\] = \[2\|1, 3, 16, 1\|64\]$"):
+            flat(x.float())
     finally:
         KEY_GATES.pop("half")
+        KEY_GATES.pop("flat", None)
