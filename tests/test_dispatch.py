@@ -410,3 +410,18 @@ def test_kernels_that_do_not_import_are_one_warning_and_the_torch_backend(monkey
             plan("chunk", 64, 3136, 64, 64, device=CUDA, backend="triton")
     finally:
         fla._kernels.cache_clear()
+
+
+def test_a_full_store_of_kept_values_keeps_what_the_same_call_just_made():
+    """ops.kept: a call that keeps two values of its orders tensor makes them once, wherever the store's limit
+    falls (after any number of other tensors' values); the next call makes none, as the triton backend's calls
+    rely on (tests/test_triton.py, the scan indices)."""
+    from lion_vit.ops.kept import kept
+    others = [torch.zeros(1) for _ in range(150)]  # (alive: their values may not be dropped as those of gone tensors)
+    for count, other in enumerate(others):
+        kept(other, ("another call's",), lambda: None)
+        orders, made = torch.zeros(1), []
+        for _ in range(2):
+            kept(orders, ("indices",), lambda: made.append("indices"))
+            kept(orders, ("tile spans",), lambda: made.append("tile spans"))
+        assert made == ["indices", "tile spans"], count
