@@ -145,7 +145,8 @@ def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
     for given in (str(root), f"{root}/", str(root / ".." / root.name)):
         samples = image_folder(given, "train").samples
         assert [Path(path).relative_to(Path(given) / "train").as_posix() for path, _ in samples] == \
-            ["class_0/img_0.png", "class_0/img_1.png", "class_1/img_0.png", "class_1/img_1.png", "class_1/sub/img_9.png"]
+            ["class_0/img_0.png", "class_0/img_1.png", "class_1/img_0.png", "class_1/img_1.png",
+             "class_1/sub/img_9.png"]
 
 
 def test_a_missing_split_says_what_the_root_holds(tmp_path):

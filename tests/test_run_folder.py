@@ -399,7 +399,8 @@ def test_an_evaluation_of_no_readable_image_is_one_line_not_a_score_of_0():
     from lion_vit.data.datasets import collate_dropping_unreadable
     from lion_vit.engine.loop import Precision, evaluate
     cpu = torch.device("cpu")
-    loader = _Batches([collate_dropping_unreadable([(None, -3), (None, -5)]), collate_dropping_unreadable([(None, -6)])])
+    loader = _Batches([collate_dropping_unreadable([(None, -3), (None, -5)]),
+                       collate_dropping_unreadable([(None, -6)])])
     with pytest.raises(UserError, match=r"^none of the 3 images of this evaluation could be read \(the first: "
                                         r"/data/val/c/2.JPEG\); replace them with images PIL reads$"):
         evaluate(_Pixels(), loader, cpu, Precision(cpu), show_progress=False)

@@ -408,8 +408,8 @@ def unknown_setting(name: str) -> UserError:
 def composition_error(error: Exception) -> str:
     """One line for Hydra's error while it composes the config from the command line, before train.py runs:
     a setting the config lacks, a config group option that configs/ lacks, an override it cannot parse, a config
-    file that is not YAML. (Hydra prints these over several lines, ending in advice on stack traces; for an unknown setting it
-    suggests appending it with +, which the settings check then refuses.)"""
+    file that is not YAML. (Hydra prints these over several lines, ending in advice on stack traces; for an
+    unknown setting it suggests appending it with +, which the settings check then refuses.)"""
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:  # a config file's syntax
         mark = error.problem_mark
         what = "; ".join(part for part in (error.context, error.problem) if part)
