@@ -243,8 +243,8 @@ def _block(width: int) -> int:
 
 
 def cdiv(length: int, tile: int) -> int:
-    """Tiles of `tile` that cover `length`: triton.cdiv in plain Python, which costs the host of every launch
-    nothing (Triton's is a constexpr function, about 1.4 us a call from host code)."""
+    """Tiles of `tile` that cover `length`: triton.cdiv in plain Python, as Triton's is a constexpr function whose
+    calls from host code cost each launch more (docs/benchmarks.md, "Host time per forward")."""
     return -(-length // tile)
 
 
