@@ -18,8 +18,9 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import List, NoReturn
 
 import hydra
 import yaml
@@ -28,6 +29,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
+from timm.utils.distributed import is_distributed_env
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from lion_vit.engine import interrupts, rundir
@@ -38,10 +40,34 @@ from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError, user_message
 
 
+@dataclass
+class LocalSweep:
+    """The jobs of a sweep (-m) that Hydra's basic launcher runs one after another in this process."""
+    jobs: int = 0
+    refused: List[int] = field(default_factory=list)  # the numbers of the jobs that ended at an error line
+
+    def summary(self) -> str:
+        numbers = ", ".join(map(str, self.refused))
+        if len(self.refused) == self.jobs:
+            return "every job of the sweep ended at an error (the error lines above say why)"
+        return (f"{self.jobs - len(self.refused)} of the sweep's {self.jobs} jobs ran to the end; "
+                f"{'job' if len(self.refused) == 1 else 'jobs'} {numbers} ended at an error (the error lines above "
+                f"say why)")
+
+
+LOCAL_SWEEP = LocalSweep()
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     job_dir = None  # a sweep job's folder, made by Hydra for this job just now
+    # a local sweep goes on past a job refused for bad input, as Hydra's goes on past a failing job (and a SLURM
+    # sweep's jobs fail alone); it exits 2 at the end. Not where every process of a torchrun runs the sweep: a
+    # process that went on alone would wait for the others' next job, which they never reach
+    in_process = (hydra_cfg.mode == RunMode.MULTIRUN and not is_distributed_env()
+                  and "BasicLauncher" in str(hydra_cfg.launcher.get("_target_")))
+    LOCAL_SWEEP.jobs += in_process
     if hydra_cfg.mode == RunMode.MULTIRUN:
         # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
         # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
@@ -70,7 +96,11 @@ def main(cfg: DictConfig) -> float:
         if isinstance(error, UserError):
             if job_dir is not None:  # a job failing before its first epoch leaves no folder, as a single run
                 rundir.remove_if_unused(job_dir, up_to=job_dir)
-            _exit_with_error(user_message(error))
+            if not in_process:
+                _exit_with_error(user_message(error))
+            print(f"error: job {hydra_cfg.job.num}: {user_message(error)}", file=sys.stderr)
+            LOCAL_SWEEP.refused.append(hydra_cfg.job.num)
+            return float("nan")  # (what a Hydra sweeper that optimises takes for a failed trial)
         raise
     return metrics.get("val_acc1", metrics.get("acc1", 0.0))  # the value Hydra sweepers optimise
 
@@ -135,6 +165,9 @@ def _run_main() -> None:
         if report or _raised_in_the_run(error):
             raise
         _exit_with_error(composition_error(error))
+    if LOCAL_SWEEP.refused:
+        print(LOCAL_SWEEP.summary(), file=sys.stderr)
+        sys.exit(2)
 
 
 def _raised_in_the_run(error: BaseException) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import json
 import multiprocessing
 import os
 import queue
@@ -617,17 +618,34 @@ def test_a_model_name_says_what_changed_it(tmp_path):
 
 def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     """Hydra makes a job's folder before the job runs; a job failing before its first epoch removes it, as a
-    single run leaves no output_dir behind (the sweep stops at the failed job). Nor does the sweep's folder
-    stay with only Hydra's multirun.yaml in it, nor the folders made for it; a folder that was there stays."""
+    single run leaves no output_dir behind. Nor does the sweep's folder stay with only Hydra's multirun.yaml in
+    it, nor the folders made for it; a folder that was there stays."""
     sweep = tmp_path / "new" / "sweep"
-    proc = run_train("-m", *SMALL_LION, "img_size=36,32", f"output_dir={sweep}")
-    assert proc.returncode == 2
-    assert_clean_error(proc, "img_size=36 is not divisible by its patch size 8")
+    proc = run_train("-m", *SMALL_LION, "img_size=36,30", f"output_dir={sweep}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: job {job}: cannot build model lion_s_tiny: img_size={size} is not divisible by its patch size 8; "
+        f"pass img_size=<a multiple of 8> or model.patch_size=<a divisor of {size}>"
+        for job, size in ((0, 36), (1, 30))]
+    assert proc.stderr.splitlines()[-1] == "every job of the sweep ended at an error (the error lines above say why)"
     assert list(tmp_path.iterdir()) == []
     # a swept config that does not exist: Hydra's error while it composes the jobs, after multirun.yaml
     proc = run_train("-m", *SMALL_LION, "model=lion,nonexistent", f"output_dir={tmp_path}")
     assert_clean_error(proc, "there is no config model=nonexistent")
     assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
+
+
+def test_a_local_sweep_goes_on_past_a_refused_job(tmp_path, trained, folder):
+    """As Hydra's sweep goes on past a job that fails (and a SLURM sweep's jobs fail alone): the jobs after a
+    refused one run, and the sweep ends with exit status 2 and a line naming the refused jobs."""
+    proc = run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "eval_only=true",
+                     f"checkpoint={trained / 'checkpoint-last.pt'}", "img_size=36,32", f"output_dir={tmp_path}")
+    assert_clean_error(proc, "error: job 0: cannot build model lion_s_tiny: img_size=36 is not divisible")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == "1 of the sweep's 2 jobs ran to the end; job 0 ended at an error (the " \
+                                           "error lines above say why)"
+    assert json.loads((tmp_path / "1" / "eval.json").read_text())["img_size"] == 32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "multirun.yaml"]
 
 
 def test_an_experiment_of_ones_own_is_found_with_config_dir(tmp_path):

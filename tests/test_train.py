@@ -96,6 +96,16 @@ def test_torchrun_two_processes_gloo(folder, tmp_path):
     assert line["imgs_per_s"] > 0 and 0 <= line["val_acc1"] <= 100
 
 
+def test_a_torchrun_sweep_stops_at_a_refused_job(folder, tmp_path):
+    """Each process of a torchrun runs the sweep (-m); a refusal that one process alone met (a file only its shard
+    holds) must not send it on to the next job while the others wait in this one, so the sweep stops there."""
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py")
+    proc = run_train("-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "epochs=1", "batch_size=4",
+                     "aug=none", f"output_dir={tmp_path}", "img_size=36,32", launcher=launcher)
+    assert proc.returncode != 0 and "error: cannot build model lion_s_tiny: img_size=36 is not divisible" in proc.stderr
+    assert "#1 :" not in proc.stdout + proc.stderr and not (tmp_path / "1").exists()
+
+
 @pytest.mark.slow
 def test_two_slurm_tasks_train_as_one_group(folder, tmp_path):
     """One process a SLURM task (as submitit starts them, no torchrun): SLURM's ranks make the group."""
