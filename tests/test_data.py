@@ -395,7 +395,7 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
     from torchvision.datasets.folder import default_loader
     from torchvision.transforms import Compose, PILToTensor, RandomResizedCrop
     from lion_vit.data import build_dataset, build_transform
-    from lion_vit.data.jpeg import read_for_crop
+    from lion_vit.data.jpeg import read_for_crop, read_rgb
     root = tmp_path / "data"
     paths = _jpeg_kinds(root / "train" / "class_0")
     good = paths[1].read_bytes()  # (not the PNG's image: a file read in place of another must show)
@@ -419,7 +419,7 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
     old = build_dataset(cfg.data, "train", transform)
     old.loader = default_loader
     resized_first = build_transform(cfg.data, cfg.aug, 24, train=False)  # (evaluation's: resize, then crop)
-    assert new.loader is read_for_crop and build_dataset(cfg.data, "train", resized_first).loader is default_loader
+    assert new.loader is read_for_crop and build_dataset(cfg.data, "train", resized_first).loader is read_rgb
     samples = []
     for dataset in (old, new):
         random.seed(1), np.random.seed(1), torch.manual_seed(1)
@@ -443,6 +443,37 @@ def test_unreadable_training_files_are_skipped_as_imagefolders_loader_skips_them
     new.transform = wrong
     with pytest.raises(ValueError, match="the transform's own error"):
         new[0]
+
+
+def test_16_bit_greyscale_images_keep_their_top_8_bits(tmp_path):
+    """PIL's convert("RGB") clips 16-bit greyscale (PNG, TIFF) at 255, so torchvision's loader turns such an image
+    all but white; both loaders of an image folder (evaluation's and a training split's decoded on its crop) and
+    data.decode=gpu's PIL fallback keep each value's top 8 bits, as PIL reads a 16-bit RGB PNG."""
+    from lion_vit.data.datasets import image_folder
+    from lion_vit.data.gpu import Decoder, read_encoded
+    from lion_vit.data.jpeg import read_for_crop
+    values = np.arange(0, 65536, 64, dtype=np.uint16).reshape(32, 32)
+    expected = np.repeat((values >> 8).astype(np.uint8)[..., None], 3, axis=2)
+    folder = tmp_path / "val" / "class_0"
+    folder.mkdir(parents=True)
+    Image.fromarray(values).save(folder / "deep.png")
+    Image.fromarray(values).save(folder / "deep.tif")
+    assert Image.open(folder / "deep.png").mode.startswith("I")  # (what PIL makes of it: no 8-bit mode)
+    dataset = image_folder(str(tmp_path), "val")
+    assert len(dataset) == 2
+    for index in range(2):
+        image, _ = dataset[index]
+        assert image.mode == "RGB" and np.array_equal(np.asarray(image), expected)
+    assert np.array_equal(np.asarray(read_for_crop(str(folder / "deep.png"))), expected)
+    (decoded,) = Decoder(torch.device("cpu"))([read_encoded(str(folder / "deep.png"))])
+    assert np.array_equal(decoded.permute(1, 2, 0).numpy(), expected)
+    # 8-bit images as before
+    grey = Image.fromarray((values >> 8).astype(np.uint8))
+    for image, name in ((grey, "grey.png"), (grey.convert("RGB"), "rgb.png")):
+        image.save(folder / name)
+        dataset = image_folder(str(tmp_path), "val")
+        index = [Path(path).name for path, _ in dataset.samples].index(name)
+        assert np.array_equal(np.asarray(dataset[index][0]), np.asarray(grey.convert("RGB")))
 
 
 def test_a_training_split_of_no_readable_image_is_one_line_also_from_a_worker(tmp_path):

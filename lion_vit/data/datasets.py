@@ -22,7 +22,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from ..errors import UserError
-from .jpeg import PIL_ERRORS, DecodedOnCrop, UnreadableImage
+from .jpeg import PIL_ERRORS, DecodedOnCrop, UnreadableImage, read_rgb
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class SafeImageFolder(ImageFolder):
     def __init__(self, root: str, transform: Optional[Callable] = None, drop_unreadable: bool = False,
                  loader: Optional[Callable[[str], Any]] = None) -> None:
         visible = functools.partial(_visible_image, len(os.path.join(os.path.expanduser(root), "")))
-        super().__init__(root, transform=transform, is_valid_file=visible, **({"loader": loader} if loader else {}))
+        super().__init__(root, transform=transform, is_valid_file=visible, loader=loader or read_rgb)
         self.drop_unreadable = drop_unreadable
         self._warned: set = set()
 
@@ -247,7 +247,8 @@ def split_unreadable(images: Tensor, targets: Tensor) -> Tuple[Tensor, Tensor, L
 def image_folder(root: str, split: str, transform: Optional[Callable] = None,
                  drop_unreadable: bool = False, loader: Optional[Callable[[str], Any]] = None) -> SafeImageFolder:
     """`root/<split>/<class>/<image>` (ImageNet's standard layout); drop_unreadable: see SafeImageFolder;
-    loader: a file's path to what the transform takes (default: ImageFolder's, a PIL image)."""
+    loader: a file's path to what the transform takes (default: jpeg.read_rgb, ImageFolder's with 16-bit
+    greyscale read right)."""
     path = Path(root) / split
     if not path.is_dir():
         raise UserError(_missing_split(Path(root), path))

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import ColorJitter, InterpolationMode, RandomHorizontalFlip
 
 from ..errors import UserError, first_line
-from .jpeg import PIL_ERRORS, open_bytes
+from .jpeg import PIL_ERRORS, as_rgb, open_bytes
 
 log = logging.getLogger(__name__)
 
@@ -553,7 +553,7 @@ class Decoder:
     def _by_pil(self, file: Encoded, reason: str) -> Tensor:
         try:
             with open_bytes(file.data.numpy().tobytes()) as image:
-                pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+                pixels = torch.from_numpy(np.array(as_rgb(image))).permute(2, 0, 1)
         except PIL_ERRORS as error:
             raise UserError(f"unreadable training image {file.path} ({error}); remove or replace it") from None
         if not self.fallbacks:

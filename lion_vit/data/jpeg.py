@@ -14,6 +14,8 @@ after the crop's rows that could fail the whole image. Anything else (a PNG name
 with bytes after its end marker or a marker where its scan should run, a box outside the image) takes PIL's usual
 path, so a file PIL cannot read fails as it did: `crop` raises `UnreadableImage`, which the dataset handles as
 the loader's own errors (datasets.SafeImageFolder).
+
+`read_rgb` is every other ImageFolder read: torchvision's loader, but with 16-bit greyscale kept (`as_rgb`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import re
 import struct
 from typing import Optional, Tuple
 
+import numpy as np
 from PIL import Image, JpegImagePlugin, UnidentifiedImageError
 
 # A value for the ends of the last wanted row before decoding: if both are still there afterwards, the decoder
@@ -105,7 +108,27 @@ def read_for_crop(path: str) -> Image.Image:
         else:
             Image._decompression_bomb_check(image.size)  # (as Image.open: a warning, or an error past twice the limit)
             return image
-    return open_bytes(data).convert("RGB")
+    return as_rgb(open_bytes(data))
+
+
+def read_rgb(path: str) -> Image.Image:
+    """ImageFolder's loader (torchvision's pil_loader), by as_rgb."""
+    with open(path, "rb") as f:
+        return as_rgb(Image.open(f))
+
+
+# PIL's modes of one 16-bit channel: PNG and TIFF greyscale of depth 16 (a 32-bit "I" image, whose range is not
+# known, is converted as before)
+_SIXTEEN_BITS = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def as_rgb(image: Image.Image) -> Image.Image:
+    """image.convert("RGB"), but an image of 16-bit greyscale first keeps its top 8 bits, as PIL itself reads
+    16-bit RGB PNGs: convert would clip every value above 255, turning all but the darkest 1/256 of the range
+    white (torchvision's loader does)."""
+    if image.mode in _SIXTEEN_BITS:
+        image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
+    return image.convert("RGB")  # (loads it: read_rgb closes the file)
 
 
 def open_bytes(data: bytes) -> Image.Image:
