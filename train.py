@@ -20,7 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, NoReturn
+from typing import List, NoReturn, Optional
 
 import hydra
 import yaml
@@ -91,7 +91,8 @@ def main(cfg: DictConfig) -> float:
         if isinstance(error, KeyboardInterrupt) or interrupts.requested():
             terminated = isinstance(error, interrupts.Terminated) or interrupts.requested() == signal.SIGTERM
             if os.environ.get("RANK", "0") == "0":
-                print(_interrupted(cfg, "terminated" if terminated else "interrupted"), file=sys.stderr)
+                sweep_dir = Path(hydra_cfg.sweep.dir) if in_process else None
+                print(_interrupted(cfg, "terminated" if terminated else "interrupted", sweep_dir), file=sys.stderr)
             sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
         if isinstance(error, UserError):
             if job_dir is not None:  # a job failing before its first epoch leaves no folder, as a single run
@@ -141,12 +142,17 @@ def _exit_with_error(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _interrupted(cfg: DictConfig, what: str) -> str:
+def _interrupted(cfg: DictConfig, what: str, sweep_dir: Optional[Path] = None) -> str:
+    """Where a run stands; in a local sweep (sweep_dir) also how to continue the jobs after this one."""
     if cfg.eval_only:
         return f"{what}: nothing was written"
     output_dir = Path(cfg.output_dir)
+    again = (f"; the sweep's command with resume=auto output_dir={sweep_dir} continues the sweep (each job in its "
+             f"folder, <job number>; a finished job trains nothing)") if sweep_dir is not None else ""
     if not (output_dir / LAST).exists():
-        return f"{what} before the first epoch's checkpoint; nothing to resume in {output_dir}"
+        return f"{what} before the first epoch's checkpoint; nothing to resume in {output_dir}{again}"
+    if again:
+        return f"{what}: {output_dir} holds the checkpoint of the last finished epoch{again}"
     return (f"{what}: {output_dir} holds the checkpoint of the last finished epoch; continue with "
             f"resume=auto output_dir={output_dir}")
 

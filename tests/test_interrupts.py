@@ -49,6 +49,27 @@ def test_ctrl_c_says_how_to_continue(folder, tmp_path):
     assert [m["epoch"] for m in read_metrics(tmp_path)] == list(range(1, done + 2))  # counted from 1
 
 
+def test_ctrl_c_in_a_local_sweep_says_how_to_continue_the_sweep(folder, tmp_path):
+    """A local sweep (-m) stopped in a job: the jobs after it have not run, and the sweep's command with
+    resume=auto continues them all, each in its folder, where resume=auto in the job's folder would continue
+    that job alone."""
+    args = ["-m", *SMALL_LION, "data=imagefolder", f"data.root={folder}", "batch_size=4", "aug=none",
+            f"output_dir={tmp_path}", "epochs=50", "seed=0,1"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    deadline = time.time() + 240
+    while time.time() < deadline and not (tmp_path / "0" / "checkpoint-last.pt").exists():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    assert f"interrupted: {tmp_path / '0'} holds the checkpoint of the last finished epoch; the sweep's command " \
+           f"with resume=auto output_dir={tmp_path} continues the sweep (each job in its folder, <job number>; a " \
+           f"finished job trains nothing)" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "multirun.yaml"]
+
+
 def test_ctrl_c_in_a_terminal_with_loader_workers_stops_cleanly(folder, tmp_path):
     """A terminal's Ctrl-C reaches the whole process group, DataLoader workers included. The run
     stops before its next step, with exit status 130 and its one line: no worker traceback, no
