@@ -3,8 +3,8 @@ r"""The accuracy of a Hydra sweep of train.py (-m) as a markdown table; also of 
 outputs/ (train.py's default output_dirs, in the order of their names: their start times), or of one run. A
 training sweep: a row per model and combination of the other settings its jobs differ in (a column each; the seed,
 output_dir and logging aside), last and best top-1 over its jobs (seeds), mean and standard deviation; a job that
-has not finished its epochs is left out. An evaluation sweep (eval_only=true): a row per job's eval.json, in the
-sweep's order, with the form and resolution that ran.
+has not finished its epochs (running, or stopped) is left out. An evaluation sweep (eval_only=true): a row per
+job's eval.json, in the sweep's order, with the form and resolution that ran. What is left out is named on stderr.
 
     python train.py -m model.name=lion_gla_tiny,lion_d_natural_tiny seed=0,1,2 output_dir=runs/sweep
     python scripts/sweep_table.py runs/sweep
@@ -66,7 +66,10 @@ def results(folder: Path) -> Tuple[List[str], Dict[Tuple[str, ...], List[Tuple[f
             continue
         settings = _read(config, yaml.safe_load, yaml.YAMLError, ("epochs",))
         lines = logged_epochs(metrics.read_text())
-        if settings is None or len(lines) < settings["epochs"]:
+        if settings is None:
+            continue
+        if len(lines) < settings["epochs"]:  # (running, or stopped: resume=auto continues it)
+            print(f"left out {job}: {len(lines)} of its {settings['epochs']} epochs", file=sys.stderr)
             continue
         finished.append((_flat(settings), (lines[-1]["val_acc1"], max(line["val_acc1"] for line in lines))))
     names = list(dict.fromkeys(name for flat, _ in finished for name in flat))

@@ -786,11 +786,13 @@ def test_sweep_table_reads_the_finished_jobs_of_a_sweep(tmp_path):
     (broken / "config.yaml").write_text("epochs: [2\n")
     (broken / "metrics.jsonl").write_text(json.dumps({"val_acc1": 99.0}) + "\n")
     table = ["| lion_gla_tiny | 2 | 60.0 ± 14.1 | 65.0 ± 7.1 |", "| deit_tiny | 1 | 45.0 | 45.0 |"]
-    assert run_script("sweep_table.py", str(tmp_path / "sweep")).splitlines()[2:] == table
+    proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "sweep"))
+    assert proc.returncode == 0 and proc.stdout.splitlines()[2:] == table
+    assert proc.stderr.splitlines() == [f"left out {tmp_path / 'sweep' / '3'}: 1 of its 2 epochs"]
     proc = run_python(str(ROOT / "scripts" / "sweep_table.py"), str(tmp_path / "outputs"))
     assert proc.returncode == 0 and proc.stdout.splitlines()[2:] == table
-    assert proc.stderr.startswith(f"left out {broken / 'config.yaml'}: not as train.py writes it (while parsing a flow "
-                                  f"sequence)"), proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"left out {broken / 'config.yaml'}: not as train.py writes it "
+                                                   f"(while parsing a flow sequence)"), proc.stderr
     run = next((tmp_path / "outputs").glob("*-02-00-2"))
     assert run_script("sweep_table.py", str(run)).splitlines()[2:] == ["| deit_tiny | 1 | 45.0 | 45.0 |"]
     # a sweep over another setting too: a row per model and value, a column for it; the seed is what jobs average
