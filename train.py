@@ -27,13 +27,13 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from timm.utils.distributed import is_distributed_env
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from lion_vit.engine import interrupts, rundir
-from lion_vit.engine.build import check_model_group
+from lion_vit.engine.build import check_model_group, digits_groups_warning
 from lion_vit.engine.checkpoint import LAST
 from lion_vit.engine.config import check_setting, composition_error
 from lion_vit.engine.trainer import train
@@ -82,8 +82,11 @@ def main(cfg: DictConfig) -> float:
             cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
     signal.signal(signal.SIGTERM, interrupts.raise_terminated)  # SIGTERM stops the run as Ctrl-C does
     try:
-        check_model_group(hydra_cfg.runtime.choices.get("model"), cfg.model.name)
-        metrics = train(cfg)
+        choices = hydra_cfg.runtime.choices
+        check_model_group(choices.get("model"), cfg.model.name)
+        task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # (as typed: "a=${...}" unresolved)
+        chosen = [arg.lstrip("+~").partition("=")[0] for arg in task]
+        metrics = train(cfg, [warning for warning in [digits_groups_warning(choices, chosen, cfg)] if warning])
     except (KeyboardInterrupt, Exception) as error:
         # Ctrl-C or SIGTERM: say where the run stands instead of a traceback, also when a second signal,
         # raised at once wherever the run was, came out as another error (inside torch's C++ code, a

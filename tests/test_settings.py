@@ -612,8 +612,30 @@ def test_a_model_name_says_what_changed_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "model lion_s_tiny changed by model.patch_size=2, model.kwargs.embed_dim=64, model.kwargs.depth=4, " \
            "model.kwargs.num_heads=4 (0.20M params) at 8 px" in proc.stdout
+    assert "the quickstart's default" not in proc.stdout + proc.stderr  # (the data its groups are for)
     proc = run_train("model=lion", "epochs=1", f"output_dir={tmp_path / 'lion'}")
     assert_clean_error(proc, "img_size=8 is not divisible by its patch size 16; pass img_size=<a multiple of 16>")
+
+
+def test_the_digits_groups_on_other_data_are_named_unless_chosen(folder, tmp_path):
+    """The first hour's `data=imagefolder data.root=... model.name=lion_s_small`: the default model=digits group
+    makes a 0.2M-parameter model of patch 2 under that name, optim=digits and aug=digits the quickstart's recipe
+    without augmentation; the run says so beside the line of changes, and what to add. Not for a group asked for
+    by name, nor on the digits."""
+    args = ["model.name=lion_s_tiny", "epochs=1", "batch_size=8", "progress=false", "data=imagefolder",
+            f"data.root={folder}", "img_size=16"]
+    proc = run_train(*args, f"output_dir={tmp_path / 'a'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("the quickstart's defaults model=digits, optim=digits, aug=digits are for the 8 px digits (model=digits "
+            "sizes lion_s_tiny down, as the line above says; optim=digits keeps the digits' fixed lr, unscaled by the "
+            "batch, and short warm-up; aug=digits augments nothing); add model=lion optim=adamw aug=deit for the model "
+            "as timm builds it and DeiT's recipe") in proc.stdout + proc.stderr
+    proc = run_train(*args, "model=digits", "optim=adamw", f"output_dir={tmp_path / 'b'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the quickstart's default aug=digits is for the 8 px digits (aug=digits augments nothing); add aug=deit " \
+           "for DeiT's recipe (the ImageNet experiments set it), or name it to keep it" in proc.stdout + proc.stderr
+    proc = run_train(*args, "model=digits", "optim=digits", "aug=digits", f"output_dir={tmp_path / 'c'}")
+    assert proc.returncode == 0 and "the quickstart's default" not in proc.stdout + proc.stderr
 
 
 def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):

@@ -219,6 +219,29 @@ def check_model_group(group: Optional[str], name: str) -> None:
                     f"is a LION model; add model.name={twin}")
 
 
+# the quickstart's default groups, each sized or tuned for the 8 px digits: what each does there, and its group for
+# any other data (DeiT's recipe, as the ImageNet experiments set them)
+DIGITS_GROUPS = {"model": ("sizes {name} down, as the line above says", "lion"),
+                 "optim": ("keeps the digits' fixed lr, unscaled by the batch, and short warm-up", "adamw"),
+                 "aug": ("augments nothing", "deit")}
+
+
+def digits_groups_warning(choices: Dict[str, Any], chosen: List[str], cfg: DictConfig) -> Optional[str]:
+    """On data other than the digits, the default groups of DIGITS_GROUPS that were not asked for by name
+    (`chosen`): a user who set data and model.name alone meant the model as registered and a recipe for images."""
+    groups = [group for group in DIGITS_GROUPS if choices.get(group) == "digits" and group not in chosen]
+    if not groups or choices.get("data") in (None, "digits") or cfg.eval_only:
+        return None
+    them = "them" if len(groups) > 1 else "it"
+    what = "; ".join(f"{group}=digits {DIGITS_GROUPS[group][0].format(name=cfg.model.name)}" for group in groups)
+    purposes = [purpose for purpose, groups_for in (("the model as timm builds it", {"model"}),
+                                                    ("DeiT's recipe", {"optim", "aug"})) if groups_for & set(groups)]
+    return (f"the quickstart's default{'s' if len(groups) > 1 else ''} {', '.join(f'{g}=digits' for g in groups)} "
+            f"{'are' if len(groups) > 1 else 'is'} for the 8 px digits ({what}); add "
+            f"{' '.join(f'{group}={DIGITS_GROUPS[group][1]}' for group in groups)} for {' and '.join(purposes)} "
+            f"(the ImageNet experiments set {them}), or name {them} to keep {them}")
+
+
 # optimizer settings that shape its saved state (its parameter groups and per-parameter buffers)
 OPTIMIZER_STATE_SETTINGS = ("opt", "layer_decay")
 RESUME_SAME_OPTIMIZER = ("resume with the same optimizer, or fine-tune its weights in a new output_dir "

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -50,15 +50,16 @@ METRICS = "metrics.jsonl"
 EVAL = "eval.json"
 
 
-def train(cfg: DictConfig) -> Dict[str, Any]:
+def train(cfg: DictConfig, warnings: Sequence[str] = ()) -> Dict[str, Any]:
     """Run training (or evaluation with eval_only=true) as configured, with the ops' tuning knobs that
-    cfg.tuning sets; returns the final metrics."""
+    cfg.tuning sets; returns the final metrics. warnings: what the caller found in how the config was composed,
+    logged (by the main process) after the line that describes a training run."""
     check_settings(cfg)
     with tuned(**tuning_changes(cfg.tuning)):
-        return _run(cfg)
+        return _run(cfg, warnings)
 
 
-def _run(cfg: DictConfig) -> Dict[str, Any]:
+def _run(cfg: DictConfig, warnings: Sequence[str] = ()) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_keep_freed_memory:
         keep_freed_memory()
@@ -79,7 +80,7 @@ def _run(cfg: DictConfig) -> Dict[str, Any]:
         random_seed(epoch_seed(cfg.seed, 0, dist_info.rank))
         if cfg.eval_only:
             return run_eval_only(cfg, dist_info, device, output_dir)
-        return _fit(cfg, dist_info, device, output_dir)
+        return _fit(cfg, dist_info, device, output_dir, warnings)
     except (UserError, RuntimeError, OSError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
         short = error if isinstance(error, UserError) else _out_of_resources(error, cfg)
         if short is None:
@@ -143,7 +144,8 @@ def _worker_signals(error: BaseException) -> set:
     return named
 
 
-def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path) -> Dict[str, Any]:
+def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir: Path,
+         warnings: Sequence[str] = ()) -> Dict[str, Any]:
     is_main = dist_info.is_main
     resume_state = _resume_state(cfg, output_dir, is_main)
     if is_main:
@@ -192,6 +194,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                         cfg.optim.clip_grad, cfg.grad_accum_steps)
     _describe_run(cfg, model, train_set, val_set, num_classes, lr, global_batch, dist_info, device, is_main)
     if is_main:
+        for warning in warnings:
+            log.warning("%s", warning)
         _warn_of_schedule_slips(cfg, scheduler, updates, lr)
 
     logger = WandbLogger(cfg, output_dir, is_main, run_id=(resume_state or {}).get("wandb_run_id"))
