@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from lion_vit.engine import interrupts, rundir
 from lion_vit.engine.build import check_model_group, digits_groups_warning
 from lion_vit.engine.checkpoint import LAST
-from lion_vit.engine.config import check_setting, composition_error
+from lion_vit.engine.config import check_setting, check_settings, composition_error
 from lion_vit.engine.trainer import train
 from lion_vit.errors import UserError, user_message
 
@@ -69,19 +69,21 @@ def main(cfg: DictConfig) -> float:
                   and "BasicLauncher" in str(hydra_cfg.launcher.get("_target_")))
     LOCAL_SWEEP.jobs += in_process
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
-        # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
-        cfg.output_dir = hydra_cfg.runtime.output_dir
-        output_dir = Path(cfg.output_dir)
+        output_dir = Path(hydra_cfg.runtime.output_dir)
         job_dir = output_dir if output_dir.is_dir() and not any(output_dir.iterdir()) else None
-        # and in wandb, one group per sweep, a run per job named after both (unless set)
-        wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
-        wandb_cfg.group = wandb_cfg.group or sweep
-        wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
-        if "submitit" in str(hydra_cfg.launcher.get("_target_", "")) and cfg.resume is None:
-            cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
     signal.signal(signal.SIGTERM, interrupts.raise_terminated)  # SIGTERM stops the run as Ctrl-C does
     try:
+        check_settings(cfg)  # (first: a ${...} that cannot be resolved is its one line, not this function's traceback)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
+            # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
+            cfg.output_dir = hydra_cfg.runtime.output_dir
+            # and in wandb, one group per sweep, a run per job named after both (unless set)
+            wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
+            wandb_cfg.group = wandb_cfg.group or sweep
+            wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
+            if "submitit" in str(hydra_cfg.launcher.get("_target_", "")) and cfg.resume is None:
+                cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
         choices = hydra_cfg.runtime.choices
         check_model_group(choices.get("model"), cfg.model.name)
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # (as typed: "a=${...}" unresolved)

@@ -50,6 +50,7 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
                                                                                      "shell expands")),
         (("img_size=32,64",), ("Ambiguous value for argument 'img_size=32,64'", "add --multirun")),
         (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
+        (("model.name=${nope}",), ("model.name cannot be resolved (Interpolation key 'nope' not found)",)),
         ((f"hydra.run.dir={tmp_path / 'run_hydra'}",), ("hydra.run.dir is not where train.py writes a run; pass "
                                                          "output_dir=<folder> instead",)),
         # a sweep's empty output_dir (an unset shell variable): its folder would be the current one, from which
@@ -655,6 +656,10 @@ def test_a_sweep_job_that_fails_leaves_no_folder(tmp_path):
     proc = run_train("-m", *SMALL_LION, "model=lion,nonexistent", f"output_dir={tmp_path}")
     assert_clean_error(proc, "there is no config model=nonexistent")
     assert proc.returncode == 2 and tmp_path.is_dir() and list(tmp_path.iterdir()) == []
+    # a setting that a sweep's job reads before it trains (its wandb group), of a ${...} that cannot be resolved
+    proc = run_train("-m", *SMALL_LION, "logger.wandb.group=${nope}", f"output_dir={sweep}")
+    assert_clean_error(proc, "error: job 0: logger.wandb.group cannot be resolved (Interpolation key 'nope' not found)")
+    assert proc.returncode == 2 and list(tmp_path.iterdir()) == []
 
 
 def test_a_local_sweep_goes_on_past_a_refused_job(tmp_path, trained, folder):
