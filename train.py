@@ -65,16 +65,16 @@ def main(cfg: DictConfig) -> float:
     # a local sweep goes on past a job refused for bad input, as Hydra's goes on past a failing job (and a SLURM
     # sweep's jobs fail alone); it exits 2 at the end. Not where every process of a torchrun runs the sweep: a
     # process that went on alone would wait for the others' next job, which they never reach
-    in_process = (hydra_cfg.mode == RunMode.MULTIRUN and not is_distributed_env()
-                  and "BasicLauncher" in str(hydra_cfg.launcher.get("_target_")))
+    multirun, launcher = hydra_cfg.mode == RunMode.MULTIRUN, str(hydra_cfg.launcher.get("_target_", ""))
+    in_process = multirun and not is_distributed_env() and "BasicLauncher" in launcher
     LOCAL_SWEEP.jobs += in_process
-    if hydra_cfg.mode == RunMode.MULTIRUN:
+    if multirun:
         output_dir = Path(hydra_cfg.runtime.output_dir)
         job_dir = output_dir if output_dir.is_dir() and not any(output_dir.iterdir()) else None
     signal.signal(signal.SIGTERM, interrupts.raise_terminated)  # SIGTERM stops the run as Ctrl-C does
     try:
         check_settings(cfg)  # (first: a ${...} that cannot be resolved is its one line, not this function's traceback)
-        if hydra_cfg.mode == RunMode.MULTIRUN:
+        if multirun:
             # each job of a sweep (-m) in its own folder, Hydra's <sweep.dir = output_dir>/<job number>: jobs
             # running side by side (SLURM) must not overwrite, or resume=auto from, each other's checkpoints
             cfg.output_dir = hydra_cfg.runtime.output_dir
@@ -82,13 +82,14 @@ def main(cfg: DictConfig) -> float:
             wandb_cfg, sweep = cfg.logger.wandb, Path(hydra_cfg.sweep.dir).name
             wandb_cfg.group = wandb_cfg.group or sweep
             wandb_cfg.name = wandb_cfg.name or f"{sweep}/{hydra_cfg.job.num}"
-            if "submitit" in str(hydra_cfg.launcher.get("_target_", "")) and cfg.resume is None:
+            if "submitit" in launcher and cfg.resume is None:
                 cfg.resume = "auto"  # SLURM requeues a preempted or timed-out job with the same command: continue it
         choices = hydra_cfg.runtime.choices
         check_model_group(choices.get("model"), cfg.model.name)
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)  # (as typed: "a=${...}" unresolved)
         chosen = [arg.lstrip("+~").partition("=")[0] for arg in task]
-        metrics = train(cfg, [warning for warning in [digits_groups_warning(choices, chosen, cfg)] if warning])
+        warning = digits_groups_warning(choices, chosen, cfg)
+        metrics = train(cfg, [warning] if warning else [])
     except (KeyboardInterrupt, Exception) as error:
         # Ctrl-C or SIGTERM: say where the run stands instead of a traceback, also when a second signal,
         # raised at once wherever the run was, came out as another error (inside torch's C++ code, a
@@ -156,10 +157,8 @@ def _interrupted(cfg: DictConfig, what: str, sweep_dir: Optional[Path] = None) -
              f"folder, <job number>; a finished job trains nothing)") if sweep_dir is not None else ""
     if not (output_dir / LAST).exists():
         return f"{what} before the first epoch's checkpoint; nothing to resume in {output_dir}{again}"
-    if again:
-        return f"{what}: {output_dir} holds the checkpoint of the last finished epoch{again}"
-    return (f"{what}: {output_dir} holds the checkpoint of the last finished epoch; continue with "
-            f"resume=auto output_dir={output_dir}")
+    how = again or f"; continue with resume=auto output_dir={output_dir}"
+    return f"{what}: {output_dir} holds the checkpoint of the last finished epoch{how}"
 
 
 @record  # under torchrun a crash's traceback goes to the error file that torchrun's report shows
