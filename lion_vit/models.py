@@ -50,9 +50,10 @@ class DivisiblePatchEmbed(PatchEmbed):
         return super().forward(x)
 
 
-def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = None, **kwargs: Any) -> torch.nn.Module:
-    """timm.create_model for inputs of img_size (and patch_size when given). A model that takes no such
-    argument (a CNN baseline such as resnet50) is built without it: it accepts any input size."""
+def create_model_at_size(name: str, img_size: Union[int, Tuple[int, int]], patch_size: Optional[int] = None,
+                         **kwargs: Any) -> torch.nn.Module:
+    """timm.create_model for inputs of img_size (a square's side, or (height, width)) and patch_size when given. A
+    model that takes no such argument (a CNN baseline such as resnet50) is built without it: it accepts any size."""
     size_kwargs: Dict[str, Any] = dict(img_size=img_size, **({"patch_size": patch_size} if patch_size else {}))
     try:
         model = create_model(name, **kwargs, **size_kwargs)
@@ -65,7 +66,7 @@ def create_model_at_size(name: str, img_size: int, patch_size: Optional[int] = N
     patch_embed = getattr(model, "patch_embed", None)
     patch = getattr(patch_embed, "patch_size", None)
     if isinstance(patch, tuple) and not getattr(patch_embed, "dynamic_img_pad", False):
-        _check_divisible((img_size, img_size), patch, "img_size")
+        _check_divisible(to_2tuple(img_size), patch, "img_size")
     return model
 
 

@@ -210,6 +210,13 @@ def test_the_teacher_sees_the_batch_at_its_own_size_and_normalisation():
     torch.testing.assert_close(to_teacher(normalised), expected)
     same = TeacherInput((8, student_mean, student_std), (8, student_mean, student_std))
     assert same(normalised) is normalised
+    # a student at img_size=[height,width]: the teacher's square, or its own (height, width), from that grid
+    wide = torch.rand(2, 3, 8, 12)
+    to_square = TeacherInput(((8, 12), [0.0] * 3, [1.0] * 3), (16, [0.0] * 3, [1.0] * 3))
+    torch.testing.assert_close(to_square(wide), F.interpolate(wide, size=(16, 16), mode="bicubic", align_corners=False))
+    to_tall = TeacherInput(((8, 12), [0.0] * 3, [1.0] * 3), ((12, 6), [0.0] * 3, [1.0] * 3))
+    torch.testing.assert_close(to_tall(wide), F.interpolate(wide, size=(12, 6), mode="bicubic", align_corners=False,
+                                                            antialias=True))
 
 
 def test_a_distilled_student_trains_both_heads_and_evaluates_their_mean():

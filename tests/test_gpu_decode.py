@@ -367,12 +367,14 @@ def test_crop_kernels_resize_every_crop_as_pil_does(device, size=(20, 28)):
 
 
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # (the interpreter's cast of a value out of int32's range)
+@pytest.mark.parametrize("img_size", [24, (16, 28)], ids=["square", "16x28"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_augment_resizes_the_crops_in_the_kernels_as_deits_transform_does(tmp_path, device):
+def test_augment_resizes_the_crops_in_the_kernels_as_deits_transform_does(tmp_path, device, img_size):
     """augment's crops in the kernels (on CUDA by default) give timm's RandomResizedCrop and flip for the same seed
-    bit for bit, where torchvision's resize one image at a time is within two levels."""
+    bit for bit, where torchvision's resize one image at a time is within two levels; crops of (height, width)
+    too (img_size=[16,28])."""
     pytest.importorskip("triton")
-    transform = deit_transform(auto_augment=None, color_jitter=0.0, img_size=24)
+    transform = deit_transform(auto_augment=None, color_jitter=0.0, img_size=img_size)
     decoder = decoded_on(device)
     for seed in range(4):
         path = tmp_path / f"{seed}.JPEG"

@@ -85,6 +85,10 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="^cannot build model lion_s_tiny: img_size=30 is not divisible by its patch "
                                         "size 8; pass img_size=<a multiple of 8>"):
         build_model(model, 3, 30)
+    with pytest.raises(UserError, match=r"^cannot build model lion_s_tiny: img_size=\[32,30\] is not divisible by its "
+                                        r"patch size 8; pass img_size=<a multiple of 8> for each side or "
+                                        r"model.patch_size=<a divisor of 32 and 30>$"):
+        build_model(model, 3, (32, 30))
     with pytest.raises(UserError, match="^model.attn_form / model.chunk_size / model.attn_backend apply to LION models "
                                         "only, not deit_tiny_patch16_224$"):
         build_model(OmegaConf.merge(model, {"name": "deit_tiny_patch16_224", "attn_form": "chunk"}), 3, 32)
@@ -126,7 +130,8 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("num_workers=-1", "num_workers"),
+    ("epochs=0", "epochs"), ("epochs=2.5", "epochs"), ("img_size=abc", "img_size"), ("img_size=[32]", "img_size"),
+    ("img_size=[32,0]", "img_size"), ("img_size=[32,32,32]", "img_size"), ("num_workers=-1", "num_workers"),
     ("num_workers=many", "num_workers"), ("prefetch_factor=0", "prefetch_factor"),
     ("optim.clip_grad=0", "optim.clip_grad"), ("optim.clip_grad=abc", "optim.clip_grad"),
     ("optim.warmup_epochs=-1", "optim.warmup_epochs"), ("ema.decay=1.5", "ema.decay"),

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from runs import (SMALL_LION, assert_clean_error, assert_ok, free_port, kill_after_first_epoch, read_metrics,
                   run_train)
@@ -249,6 +250,31 @@ def test_eval_only_at_higher_resolution(trained, folder, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].endswith(f"wrote {tmp_path / 'eval.json'}")
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["img_size"] == 128 and result["chunk_size"] == 16
+
+
+def test_a_run_at_height_by_width_trains_and_evaluates_at_any_size(folder, tmp_path):
+    """img_size=[height,width]: timm's transforms crop to it and the model's grid follows. Evaluated at the trained
+    size the checkpoint scores what its run's validation did; at another, LION-lit's positional embeddings are
+    resampled from the trained grid (2x3 here), which timm's filter would take for a square of its tokens' root."""
+    lit = ["model=lion", "model.name=lion_lit_tiny", "model.patch_size=8", "+model.kwargs.depth=1", "optim=adamw",
+           "progress=false", "data=imagefolder", f"data.root={folder}", "batch_size=4"]
+    run = tmp_path / "run"
+    proc = run_train(*lit, "aug=deit", "epochs=1", "img_size=[16,24]", f"output_dir={run}")
+    assert_ok(proc)
+    assert "(0.48M params) at 16x24 px" in proc.stdout
+    assert yaml.safe_load((run / "config.yaml").read_text())["img_size"] == [16, 24]
+    (trained,) = read_metrics(run)
+    sizes = {"same": "[16,24]", "tall": "[24,16]", "square": "[16,16]"}
+    for name, size in sizes.items():
+        proc = run_train(*lit, "eval_only=true", f"checkpoint={run / 'checkpoint-last.pt'}", f"img_size={size}",
+                         f"output_dir={tmp_path / name}")
+        assert_ok(proc)
+        if name == "tall":  # (timm's line; 6 tokens either way, which its filter would load as they are)
+            assert "Resized position embedding: (2, 3) to (3, 2)." in proc.stdout
+    results = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in sizes}
+    assert [results[name]["img_size"] for name in sizes] == [[16, 24], [24, 16], 16]  # (a square: one integer)
+    assert results["same"]["acc1"] == trained["val_acc1"]
+    assert results["same"]["loss"] == pytest.approx(trained["val_loss"], abs=1e-5)
 
 
 def test_eval_only_takes_the_architecture_from_the_checkpoint(trained, folder, tmp_path):

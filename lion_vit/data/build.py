@@ -36,7 +36,7 @@ def decodes_on_device(data: DictConfig, train: bool) -> bool:
     return train and data.get("decode", "cpu") == "gpu"
 
 
-def build_transform(data: DictConfig, aug: DictConfig, img_size: int, train: bool) -> Callable:
+def build_transform(data: DictConfig, aug: DictConfig, img_size: Union[int, Tuple[int, int]], train: bool) -> Callable:
     """timm's DeiT transforms for training with aug=deit, plain resize and crop otherwise, as timm builds them
     for its prefetching loader: they end in uint8 [3, H, W] tensors, a quarter of float32's bytes through
     the workers' shared memory, pinned memory and the copy to the device; `on_device` normalises there and

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import timm
 import torch
 from omegaconf import DictConfig, OmegaConf
+from timm.layers import resample_abs_pos_embed, to_2tuple
 from timm.models import clean_state_dict
 from torch import nn
 
@@ -18,6 +19,7 @@ from .. import models as lion_models  # registers the LION models with timm
 from ..errors import UserError, first_line
 from ..hub import HubUnreachable, hub_or_cache
 from ..weights import load_into, read_weights, state_dict_of
+from .config import Size, image_size
 
 # timm.create_model arguments that choose initial weights, not the architecture (fine-tuning); a model whose
 # weights come from a checkpoint (resume, eval_only) is built without them.
@@ -31,7 +33,7 @@ SETTINGS_NOT_KWARGS = {"num_classes": None, "img_size": "img_size", "patch_size"
                        "chunk_size": "model.chunk_size", "attn_backend": "model.attn_backend"}
 
 
-def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_weights: bool = True) -> nn.Module:
+def build_model(model_cfg: DictConfig, num_classes: int, img_size: Size, initial_weights: bool = True) -> nn.Module:
     """timm.create_model from the `model` config group, with clear errors for bad settings;
     initial_weights=False leaves out the INITIAL_WEIGHT_KWARGS (the caller loads the weights)."""
     name = model_cfg.name
@@ -70,9 +72,12 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
                     f"start from model=lion or model=deit, whose kwargs are empty)")
         indivisible = re.search(r"not divisible by the patch size (\d+)x", str(error))
         if indivisible:
-            raise UserError(f"cannot build model {name}: img_size={img_size} is not divisible by its patch size "
-                            f"{indivisible.group(1)}; pass img_size=<a multiple of {indivisible.group(1)}> or "
-                            f"model.patch_size=<a divisor of {img_size}>") from None
+            patch, square = indivisible.group(1), isinstance(img_size, int)
+            typed, sides = (img_size, img_size) if square else \
+                ("[{},{}]".format(*img_size), "{} and {}".format(*img_size))
+            raise UserError(f"cannot build model {name}: img_size={typed} is not divisible by its patch size {patch}; "
+                            f"pass img_size=<a multiple of {patch}>{'' if square else ' for each side'} or "
+                            f"model.patch_size=<a divisor of {sides}>") from None
         raise UserError(f"cannot build model {name}: {error}{hint}") from None
     except AssertionError as error:  # (how timm's constructors check most of their arguments)
         raise UserError(f"cannot build model {name}: timm refused its arguments (model.kwargs="
@@ -87,7 +92,7 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: int, initial_
         raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}{hint}") from None
 
 
-def _create_model(name: str, img_size: int, patch: Optional[int], kwargs: Dict[str, Any]) -> nn.Module:
+def _create_model(name: str, img_size: Size, patch: Optional[int], kwargs: Dict[str, Any]) -> nn.Module:
     """create_model_at_size; a timm model without stochastic depth (DLA, VGG) takes no drop_path_rate, and is
     built without it where it is 0."""
     try:
@@ -160,15 +165,41 @@ def _initial_weights_source(kwargs: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
-    """Load weights (without DDP's or torch.compile's prefixes), positional embeddings resampled to the grid."""
+def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], trained_size: Optional[Size] = None) -> None:
+    """Load weights (without DDP's or torch.compile's prefixes), positional embeddings resampled to the grid:
+    from the grid of trained_size (a train.py checkpoint's img_size) where given, as timm's filter cannot tell
+    a grid that is not square (it takes one of the token count's square root, or of the model's default size)."""
     state_dict = clean_state_dict(state_dict)
     if "pos_embed" in state_dict and hasattr(model, "pos_embed"):
+        pos_embed = state_dict.pop("pos_embed") if trained_size is not None else None
         state_dict = lion_models.checkpoint_filter_fn(state_dict, model)
+        if pos_embed is not None:
+            state_dict["pos_embed"] = _on_model_grid(pos_embed, model, trained_size)
     try:
         load_into(model, state_dict, "checkpoint")
     except ValueError as error:
         raise UserError(str(error)) from None
+
+
+def _on_model_grid(pos_embed: torch.Tensor, model: nn.Module, trained_size: Size) -> torch.Tensor:
+    """Positional embeddings of a model trained at trained_size, resampled to model's grid (as they are where the
+    grids agree, or where their tokens are not that grid's: loading then names the mismatch)."""
+    patch_embed = getattr(model, "patch_embed", None)
+    if getattr(model, "pos_embed", None) is None or not hasattr(patch_embed, "grid_size"):
+        return pos_embed
+    prefix = 0 if getattr(model, "no_embed_class", False) else getattr(model, "num_prefix_tokens", 1)
+    trained = tuple(side // patch for side, patch in zip(to_2tuple(trained_size), patch_embed.patch_size))
+    grid = tuple(patch_embed.grid_size)
+    if trained == grid or trained[0] * trained[1] != pos_embed.shape[1] - prefix:
+        return pos_embed
+    return resample_abs_pos_embed(pos_embed, new_size=grid, old_size=trained, num_prefix_tokens=prefix,
+                                  verbose=True)
+
+
+def trained_size(state: Dict[str, Any]) -> Optional[Size]:
+    """The img_size a train.py checkpoint was trained at (None for another trainer's checkpoint)."""
+    size = state.get("config", {}).get("img_size") if isinstance(state.get("config"), dict) else None
+    return None if size is None else image_size(size)
 
 
 def architecture(model_settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -190,7 +221,7 @@ def trained_model_settings(state: Dict[str, Any], model_settings: Dict[str, Any]
     return {**model_settings, **trained_architecture(state)}
 
 
-def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any], img_size: int, classes: list,
+def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any], img_size: Size, classes: list,
                           data: str, fix: str, weights: Dict[str, torch.Tensor]) -> nn.Module:
     """A checkpoint's model at img_size with `weights` loaded: the checkpoint's architecture, the other
     settings (form, backend, chunk size) from model_settings. The checkpoint's classes must be `classes`
@@ -204,7 +235,7 @@ def model_from_checkpoint(state: Dict[str, Any], model_settings: Dict[str, Any],
     # not leak into the trained architecture (nor can a merge add kwargs to Hydra's struct config).
     model = build_model(OmegaConf.create(trained_model_settings(state, model_settings)), num_classes, img_size,
                         initial_weights=False)
-    load_weights(model, weights)
+    load_weights(model, weights, trained_size(state))
     return model
 
 

@@ -14,7 +14,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import omegaconf
 import torch
@@ -300,7 +300,8 @@ def _check_tuning(tuning: DictConfig) -> None:
 @dataclass
 class RunConfig:
     """configs/config.yaml and its groups."""
-    img_size: int = setting(POSITIVE_INT)
+    img_size: Any = setting(lambda v: POSITIVE_INT[0](v) or _is_pair(v, POSITIVE_INT[0]),
+                            "a positive integer (a square's side) or [height,width] of positive integers")
     epochs: int = setting(POSITIVE_INT, training=True)
     batch_size: int = setting(POSITIVE_INT)
     grad_accum_steps: int = setting(POSITIVE_INT, "a positive integer (1: no accumulation)")
@@ -331,6 +332,22 @@ class RunConfig:
     distill: DistillConfig = group(DistillConfig, training=True)
     logger: LoggerConfig = group(LoggerConfig)
     tuning: TuningConfig = group(TuningConfig)
+
+
+Size = Union[int, Tuple[int, int]]
+
+
+def image_size(value: Any) -> Size:
+    """img_size as torch, timm and eval.json take it: an integer for a square, else (height, width)."""
+    if _is_int(value):
+        return value
+    height, width = (int(x) for x in value)
+    return height if height == width else (height, width)
+
+
+def size_text(size: Size) -> str:
+    """How a line names a size: "224", "320x480" (height x width)."""
+    return str(size) if _is_int(size) else f"{size[0]}x{size[1]}"
 
 
 def _not_allowed(name: str, value: Any, expected: str) -> UserError:

@@ -19,12 +19,14 @@ import timm
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from timm.layers import to_2tuple
 from torch import Tensor, nn
 
 from ..errors import UserError, first_line
 from ..hub import hub_or_cache
 from ..weights import load_into, read_weights, state_dict_of
 from .build import model_from_checkpoint, trained_architecture
+from .config import Size, image_size, size_text
 
 log = logging.getLogger("lion_vit")
 
@@ -71,10 +73,11 @@ class DistillationLoss(nn.Module):
 class TeacherInput(nn.Module):
     """The student's batch (normalised with its mean / std at its size) as the teacher expects it."""
 
-    def __init__(self, student: Tuple[int, Sequence[float], Sequence[float]],
-                 teacher: Tuple[int, Sequence[float], Sequence[float]], interpolation: str = "bicubic") -> None:
+    def __init__(self, student: Tuple[Size, Sequence[float], Sequence[float]],
+                 teacher: Tuple[Size, Sequence[float], Sequence[float]], interpolation: str = "bicubic") -> None:
         super().__init__()
-        (self.student_size, s_mean, s_std), (self.teacher_size, t_mean, t_std) = student, teacher
+        (student_size, s_mean, s_std), (teacher_size, t_mean, t_std) = student, teacher
+        self.student_size, self.teacher_size = to_2tuple(student_size), to_2tuple(teacher_size)
         self.same = self.student_size == self.teacher_size and list(s_mean) == list(t_mean) and \
             list(s_std) == list(t_std)
         self.interpolation = interpolation if interpolation in ("bilinear", "bicubic") else "bilinear"
@@ -87,8 +90,8 @@ class TeacherInput(nn.Module):
             return x
         x = x.float() * self.s_std + self.s_mean
         if self.teacher_size != self.student_size:
-            x = F.interpolate(x, size=(self.teacher_size, self.teacher_size), mode=self.interpolation,
-                              align_corners=False, antialias=self.teacher_size < self.student_size)
+            x = F.interpolate(x, size=self.teacher_size, mode=self.interpolation, align_corners=False,
+                              antialias=any(t < s for t, s in zip(self.teacher_size, self.student_size)))
         return (x - self.t_mean) / self.t_std
 
 
@@ -97,15 +100,15 @@ def build_distillation(cfg: DictConfig, base_criterion: Callable, num_classes: i
     """The teacher of cfg.distill, frozen on device, and the loss that mixes it in."""
     teacher, (size, mean, std) = build_teacher(cfg.distill, num_classes, classes)
     teacher = teacher.to(device).eval().requires_grad_(False)
-    to_teacher = TeacherInput((cfg.img_size, cfg.data.mean, cfg.data.std), (size, mean, std),
+    to_teacher = TeacherInput((image_size(cfg.img_size), cfg.data.mean, cfg.data.std), (size, mean, std),
                               cfg.data.interpolation).to(device)
-    log.info("distillation: %s from %s at %d px, alpha %s, tau %s", cfg.distill.type,
-             cfg.distill.teacher_checkpoint or cfg.distill.teacher, size, cfg.distill.alpha, cfg.distill.tau)
+    log.info("distillation: %s from %s at %s px, alpha %s, tau %s", cfg.distill.type,
+             cfg.distill.teacher_checkpoint or cfg.distill.teacher, size_text(size), cfg.distill.alpha, cfg.distill.tau)
     return DistillationLoss(base_criterion, teacher, to_teacher, cfg.distill.type, cfg.distill.alpha, cfg.distill.tau)
 
 
 def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
-                  ) -> Tuple[nn.Module, Tuple[int, Sequence[float], Sequence[float]]]:
+                  ) -> Tuple[nn.Module, Tuple[Size, Sequence[float], Sequence[float]]]:
     """The teacher and its input (size, mean, std): from a train.py checkpoint (its config gives all three), or
     a timm model with its pretrained_cfg (weights from distill.teacher_checkpoint's state dict, or the hub)."""
     path = distill.teacher_checkpoint
@@ -138,7 +141,7 @@ def build_teacher(distill: DictConfig, num_classes: int, classes: Sequence[str]
         raise UserError(f"teacher {name} predicts {teacher.num_classes} classes, the data has {num_classes}; use a "
                         f"teacher trained on these classes (distill.teacher_checkpoint=<its weights>)")
     config = teacher.pretrained_cfg
-    return teacher, (int(config["input_size"][-1]), config["mean"], config["std"])
+    return teacher, (image_size(config["input_size"][-2:]), config["mean"], config["std"])
 
 
 def _trained_teacher(state: Dict[str, Any], path: str, distill: DictConfig, classes: Sequence[str]):
@@ -146,7 +149,8 @@ def _trained_teacher(state: Dict[str, Any], path: str, distill: DictConfig, clas
     if distill.teacher and distill.teacher != name:
         raise UserError(f"distill.teacher={distill.teacher}, but {path} holds a {name}; drop distill.teacher (the "
                         f"checkpoint names its model)")
-    teacher = model_from_checkpoint(state, {**config["model"], "drop_path_rate": 0.0}, config["img_size"],
+    size = image_size(config["img_size"])
+    teacher = model_from_checkpoint(state, {**config["model"], "drop_path_rate": 0.0}, size,
                                     list(classes), "the training data", f"distil with a teacher trained on these "
                                     f"classes ({path} was trained on others)", state["model"])
-    return teacher, (config["img_size"], config["data"]["mean"], config["data"]["std"])
+    return teacher, (size, config["data"]["mean"], config["data"]["std"])

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.layers import to_2tuple
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, random_seed
@@ -37,8 +38,8 @@ from . import checkpoint as ckpt
 from . import interrupts, rundir
 from .allocator import keep_freed_memory
 from .build import (RESUME_SAME_OPTIMIZER, build_model, changed_architecture, check_resumable, check_same_classes,
-                    load_weights, model_from_checkpoint, trained_model_settings)
-from .config import check_settings, tuning_changes
+                    load_weights, model_from_checkpoint, trained_model_settings, trained_size)
+from .config import Size, check_settings, image_size, size_text, tuning_changes
 from .distill import build_distillation
 from .distributed import DistInfo, broadcast_object, cleanup, init_distributed
 from .logs import WandbLogger, setup_logging
@@ -160,7 +161,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         raise UserError(f"{len(train_set)} training images are fewer than one batch of {cfg.batch_size} per "
                         f"process; lower batch_size")
 
-    model = build_model(cfg.model, num_classes, cfg.img_size, initial_weights=resume_state is None)
+    model = build_model(cfg.model, num_classes, image_size(cfg.img_size), initial_weights=resume_state is None)
     if cfg.model.init_from and resume_state is None:
         _init_from_vit(model, cfg.model.init_from)
     model.to(device)
@@ -252,7 +253,8 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
 def _data(cfg: DictConfig, split: str, dist_info: DistInfo, device: torch.device):
     """A split's dataset (with its train or eval transform) and this process's loader of it."""
     train = split == "train"
-    dataset = build_dataset(cfg.data, split, build_transform(cfg.data, cfg.aug, cfg.img_size, train=train))
+    transform = build_transform(cfg.data, cfg.aug, image_size(cfg.img_size), train=train)
+    dataset = build_dataset(cfg.data, split, transform)
     loader = build_loader(dataset, train=train, batch_size=cfg.batch_size,
                           num_workers=resolve_num_workers(cfg.num_workers), rank=dist_info.rank,
                           world_size=dist_info.world_size, seed=cfg.seed,
@@ -289,7 +291,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
             output_dir: Path, is_main: bool) -> Tuple[int, Tuple[float, Optional[int]]]:
     """Load a checkpoint's training state; returns the epoch to start from and the best so far."""
     check_resumable(cfg, state)
-    load_weights(model, state["model"])
+    load_weights(model, state["model"], trained_size(state))
     try:
         optimizer.load_state_dict(ckpt.optimizer_state(state, optimizer, model))
     except (ValueError, KeyError) as error:  # other parameter groups: another weight_decay, say
@@ -303,7 +305,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if ema is not None:
         trained_ema = state.get("model_ema")
         if trained_ema is not None:
-            load_weights(ema.module, trained_ema)
+            load_weights(ema.module, trained_ema, trained_size(state))
         else:  # EMA turned on for a run that trained without it: start from its weights
             ema.set(model)
             log.info("ema: the checkpoint holds no EMA weights (its run had ema.enabled=false); the EMA starts "
@@ -403,10 +405,11 @@ def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_cla
                   global_batch: int, dist_info: DistInfo, device: torch.device, is_main: bool) -> None:
     base = cfg.optim.lr_base_batch  # DeiT's scaling: the lr given is for a global batch of this size
     scaled = f" (optim.lr {cfg.optim.lr:.2e} per {base} images)" if base and base != global_batch else ""
+    size = image_size(cfg.img_size)
     log.info("%s, %d train / %d val images, %d classes, lr %.2e%s, global batch %d, %d process(es), %s",
-             _model_line(cfg.model, model, cfg.img_size), len(train_set), len(val_set), num_classes, lr, scaled,
+             _model_line(cfg.model, model, size), len(train_set), len(val_set), num_classes, lr, scaled,
              global_batch, dist_info.world_size, device)
-    _log_plan(model, cfg.img_size)
+    _log_plan(model, size)
     split = cfg.data.train_split
     if is_main and split and split == cfg.data.val_split:  # (a quick check of fitting, or a slip)
         log.warning("data.val_split=%s is the training split: every epoch's validation accuracy is on the training "
@@ -417,24 +420,24 @@ def _describe_run(cfg: DictConfig, model: nn.Module, train_set, val_set, num_cla
                     "distill=hard distils from it", teacher)
 
 
-def _model_line(model_cfg: DictConfig, model: nn.Module, img_size: int) -> str:
+def _model_line(model_cfg: DictConfig, model: nn.Module, img_size: Size) -> str:
     """"model <name> (<size> params) at <img_size> px", naming every setting by which the model is not the
     architecture its name builds (the digits group's small widths, say)."""
     n_params = sum(p.numel() for p in model.parameters())
     changes = changed_architecture(model_cfg, model)
     changed = f" changed by {', '.join(changes)}" if changes else ""
-    return f"model {model_cfg.name}{changed} ({n_params / 1e6:.2f}M params) at {img_size} px"
+    return f"model {model_cfg.name}{changed} ({n_params / 1e6:.2f}M params) at {size_text(img_size)} px"
 
 
-def _log_plan(model: nn.Module, img_size: int, dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
+def _log_plan(model: nn.Module, img_size: Size, dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
     """Log what every LION layer runs on images of img_size (lion_vit.ops.dispatch), in evaluation too where that
     differs, and the tuning knobs set away from their defaults; return the plan (None for a model without LION
     layers)."""
     if not hasattr(model, "attn_plan"):
         return None
     try:
-        run = model.attn_plan((img_size, img_size), dtype=dtype)
-        evaluated = model.attn_plan((img_size, img_size), dtype=dtype, training=False)
+        run = model.attn_plan(to_2tuple(img_size), dtype=dtype)
+        evaluated = model.attn_plan(to_2tuple(img_size), dtype=dtype, training=False)
     except ValueError as error:  # a backend that cannot run here (triton without a GPU or the kernels)
         raise UserError(f"model.attn_backend: {error}") from None
     log.info("attention: %s%s", run, "" if evaluated == run else f"; in evaluation, {evaluated}")
@@ -496,7 +499,8 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     val_set, loader = _data(cfg, "val", dist_info, device)
     # the architecture is the checkpoint's; the form and resolution are this command's
     model_settings = OmegaConf.to_container(cfg.model, resolve=True)
-    model = model_from_checkpoint(state, model_settings, cfg.img_size,
+    size = image_size(cfg.img_size)
+    model = model_from_checkpoint(state, model_settings, size,
                                   val_set.classes, f"the {cfg.data.name} validation split",
                                   "evaluate on data with the classes the checkpoint was trained on",
                                   state["model_ema"] if use_ema else state["model"])
@@ -504,9 +508,9 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     model.to(device).eval()
     trained = OmegaConf.create(trained_model_settings(state, model_settings))  # what model_from_checkpoint built
     name = trained.name
-    log.info("%s, %d val images, the %s weights of %s, %s", _model_line(trained, model, cfg.img_size),
+    log.info("%s, %d val images, the %s weights of %s, %s", _model_line(trained, model, size),
              len(val_set), "EMA" if use_ema else "model", cfg.checkpoint, device)
-    run = _log_plan(model, cfg.img_size, precision.dtype)
+    run = _log_plan(model, size, precision.dtype)
     with interrupts.stop_between_steps(announce=dist_info.is_main):
         stats = evaluate(model, loader, device, precision, show_progress=cfg.progress and dist_info.is_main,
                          log_interval=cfg.log_interval)
@@ -514,7 +518,7 @@ def run_eval_only(cfg: DictConfig, dist_info: DistInfo, device: torch.device, ou
     ran = {"attn_form": None, "chunk_size": None, "attn_plan": None} if run is None else {
         "attn_form": run.form, "chunk_size": run.chunk_size if run.form == "chunk" and not run.whole else None,
         "attn_plan": str(run)}
-    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], **ran, "img_size": cfg.img_size,
+    result = {"acc1": stats["acc1"], "acc5": stats["acc5"], "loss": stats["loss"], **ran, "img_size": size,
               "num_images": stats["num_images"], "model": name, "checkpoint": str(cfg.checkpoint),
               "weights": "ema" if use_ema else "model",
               # this process's wall time, data loading and a compile included (benchmark_resolution.py times the
@@ -558,10 +562,10 @@ _REQUESTED = re.compile(r"[Tt]ried to allocate ([0-9.]+) ?([A-Za-z]+)")
 def _out_of_resources(error: BaseException, cfg: DictConfig) -> Optional[UserError]:
     """One line for a full disk, an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's
     RuntimeError) or a DataLoader worker killed for want of memory, saying what to do; None for any other error."""
-    worker = _worker_death(error)
+    worker, img_size = _worker_death(error), size_text(image_size(cfg.img_size))
     if worker:
         return UserError(f"{worker} (num_workers={cfg.num_workers}, batch_size {cfg.batch_size}, img_size "
-                         f"{cfg.img_size}); lower num_workers or batch_size (resume=auto continues from the last "
+                         f"{img_size}); lower num_workers or batch_size (resume=auto continues from the last "
                          f"checkpoint)")
     if isinstance(error, OSError):
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -578,7 +582,7 @@ def _out_of_resources(error: BaseException, cfg: DictConfig) -> Optional[UserErr
     training = "" if cfg.eval_only else " (grad_accum_steps=<k> keeps the global batch)"
     checkpointing = "" if cfg.eval_only or cfg.grad_checkpointing else \
         ", or set grad_checkpointing=true (each block's activations computed again in backward, not kept)"
-    return UserError(f"out of memory at img_size {cfg.img_size}, batch_size {cfg.batch_size} per process{size}; "
+    return UserError(f"out of memory at img_size {img_size}, batch_size {cfg.batch_size} per process{size}; "
                      f"lower batch_size{training} or img_size{checkpointing} (the attention form's memory grows "
                      f"with the square of the tokens per image; to evaluate at high resolution use "
                      f"model.attn_form=chunk)")
