@@ -187,7 +187,9 @@ def test_kill_and_resume_equals_uninterrupted(folder, tmp_path):
     assert_ok(run_train(*args, "epochs=3", f"output_dir={straight}"))
 
     kill_after_first_epoch(*args, output_dir=resumed, epochs=3)
-    assert_ok(run_train(*args, "epochs=3", f"output_dir={resumed}", "resume=auto"))
+    proc = run_train(*args, "epochs=3", f"output_dir={resumed}", "resume=auto")
+    assert_ok(proc)
+    assert "worker(s) a process" not in proc.stdout  # (the same loader workers: the same draws)
 
     a = torch.load(straight / "checkpoint-last.pt", weights_only=True)
     b = torch.load(resumed / "checkpoint-last.pt", weights_only=True)
@@ -384,12 +386,17 @@ def test_ema_turned_on_at_resume_starts_from_the_trained_weights_and_eval_ema_re
 def test_resume_with_another_global_batch_follows_the_new_schedule(folder, tmp_path):
     """Fewer processes or another batch_size at resume change the updates per epoch; the learning rate
     then follows the schedule of this command's settings (a loaded scheduler state would count
-    warm-up and cosine in the old run's updates and reach optim.min_lr epochs early)."""
+    warm-up and cosine in the old run's updates and reach optim.min_lr epochs early). Another number of loader
+    workers is a warning."""
     args = [*SMALL_LION, "data=imagefolder", f"data.root={folder}", "aug=none", "optim.warmup_epochs=1",
             "optim.lr=2e-3", "optim.lr_base_batch=null"]
     first, straight = tmp_path / "first", tmp_path / "straight"
-    assert_ok(run_train(*args, "epochs=1", "batch_size=4", f"output_dir={first}"))
-    assert_ok(run_train(*args, "epochs=3", "batch_size=2", f"output_dir={first}", "resume=auto"))
+    assert_ok(run_train(*args, "epochs=1", "batch_size=4", "num_workers=1", f"output_dir={first}"))
+    resumed = run_train(*args, "epochs=3", "batch_size=2", f"output_dir={first}", "resume=auto")
+    assert_ok(resumed)
+    # (another worker count draws other augmentations: said, as num_workers=auto on a node of other cores would)
+    assert "WARNING this run loads its training data with 0 worker(s) a process, the checkpoint's run with 1: its " \
+           "augmentations are drawn otherwise from here on" in resumed.stdout
     assert_ok(run_train(*args, "epochs=3", "batch_size=2", f"output_dir={straight}"))
     resumed_lrs = [m["lr"] for m in read_metrics(first)][1:]
     straight_lrs = [m["lr"] for m in read_metrics(straight)][1:]

@@ -229,7 +229,7 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                              "scaler": loss_scaler.state_dict() if loss_scaler else None, "epoch": epoch + 1,
                              "format": ckpt.FORMAT,
                              "best_acc1": best[0], "best_epoch": best[1], "num_classes": num_classes,
-                             "classes": list(train_set.classes),
+                             "classes": list(train_set.classes), "loader_workers": resolve_num_workers(cfg.num_workers),
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     _save_epoch(output_dir, metrics, state, is_best)
                     _log_epoch(metrics, cfg.epochs)
@@ -319,6 +319,12 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if start_epoch >= cfg.epochs:
         log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (a larger epochs "
                  "goes on along that longer schedule)", start_epoch, cfg.epochs)
+    workers, trained_workers = resolve_num_workers(cfg.num_workers), state.get("loader_workers")
+    if is_main and trained_workers is not None and trained_workers != workers and start_epoch < cfg.epochs:
+        # (each worker draws from a seed of its own, as DataLoader's: num_workers=auto follows the node's cores)
+        log.warning("this run loads its training data with %d worker(s) a process, the checkpoint's run with %d: its "
+                    "augmentations are drawn otherwise from here on, and the weights will not be an uninterrupted "
+                    "run's; num_workers=%d keeps its draws", workers, trained_workers, trained_workers)
     return start_epoch, (state.get("best_acc1", -1.0), state.get("best_epoch"))
 
 
