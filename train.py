@@ -163,21 +163,29 @@ def _interrupted(cfg: DictConfig, what: str, sweep_dir: Optional[Path] = None) -
 
 @record  # under torchrun a crash's traceback goes to the error file that torchrun's report shows
 def _run_main() -> None:
-    """main(), with Hydra's errors while it composes the config (a mistyped setting or config name, an
-    override it cannot parse) as one line and exit 2, as for any bad setting; HYDRA_FULL_ERROR=1 shows Hydra's
-    own report. Hydra raises them to its caller only under HYDRA_FULL_ERROR=1; errors of the run itself
+    """main(), with Hydra's errors while it reads its flags or composes the config (a mistyped setting or config
+    name, an override it cannot parse) as one line and exit 2, as for any bad setting; HYDRA_FULL_ERROR=1 shows
+    Hydra's own report. Hydra raises them to its caller only under HYDRA_FULL_ERROR=1; errors of the run itself
     then end in a whole traceback, instead of one without Hydra's frames."""
     report = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
-    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as error:  # (YAML: a config file's syntax)
-        if report or _raised_in_the_run(error):
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as error:  # (YAML: a file's syntax)
+        composing = isinstance(error, (HydraException, OmegaConfBaseException, yaml.YAMLError))
+        if report or _raised_in_the_run(error) or not (composing or _of_hydras_flags(error)):
             raise
         _exit_with_error(composition_error(error))
     if LOCAL_SWEEP.refused:
         print(LOCAL_SWEEP.summary(), file=sys.stderr)
         sys.exit(2)
+
+
+def _of_hydras_flags(error: ValueError) -> bool:
+    """Whether Hydra raised error itself, as it read its own flags (-m with --cfg, --resolve without --cfg, a file
+    of --experimental-rerun that is not there), not main's body nor a callback of ours."""
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return bool(frames) and frames[-1].f_globals.get("__name__", "").startswith("hydra.")
 
 
 def _raised_in_the_run(error: BaseException) -> bool:

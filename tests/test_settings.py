@@ -49,6 +49,9 @@ def test_bad_inputs_give_one_clear_line(folder, tmp_path):
         (("output_dir=~/runs/a",), ("cannot read the override output_dir=~/runs/a", "write $HOME/..., which the "
                                                                                      "shell expands")),
         (("img_size=32,64",), ("Ambiguous value for argument 'img_size=32,64'", "add --multirun")),
+        (("seed=0,1", f"output_dir={tmp_path / 'run_cfg'}", "-m", "--cfg", "job"),  # (Hydra's own flags)
+         ("Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified: choose one of -m "
+          "(a sweep), --cfg",)),
         (("data.root=${nope}",), ("data.root cannot be resolved (Interpolation key 'nope' not found)",)),
         (("model.name=${nope}",), ("model.name cannot be resolved (Interpolation key 'nope' not found)",)),
         ((f"hydra.run.dir={tmp_path / 'run_hydra'}",), ("hydra.run.dir is not where train.py writes a run; pass "

@@ -425,13 +425,17 @@ def unknown_setting(name: str) -> UserError:
 def composition_error(error: Exception) -> str:
     """One line for Hydra's error while it composes the config from the command line, before train.py runs:
     a setting the config lacks, a config group option that configs/ lacks, an override it cannot parse, a config
-    file that is not YAML. (Hydra prints these over several lines, ending in advice on stack traces; for an
-    unknown setting it suggests appending it with +, which the settings check then refuses.)"""
+    file that is not YAML, its own flags combined as they cannot be. (Hydra prints these over several lines, ending
+    in advice on stack traces; for an unknown setting it suggests appending it with +, which the settings check
+    then refuses.)"""
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:  # a config file's syntax
         mark = error.problem_mark
         what = "; ".join(part for part in (error.context, error.problem) if part)
         return f"cannot read the config file {mark.name}: {what} (line {mark.line + 1}, column {mark.column + 1}); " \
                f"fix its YAML"
+    if isinstance(error, ValueError) and str(error).startswith("Only one of --run, --multirun, --cfg"):
+        return f"{error}: choose one of -m (a sweep), --cfg (a run's settings) and --info; --cfg job prints a " \
+               f"sweep job's settings from the job's command (without -m, one value of each swept setting)"
     cause = error.__cause__
     name = str(getattr(cause, "full_key", None) or "")
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and name and not name.startswith("hydra."):
