@@ -92,7 +92,8 @@ def test_fine_tune_from_a_checkpoint_with_timm_pretrained(trained, folder, tmp_p
            "+model.kwargs.pretrained=true"]
     assert_clean_error(run_train(*run, "epochs=1", f"+model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}"),
                        "cannot load the initial weights of lion_s_tiny",
-                       f"model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}")
+                       f"model.kwargs.pretrained_cfg_overlay.file={tmp_path / 'no.pt'}: the file does not exist; "
+                       f"check the path")  # (timm raises a FileNotFoundError of no message)
     other = [*run, f"output_dir={tmp_path / 'other'}", f"+model.kwargs.pretrained_cfg_overlay.file={other_head}"]
     run.append(f"+model.kwargs.pretrained_cfg_overlay.file={initial}")
     proc = run_train(*run, "epochs=1")

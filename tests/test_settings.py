@@ -126,7 +126,7 @@ def test_bad_models_checkpoints_and_data_are_user_errors(tmp_path):
     corrupt.write_bytes(b"this is not a checkpoint")
     with pytest.raises(UserError, match="is corrupt or not a torch checkpoint"):
         load_checkpoint(corrupt)
-    with pytest.raises(UserError, match="missing.pt does not exist"):
+    with pytest.raises(UserError, match="missing.pt does not exist; check the path$"):  # (not a previous checkpoint)
         load_checkpoint(tmp_path / "missing.pt")
     with pytest.raises(UserError, match="^data=imagefolder needs data.root"):
         build_dataset(OmegaConf.create({"name": "imagefolder", "root": None}), "train", None)

@@ -89,7 +89,10 @@ def build_model(model_cfg: DictConfig, num_classes: int, img_size: Size, initial
         # a missing, unreadable or mismatched file of initial weights (timm's loader), or the hub out of reach
         hint = "; download them where the hub is reachable and pass the file: " \
             "+model.kwargs.pretrained_cfg_overlay.file=<path>" if isinstance(error, HubUnreachable) else ""
-        raise UserError(f"cannot load the initial weights of {name} from {source}: {first_line(error)}{hint}") from None
+        # (timm's loader raises a FileNotFoundError without a word for a file that is not there)
+        why = "the file does not exist; check the path" if isinstance(error, FileNotFoundError) and not str(error) \
+            else first_line(error)
+        raise UserError(f"cannot load the initial weights of {name} from {source}: {why}{hint}") from None
 
 
 def _create_model(name: str, img_size: Size, patch: Optional[int], kwargs: Dict[str, Any]) -> nn.Module:

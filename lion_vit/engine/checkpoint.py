@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..errors import UserError, first_line
-from ..weights import UnsafeWeights, has_ema, official_lion_hint, read_weights, state_dict_of
+from ..weights import UnsafeWeights, has_ema, is_url, official_lion_hint, read_weights, state_dict_of
 from .interrupts import deferred
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,10 @@ def load_checkpoint(path: Union[str, Path], weights: bool = False, setting: str 
         state = read_weights(path)
     except UnsafeWeights as error:
         raise UserError(f"checkpoint {error}; use a checkpoint written by lion-vit's train.py") from None
-    except ValueError as error:
-        raise UserError(f"checkpoint {error}; use another checkpoint (e.g. {PREVIOUS})") from None
+    except ValueError as error:  # (a URL's error says what to do; a file there but unreadable: its run's previous)
+        fix = "" if is_url(str(path)) else "; check the path" if not Path(path).is_file() else \
+            f"; use another checkpoint (e.g. {PREVIOUS})"
+        raise UserError(f"checkpoint {error}{fix}") from None
     chosen = state_dict_of(state)
     official = official_lion_hint(chosen, path)
     if official:
