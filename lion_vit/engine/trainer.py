@@ -183,10 +183,11 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
         if getattr(model, "dist_token", None) is not None:
             model.set_distilled_training(True)
 
+    workers = resolve_num_workers(cfg.num_workers)  # (the loader's, as _data resolves it)
     start_epoch, best = 0, (-1.0, None)  # the best validation top-1 so far and its epoch (from 1)
     if resume_state is not None:
         start_epoch, best = _resume(cfg, resume_state, model, ema, optimizer, scheduler, loss_scaler, updates,
-                                    output_dir, is_main)
+                                    output_dir, is_main, workers)
 
     train_model: nn.Module = torch.compile(model) if cfg.compile else model
     if dist_info.enabled:
@@ -229,12 +230,12 @@ def _fit(cfg: DictConfig, dist_info: DistInfo, device: torch.device, output_dir:
                              "scaler": loss_scaler.state_dict() if loss_scaler else None, "epoch": epoch + 1,
                              "format": ckpt.FORMAT,
                              "best_acc1": best[0], "best_epoch": best[1], "num_classes": num_classes,
-                             "classes": list(train_set.classes), "loader_workers": resolve_num_workers(cfg.num_workers),
+                             "classes": list(train_set.classes), "loader_workers": workers,
                              "config": OmegaConf.to_container(cfg, resolve=True), "wandb_run_id": logger.run_id}
                     _save_epoch(output_dir, metrics, state, is_best)
                     _log_epoch(metrics, cfg.epochs)
                     if epoch == start_epoch:  # (the first epoch this process trains says it once)
-                        advice = waiting_advice(stats["steady_wait_share"], resolve_num_workers(cfg.num_workers))
+                        advice = waiting_advice(stats["steady_wait_share"], workers)
                         if advice:
                             log.warning("epoch %d %s", epoch + 1, advice)
                     logger.log(metrics, step=epoch + 1)
@@ -288,8 +289,9 @@ def _init_from_vit(model: nn.Module, source: str) -> None:
 
 def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optional[ModelEmaV3],
             optimizer: torch.optim.Optimizer, scheduler, loss_scaler: Optional[NativeScaler], updates: int,
-            output_dir: Path, is_main: bool) -> Tuple[int, Tuple[float, Optional[int]]]:
-    """Load a checkpoint's training state; returns the epoch to start from and the best so far."""
+            output_dir: Path, is_main: bool, workers: int) -> Tuple[int, Tuple[float, Optional[int]]]:
+    """Load a checkpoint's training state (workers: this run's loader workers a process, to compare with the
+    checkpoint's run); returns the epoch to start from and the best so far."""
     check_resumable(cfg, state)
     load_weights(model, state["model"], trained_size(state))
     try:
@@ -319,7 +321,7 @@ def _resume(cfg: DictConfig, state: Dict[str, Any], model: nn.Module, ema: Optio
     if start_epoch >= cfg.epochs:
         log.info("the checkpoint has finished all %d epochs of epochs=%d: nothing left to train (a larger epochs "
                  "goes on along that longer schedule)", start_epoch, cfg.epochs)
-    workers, trained_workers = resolve_num_workers(cfg.num_workers), state.get("loader_workers")
+    trained_workers = state.get("loader_workers")
     if is_main and trained_workers is not None and trained_workers != workers and start_epoch < cfg.epochs:
         # (each worker draws from a seed of its own, as DataLoader's: num_workers=auto follows the node's cores)
         log.warning("this run loads its training data with %d worker(s) a process, the checkpoint's run with %d: its "
